@@ -1,0 +1,67 @@
+"""Developer and CI sessions: ``nox -s lint typecheck tests`` is what CI runs.
+
+torch is pinned to the CPU build (2.13.0) before anything else is installed: an unpinned
+``torch`` would pull a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+TORCH = "torch==2.13.0"
+PYTHON = "3.11"
+PACKAGES = ["swarmavg", "transports", "tests", "fuzz", "benchmarks", "noxfile.py"]
+
+
+def _install(session: nox.Session, extras: str = "test") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", *PACKAGES)
+    session.run("ruff", "format", "--check", *PACKAGES)
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on the package (and the transport plugins as they land)."""
+    _install(session, "dev")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite. With arguments (``nox -s tests -- -k memory``) they go to pytest, and a
+    selection that matches no test is not an error; without, pytest must run tests."""
+    _install(session)
+    codes = [0, 5] if session.posargs else [0]
+    session.run(
+        "pytest",
+        *session.posargs,
+        env={"HYPOTHESIS_PROFILE": "ci"},
+        success_codes=codes,
+    )
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """A short run of every fuzz harness (``nox -s fuzz -- --seconds 600`` for a long one)."""
+    _install(session)
+    args = session.posargs or ["--seconds", "20"]
+    session.run("python", "fuzz/fuzz_wire.py", *args)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The benchmarks, each beside its reference measured in the same run."""
+    _install(session)
+    session.install("psutil")
+    session.run("python", "benchmarks/transport.py", *session.posargs)

@@ -1,0 +1,21 @@
+"""The pluggable protocols of swarmavg. Each has a conformance suite in :mod:`swarmavg.testing`."""
+
+from swarmavg.abc._transport import (
+    Buffer,
+    Connection,
+    ConnectionAttribute,
+    Listener,
+    Stream,
+    StreamAttribute,
+    Transport,
+)
+
+__all__ = [
+    "Buffer",
+    "Connection",
+    "ConnectionAttribute",
+    "Listener",
+    "Stream",
+    "StreamAttribute",
+    "Transport",
+]

@@ -1,0 +1,290 @@
+"""The transport protocol: what every transport (memory, tcp, quic, plugins) implements.
+
+Theory of operation
+-------------------
+A :class:`Transport` is bound to one :class:`~swarmavg.identity.Identity`. It can *listen* on an
+address (returning a :class:`Listener` that accepts incoming :class:`Connection` objects) and
+*dial* an address that names a PeerID (returning a :class:`Connection` whose remote peer proved
+that identity). A connection carries many independent, bidirectional, ordered, reliable
+**message streams** (:class:`Stream`): every ``send`` is delivered as one message by one
+``receive``, never split or merged. Streams have per-stream flow control: ``send`` waits while the
+receiver has not consumed enough (backpressure), so a bulk transfer on one stream cannot use
+unbounded memory nor starve the other streams of the connection.
+
+Closing rules (the conformance suite in :mod:`swarmavg.testing` checks each of them):
+
+* ``stream.send_eof()`` half-closes: the peer's ``receive`` raises :class:`anyio.EndOfStream`
+  after it has read everything sent before; the peer may keep sending to us.
+* ``stream.aclose()`` closes both directions; the peer reads what was sent, then
+  ``EndOfStream``. Our own later calls raise :class:`anyio.ClosedResourceError`.
+* ``stream.abort()`` resets the stream: data in flight may be dropped and the peer's pending and
+  later operations raise :class:`~swarmavg.errors.StreamReset`.
+* ``connection.aclose()`` ends every stream of the connection; operations pending on the peer's
+  side raise :class:`~swarmavg.errors.ConnectionLost` (or ``EndOfStream`` if everything was read
+  and the stream had ended cleanly).
+* ``aclose()`` is idempotent everywhere.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+import anyio
+from anyio import TypedAttributeProvider, TypedAttributeSet, typed_attribute
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from swarmavg.address import Address
+    from swarmavg.identity import Identity, PeerID
+
+__all__ = [
+    "Buffer",
+    "Connection",
+    "ConnectionAttribute",
+    "Listener",
+    "Stream",
+    "StreamAttribute",
+    "Transport",
+]
+
+#: Anything exposing the buffer protocol that a stream can send.
+Buffer = bytes | bytearray | memoryview
+
+
+class ConnectionAttribute(TypedAttributeSet):
+    """Typed attributes of a :class:`Connection`: ``conn.extra(ConnectionAttribute.peer_id)``."""
+
+    #: The authenticated identity of the remote peer.
+    peer_id: PeerID = typed_attribute()
+    #: Where the remote end is (for an accepted connection: its source address, no PeerID path).
+    remote_address: Address = typed_attribute()
+    #: Our end of the connection.
+    local_address: Address = typed_attribute()
+    #: The name of the transport that made the connection ("memory", "tcp", ...).
+    transport_name: str = typed_attribute()
+    #: Whether we dialed (True) or accepted (False) this connection.
+    is_initiator: bool = typed_attribute()
+    #: Whether data on this connection is encrypted.
+    encrypted: bool = typed_attribute()
+
+
+class StreamAttribute(TypedAttributeSet):
+    """Typed attributes of a :class:`Stream`; a stream also exposes its connection's attributes."""
+
+    #: Transport-specific stream number, unique within its connection.
+    stream_id: int = typed_attribute()
+
+
+class Stream(TypedAttributeProvider, ABC):
+    """One ordered, reliable, bidirectional message stream within a :class:`Connection`."""
+
+    @abstractmethod
+    async def send(self, *parts: Buffer) -> None:
+        """Send one message made of the concatenation of ``parts``.
+
+        Waits while the peer's receive window is full (backpressure). The buffers may be reused
+        by the caller once this returns.
+
+        :raises MessageTooLarge: if the message exceeds :attr:`max_message_size`.
+        :raises anyio.ClosedResourceError: if we closed the stream or sent EOF.
+        :raises StreamReset: if the peer aborted the stream.
+        :raises ConnectionLost: if the connection broke.
+        """
+
+    @abstractmethod
+    async def receive(self) -> memoryview:
+        """Receive the next message, whole.
+
+        The returned view belongs to the caller and stays valid; it may be read-only.
+
+        :raises anyio.EndOfStream: after the peer sent EOF or closed, once everything was read.
+        :raises anyio.ClosedResourceError: if we closed the stream.
+        :raises StreamReset: if the peer aborted the stream.
+        :raises ConnectionLost: if the connection broke.
+        """
+
+    @abstractmethod
+    async def send_eof(self) -> None:
+        """Tell the peer we will send nothing more; we can still receive. Idempotent."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close both directions gracefully. Idempotent; never raises transport errors."""
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Reset the stream: the peer's pending and later operations raise ``StreamReset``."""
+
+    @property
+    @abstractmethod
+    def max_message_size(self) -> int:
+        """The largest message, in bytes, this stream can carry."""
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> memoryview:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.aclose()
+        else:
+            with anyio.CancelScope(shield=True):
+                await self.abort()
+
+
+class Connection(TypedAttributeProvider, ABC):
+    """An authenticated connection to one remote peer, multiplexing many :class:`Stream` s."""
+
+    @abstractmethod
+    async def open_stream(self) -> Stream:
+        """Open a new outgoing stream.
+
+        :raises ConnectionLost: if the connection is closed or broken.
+        :raises TransportError: if the peer's stream limit is reached and does not free up.
+        """
+
+    @abstractmethod
+    async def accept_stream(self) -> Stream:
+        """Wait for the next stream the peer opens.
+
+        :raises ConnectionLost: once the connection is closed (by either side) or broken.
+        """
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close the connection and all its streams. Idempotent."""
+
+    @property
+    @abstractmethod
+    def is_closed(self) -> bool:
+        """Whether the connection was closed (by either side) or broke."""
+
+    @abstractmethod
+    async def wait_closed(self) -> None:
+        """Return once the connection is closed or broken."""
+
+    @property
+    def peer_id(self) -> PeerID:
+        """Shortcut for ``self.extra(ConnectionAttribute.peer_id)``."""
+        return self.extra(ConnectionAttribute.peer_id)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Listener(ABC):
+    """Accepts incoming connections on one address."""
+
+    @property
+    @abstractmethod
+    def address(self) -> Address:
+        """The address peers dial, including the port actually bound and our PeerID."""
+
+    @abstractmethod
+    async def accept(self) -> Connection:
+        """Wait for the next authenticated incoming connection.
+
+        Handshake failures of individual peers are logged and skipped, not raised here.
+
+        :raises anyio.ClosedResourceError: after :meth:`aclose`.
+        """
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop listening. Connections already accepted stay open. Idempotent."""
+
+    async def serve(
+        self,
+        handler: Callable[[Connection], Coroutine[Any, Any, Any]],
+        task_group: anyio.abc.TaskGroup,
+    ) -> None:
+        """Accept connections forever, running ``handler(conn)`` in ``task_group`` for each."""
+        while True:
+            try:
+                conn = await self.accept()
+            except anyio.ClosedResourceError:
+                return
+            task_group.start_soon(handler, conn)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Transport(ABC):
+    """A way to reach peers, bound to one identity.
+
+    Implementations are constructed as ``TransportClass(identity, **options)`` and registered
+    under the entry-point group ``swarmavg.transports``; see
+    :func:`swarmavg.transport.resolve_transport`.
+    """
+
+    #: Registered name, e.g. "tcp".
+    name: ClassVar[str]
+    #: URL schemes this transport dials and listens on, e.g. ("tcp",).
+    schemes: ClassVar[Sequence[str]]
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+
+    @abstractmethod
+    async def listen(self, address: Address) -> Listener:
+        """Start listening on ``address`` (port 0 picks a free port).
+
+        :raises OSError: translated to :class:`~swarmavg.errors.TransportError` subclasses where
+            it concerns the network; a port in use raises ``TransportError``.
+        """
+
+    @abstractmethod
+    async def connect(
+        self,
+        address: Address,
+        *,
+        allow_unknown_peer: bool = False,
+    ) -> Connection:
+        """Dial ``address`` and authenticate the peer.
+
+        :param allow_unknown_peer: accept whoever answers when ``address`` names no PeerID.
+        :raises ValueError: if ``address`` names no PeerID and ``allow_unknown_peer`` is false,
+            or its scheme is not one of :attr:`schemes`.
+        :raises PeerIdentityMismatch: if another key answers.
+        :raises ConnectError: if the peer cannot be reached or the handshake fails.
+        """
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close every listener and connection this transport made. Idempotent."""
+
+    def _check_dial_address(self, address: Address, allow_unknown_peer: bool) -> None:
+        """Shared argument validation for :meth:`connect` implementations."""
+        if address.scheme not in self.schemes:
+            raise ValueError(
+                f"address {address} has scheme {address.scheme!r}; "
+                f"the {self.name} transport dials {', '.join(self.schemes)}"
+            )
+        if address.peer_id is None and not allow_unknown_peer:
+            raise ValueError(
+                f"address {address} names no peer (/p/<peer-id>): pass an address that includes "
+                "the PeerID, or allow_unknown_peer=True to trust whoever answers"
+            )

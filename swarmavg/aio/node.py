@@ -1,0 +1,262 @@
+"""The Node: one identity, its transports and listeners, and a pool of connections.
+
+A Node is the composition root of a peer. The RPC layer, the DHT and averagers attach to a Node;
+they open streams to other peers through it and register handlers for the streams peers open.
+
+Theory of operation
+-------------------
+``async with Node(...)`` starts the transports needed for ``listen`` addresses, binds the
+listeners and starts one task per listener in the node's task group. Every connection, accepted or
+dialed, gets a task that accepts the streams the peer opens and hands each to the stream handler
+(in its own task), and the connection enters the pool keyed by the peer's PeerID so later dials to
+that peer reuse it. Leaving the ``async with`` block (or :meth:`aclose`) cancels those tasks and
+closes every transport, which closes every listener, connection and stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from contextlib import AsyncExitStack
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+
+from swarmavg.abc import Connection, Stream, Transport
+from swarmavg.address import Address
+from swarmavg.errors import ConnectError, SwarmError
+from swarmavg.identity import Identity, PeerID
+from swarmavg.transport import resolve_transport
+
+__all__ = ["Node", "StreamHandler"]
+
+logger = logging.getLogger(__name__)
+
+#: Called with every stream a peer opens to us; runs in its own task and owns the stream.
+StreamHandler = Callable[[Stream], Coroutine[Any, Any, None]]
+
+
+class Node:
+    """A peer: an identity, the transports it listens and dials with, and its connections.
+
+    :param identity: an :class:`Identity`, or the path of a key file (created if missing), or
+        ``None`` for a fresh random identity.
+    :param listen: addresses to listen on, e.g. ``["tcp://0.0.0.0:0"]``; port 0 picks a port.
+    :param transports: per-transport options, e.g. ``{"memory": {"network": net}}``, or ready
+        :class:`Transport` instances bound to this node's identity. Transports for other schemes
+        are created on first use with default options.
+    :param stream_handler: called with each stream a peer opens (see :meth:`set_stream_handler`).
+    """
+
+    def __init__(
+        self,
+        *,
+        identity: Identity | str | os.PathLike[str] | None = None,
+        listen: Sequence[str | Address] = (),
+        transports: Mapping[str, Mapping[str, Any] | Transport] | Sequence[Transport] = (),
+        stream_handler: StreamHandler | None = None,
+    ) -> None:
+        if identity is None:
+            identity = Identity.generate()
+        elif isinstance(identity, str | os.PathLike):
+            identity = Identity.load_or_create(identity)
+        elif not isinstance(identity, Identity):
+            raise TypeError(f"identity must be an Identity or a key file path, not {identity!r}")
+        self.identity = identity
+        if isinstance(listen, str):
+            raise TypeError("listen must be a list of addresses, not a single string")
+        self._listen = [Address.parse(a) for a in listen]
+        self._transport_options: dict[str, Mapping[str, Any]] = {}
+        self._transports: dict[str, Transport] = {}
+        items = (
+            transports.items()
+            if isinstance(transports, Mapping)
+            else [(None, t) for t in transports]
+        )
+        for name, spec in items:
+            if isinstance(spec, Transport):
+                if spec.identity.peer_id != identity.peer_id:
+                    raise ValueError(f"transport {spec.name!r} is bound to another identity")
+                for scheme in spec.schemes:
+                    self._transports[scheme] = spec
+            elif isinstance(name, str) and isinstance(spec, Mapping):
+                self._transport_options[name] = spec
+            else:
+                raise TypeError(f"transports[{name!r}] must be an options mapping or a Transport")
+        self._handler = stream_handler
+        self._addresses: list[Address] = []
+        self._pool: dict[PeerID, Connection] = {}
+        self._dial_locks: dict[PeerID, anyio.Lock] = {}
+        self._stack: AsyncExitStack | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None or self._closed:
+            raise RuntimeError("a Node can be started once")
+        async with AsyncExitStack() as stack:
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self._close_transports)
+            for address in self._listen:
+                transport = self._transport_for(address.scheme)
+                listener = await transport.listen(address)
+                self._addresses.append(listener.address)
+                self._tg.start_soon(self._accept_loop, listener, name=f"listen {listener.address}")
+                logger.info("node %s listening on %s", self.peer_id.short(), listener.address)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        await self.aclose()
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            return await stack.__aexit__(*exc_info)
+        return None
+
+    async def aclose(self) -> None:
+        """Stop serving and close every transport, listener and connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self._close_transports()
+
+    async def _close_transports(self) -> None:
+        for transport in {id(t): t for t in self._transports.values()}.values():
+            try:
+                await transport.aclose()
+            except Exception:
+                logger.exception("closing the %s transport failed", transport.name)
+        self._pool.clear()
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.identity.peer_id
+
+    @property
+    def addresses(self) -> list[Address]:
+        """The addresses other peers can dial to reach this node (with our PeerID)."""
+        return list(self._addresses)
+
+    def set_stream_handler(self, handler: StreamHandler | None) -> None:
+        """Set the coroutine function that serves streams peers open to this node.
+
+        Each stream runs ``handler(stream)`` in its own task; the stream is closed when the
+        handler returns and aborted if it raises. With no handler, incoming streams are aborted.
+        """
+        self._handler = handler
+
+    # -- dialing ---------------------------------------------------------------------------------
+
+    def _transport_for(self, scheme: str) -> Transport:
+        transport = self._transports.get(scheme)
+        if transport is None:
+            if self._closed:
+                raise anyio.ClosedResourceError("node is closed")
+            cls = resolve_transport(scheme)
+            transport = cls(self.identity, **self._transport_options.get(cls.name, {}))
+            for s in cls.schemes:
+                self._transports.setdefault(s, transport)
+        return transport
+
+    async def connect(
+        self,
+        address: str | Address,
+        *,
+        allow_unknown_peer: bool = False,
+        timeout: float | None = None,
+    ) -> Connection:
+        """A connection to the peer at ``address``, reusing an open one to the same peer.
+
+        :raises ValueError: if ``address`` is malformed or names no PeerID (unless
+            ``allow_unknown_peer``).
+        :raises ConnectError: if the peer cannot be reached in ``timeout`` seconds or another
+            key answers (:class:`~swarmavg.errors.PeerIdentityMismatch`).
+        """
+        if self._tg is None or self._closed:
+            raise RuntimeError("the node is not running: use `async with Node(...) as node`")
+        address = Address.parse(address)
+        peer = address.peer_id
+        if peer == self.peer_id:
+            raise ValueError("a node cannot connect to itself")
+        if peer is not None:
+            existing = self._pool.get(peer)
+            if existing is not None and not existing.is_closed:
+                return existing
+        transport = self._transport_for(address.scheme)
+        lock = self._dial_locks.setdefault(peer, anyio.Lock()) if peer else anyio.Lock()
+        async with lock:
+            if peer is not None:
+                existing = self._pool.get(peer)
+                if existing is not None and not existing.is_closed:
+                    return existing
+            try:
+                with anyio.fail_after(timeout):
+                    conn = await transport.connect(address, allow_unknown_peer=allow_unknown_peer)
+            except TimeoutError:
+                raise ConnectError(f"connecting to {address} timed out after {timeout} s") from None
+            self._adopt(conn)
+            return conn
+
+    async def open_stream(self, address: str | Address, *, timeout: float | None = None) -> Stream:
+        """Open a stream to the peer at ``address`` (connecting first if needed)."""
+        conn = await self.connect(address, timeout=timeout)
+        return await conn.open_stream()
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def _adopt(self, conn: Connection) -> None:
+        assert self._tg is not None
+        previous = self._pool.get(conn.peer_id)
+        if previous is None or previous.is_closed:
+            self._pool[conn.peer_id] = conn
+        self._tg.start_soon(self._serve_connection, conn, name=f"conn {conn.peer_id.short()}")
+
+    async def _accept_loop(self, listener: Any) -> None:
+        while True:
+            try:
+                conn = await listener.accept()
+            except anyio.ClosedResourceError:
+                return
+            logger.debug("accepted a connection from %s", conn.peer_id)
+            self._adopt(conn)
+
+    async def _serve_connection(self, conn: Connection) -> None:
+        assert self._tg is not None
+        try:
+            while True:
+                stream = await conn.accept_stream()
+                self._tg.start_soon(self._serve_stream, stream)
+        except SwarmError:
+            pass
+        finally:
+            if self._pool.get(conn.peer_id) is conn:
+                del self._pool[conn.peer_id]
+            with anyio.CancelScope(shield=True):
+                await conn.aclose()
+
+    async def _serve_stream(self, stream: Stream) -> None:
+        handler = self._handler
+        if handler is None:
+            await stream.abort()
+            return
+        try:
+            await handler(stream)
+        except Exception:
+            logger.exception("stream handler failed; resetting the stream")
+            with anyio.CancelScope(shield=True):
+                await stream.abort()
+        else:
+            await stream.aclose()
+
+    def __repr__(self) -> str:
+        where = ", ".join(map(str, self._addresses)) or "not listening"
+        return f"<Node {self.peer_id} {where}>"

@@ -1,0 +1,86 @@
+"""One exception tree for the whole library.
+
+```
+SwarmError
+├─ ProtocolError ─ LocalProtocolError (we were asked to send something invalid)
+│               └ RemoteProtocolError (the peer sent something invalid)
+│                  └ MessageTooLarge also derives from LocalProtocolError when raised locally
+├─ TransportError ─ ConnectError | ConnectionLost | PeerIdentityMismatch | StreamReset
+├─ TransportNotFound (no plugin for a transport name; says what to install)
+├─ RPCError ─ RemoteError (handler failed) | RPCTimeout
+├─ MatchmakingFailed (no group in time; says why)
+└─ AllReduceFailed (nothing was averaged; names the peers that failed)
+```
+
+Library and OS errors are translated at the transport boundary (``raise ... from exc``).
+Cancellation and ``AssertionError`` are never swallowed anywhere in swarmavg.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConnectError",
+    "ConnectionLost",
+    "LocalProtocolError",
+    "MessageTooLarge",
+    "PeerIdentityMismatch",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "StreamReset",
+    "SwarmError",
+    "TransportError",
+    "TransportNotFound",
+]
+
+
+class SwarmError(Exception):
+    """Base class of every exception swarmavg raises on purpose."""
+
+
+class ProtocolError(SwarmError):
+    """A message or frame broke the wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were about to send something the protocol does not allow (a bug or bad argument)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The remote peer sent bytes that do not parse or break a protocol rule.
+
+    Every decoder in swarmavg raises this, and only this, on bad input. The stream or connection
+    that carried it should be closed; the node keeps serving other peers.
+    """
+
+
+class MessageTooLarge(LocalProtocolError):
+    """A message exceeds the size limit of the stream or codec it was given to."""
+
+
+class TransportError(SwarmError):
+    """A transport-level failure: dialing, a dropped connection, a failed identity check."""
+
+
+class ConnectError(TransportError):
+    """Could not establish a connection (refused, unreachable, timed out, handshake failed)."""
+
+
+class ConnectionLost(TransportError):
+    """The connection closed or broke while an operation was using it."""
+
+
+class PeerIdentityMismatch(ConnectError):
+    """The peer that answered proved a different key than the PeerID that was dialed."""
+
+    def __init__(self, expected: object, actual: object) -> None:
+        super().__init__(f"dialed peer {expected} but {actual} answered")
+        self.expected = expected
+        self.actual = actual
+
+
+class StreamReset(TransportError):
+    """The remote side aborted the stream; data in flight may be lost."""
+
+
+class TransportNotFound(SwarmError, LookupError):
+    """No transport plugin is registered under the requested name or URL scheme."""

@@ -1,0 +1,22 @@
+"""Test kit: the in-process :class:`MemoryTransport` and the conformance suites.
+
+Shipped with the library (like ``trio.testing``) so that third-party transports can prove they
+behave like ours: ``await check_transport(lambda identity: MyTransport(identity), "my://…:0")``.
+"""
+
+from swarmavg.testing._conformance import (
+    TRANSPORT_CHECKS,
+    TransportFactory,
+    check_transport,
+    run_transport_check,
+)
+from swarmavg.testing._memory import MemoryNetwork, MemoryTransport
+
+__all__ = [
+    "TRANSPORT_CHECKS",
+    "MemoryNetwork",
+    "MemoryTransport",
+    "TransportFactory",
+    "check_transport",
+    "run_transport_check",
+]

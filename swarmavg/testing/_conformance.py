@@ -1,0 +1,487 @@
+"""The transport conformance suite: what every :class:`~swarmavg.abc.Transport` must do.
+
+Run all checks with :func:`check_transport`, or one at a time (for one test per check) with
+:func:`run_transport_check` and the names in :data:`TRANSPORT_CHECKS`::
+
+    @pytest.mark.parametrize("check", TRANSPORT_CHECKS)
+    async def test_conformance(check):
+        await run_transport_check(check, lambda ident: MyTransport(ident), "my://127.0.0.1:0")
+
+A failing check raises ``AssertionError`` naming the rule that was broken.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+
+from swarmavg.abc import Connection, ConnectionAttribute, Listener, Stream, Transport
+from swarmavg.address import Address
+from swarmavg.errors import (
+    ConnectError,
+    ConnectionLost,
+    MessageTooLarge,
+    PeerIdentityMismatch,
+    StreamReset,
+)
+from swarmavg.identity import Identity
+
+__all__ = ["TRANSPORT_CHECKS", "TransportFactory", "check_transport", "run_transport_check"]
+
+#: Makes a transport bound to the given identity.
+TransportFactory = Callable[[Identity], Transport]
+
+_TIMEOUT = 30.0
+
+
+@dataclass
+class _Harness:
+    factory: TransportFactory
+    listen_address: Address
+    stack: AsyncExitStack
+
+    async def transport(self) -> Transport:
+        transport = self.factory(Identity.generate())
+        self.stack.push_async_callback(transport.aclose)
+        return transport
+
+    async def listener(self) -> tuple[Transport, Listener]:
+        transport = await self.transport()
+        listener = await transport.listen(self.listen_address)
+        self.stack.push_async_callback(listener.aclose)
+        return transport, listener
+
+    async def pair(self) -> tuple[Connection, Connection]:
+        """A connection dialed by one fresh transport and accepted by another."""
+        _, listener = await self.listener()
+        dialer = await self.transport()
+        dialed = await dialer.connect(listener.address)
+        accepted = await listener.accept()
+        self.stack.push_async_callback(dialed.aclose)
+        self.stack.push_async_callback(accepted.aclose)
+        return dialed, accepted
+
+
+async def _open_pair(a: Connection, b: Connection, hello: bytes = b"open") -> tuple[Stream, Stream]:
+    """Open a stream from ``a`` and accept it on ``b`` (a transport may show a stream only
+    once data arrives, so the opener sends ``hello`` first)."""
+    sa = await a.open_stream()
+    await sa.send(hello)
+    sb = await b.accept_stream()
+    assert bytes(await sb.receive()) == hello, "first message of a new stream was altered"
+    return sa, sb
+
+
+def _pattern(n: int) -> bytes:
+    """``n`` bytes of a random 64 KiB block repeated (cheap, yet misplaced data shows)."""
+    block = os.urandom(min(n, 1 << 16))
+    return (block * (n // max(len(block), 1) + 1))[:n]
+
+
+async def _check_handshake_and_attributes(h: _Harness) -> None:
+    transport_b, listener = await h.listener()
+    addr = listener.address
+    assert addr.peer_id == transport_b.identity.peer_id, "listener address must name our PeerID"
+    assert addr.scheme == h.listen_address.scheme
+    if h.listen_address.port == 0:
+        assert addr.port != 0, "listener address must carry the port actually bound"
+    dialer = await h.transport()
+    a = await dialer.connect(Address.parse(str(addr)))  # the printed address dials as is
+    b = await listener.accept()
+    h.stack.push_async_callback(a.aclose)
+    h.stack.push_async_callback(b.aclose)
+    assert a.peer_id == transport_b.identity.peer_id
+    assert b.peer_id == dialer.identity.peer_id
+    assert a.extra(ConnectionAttribute.is_initiator) is True
+    assert b.extra(ConnectionAttribute.is_initiator) is False
+    assert a.extra(ConnectionAttribute.transport_name) == dialer.name
+    assert isinstance(a.extra(ConnectionAttribute.remote_address), Address)
+    assert isinstance(b.extra(ConnectionAttribute.remote_address), Address)
+    assert isinstance(a.extra(ConnectionAttribute.encrypted), bool)
+    assert not a.is_closed
+    assert not b.is_closed
+
+
+async def _check_stream_both_ways(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    messages = [b"", b"x", b"hello" * 1000, _pattern(200_000)]
+    for msg in messages:
+        await sa.send(msg)
+    for msg in messages:
+        got = await sb.receive()
+        assert isinstance(got, memoryview), "receive() must return a memoryview"
+        assert bytes(got) == msg, "message boundaries or content were not preserved"
+    await sb.send(b"re", bytearray(b"p"), memoryview(b"ly"))
+    assert bytes(await sa.receive()) == b"reply", "a multi-part send is one message"
+    # a stream opened by the accepting side works the same way
+    tb, ta = await _open_pair(b, a, b"from b")
+    await ta.send(b"pong")
+    assert bytes(await tb.receive()) == b"pong"
+
+
+async def _check_buffer_reuse(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    buf = bytearray(b"A" * 1000)
+    await sa.send(buf)
+    buf[:] = b"B" * 1000  # the caller may reuse its buffer once send() returned
+    await sa.send(buf)
+    first, second = await sb.receive(), await sb.receive()
+    assert bytes(first) == b"A" * 1000, "send() must not keep a reference to the caller's buffer"
+    assert bytes(second) == b"B" * 1000
+
+
+async def _check_many_concurrent_streams(h: _Harness) -> None:
+    a, b = await h.pair()
+    n_streams, n_messages = 64, 8
+
+    async def echo_server() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(n_streams):
+                stream = await b.accept_stream()
+                tg.start_soon(echo, stream)
+
+    async def echo(stream: Stream) -> None:
+        async for msg in stream:
+            await stream.send(msg)
+        await stream.aclose()
+
+    async def client(i: int) -> None:
+        stream = await a.open_stream()
+        for j in range(n_messages):
+            payload = f"{i}:{j}:".encode() * (1 + (i * j) % 50)
+            await stream.send(payload)
+            assert bytes(await stream.receive()) == payload, "stream data got mixed up"
+        await stream.send_eof()
+        try:
+            extra = await stream.receive()
+        except anyio.EndOfStream:
+            pass
+        else:
+            raise AssertionError(f"unexpected message after EOF: {bytes(extra)[:40]!r}")
+        await stream.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(echo_server)
+        for i in range(n_streams):
+            tg.start_soon(client, i)
+
+
+async def _check_large_message(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    limit = sa.max_message_size
+    assert limit >= 1 << 20, "a transport must carry messages of at least 1 MiB"
+    size = min(limit, 32 << 20)
+    payload = _pattern(size)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sa.send, payload)
+        got = await sb.receive()
+    assert len(got) == size and bytes(got) == payload, "large message corrupted"
+    chunk = bytes(1 << 20)
+    parts = [chunk] * (limit // len(chunk) + 1)
+    try:
+        await sa.send(*parts)
+    except MessageTooLarge:
+        pass
+    else:
+        raise AssertionError("sending more than max_message_size must raise MessageTooLarge")
+    await sa.send(b"still usable")
+    assert bytes(await sb.receive()) == b"still usable", "an oversized send must not break a stream"
+
+
+async def _check_backpressure(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    chunk = bytes(256 * 1024)
+    sent = 0
+    blocked = False
+    cap = 512 << 20
+    while sent < cap:
+        with anyio.move_on_after(0.5) as scope:
+            await sa.send(chunk)
+        if scope.cancelled_caught:
+            blocked = True
+            break
+        sent += len(chunk)
+    assert blocked, f"send() never blocked although the receiver read nothing ({sent} bytes)"
+    # a blocked bulk stream must not starve another stream of the same connection
+    with anyio.fail_after(10):
+        ta, tb = await _open_pair(a, b, b"small rpc")
+        await tb.send(b"answer")
+        assert bytes(await ta.receive()) == b"answer"
+    # once the receiver reads, the sender proceeds, and nothing was lost or duplicated
+    marker = b"end-of-bulk"
+
+    async def writer() -> None:
+        await sa.send(marker)
+
+    received = 0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(writer)
+        while True:
+            msg = await sb.receive()
+            if bytes(msg) == marker:
+                break
+            received += len(msg)
+    # The message cancelled by move_on_after may or may not have been sent (cancellation of a
+    # send is allowed to be atomic either way), but never partly.
+    assert received in (sent, sent + len(chunk)), f"sent {sent} bytes, received {received}"
+
+
+async def _check_send_eof(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    for i in range(3):
+        await sa.send(b"%d" % i)
+    await sa.send_eof()
+    await sa.send_eof()  # idempotent
+    for i in range(3):
+        assert bytes(await sb.receive()) == b"%d" % i
+    for _ in range(2):
+        try:
+            await sb.receive()
+        except anyio.EndOfStream:
+            pass
+        else:
+            raise AssertionError("receive() after the peer's EOF must raise EndOfStream")
+    await sb.send(b"half-open")
+    assert bytes(await sa.receive()) == b"half-open", "the other direction must stay open"
+    try:
+        await sa.send(b"after eof")
+    except anyio.ClosedResourceError:
+        pass
+    else:
+        raise AssertionError("send() after send_eof() must raise ClosedResourceError")
+
+
+async def _check_aclose(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    await sa.send(b"last words")
+    await sa.aclose()
+    await sa.aclose()  # idempotent
+    assert bytes(await sb.receive()) == b"last words", "data sent before aclose() was lost"
+    try:
+        await sb.receive()
+    except anyio.EndOfStream:
+        pass
+    else:
+        raise AssertionError("receive() after the peer closed must raise EndOfStream")
+    for op in (sa.send(b"x"), sa.receive()):
+        try:
+            await op
+        except anyio.ClosedResourceError:
+            pass
+        else:
+            raise AssertionError("using a stream after aclose() must raise ClosedResourceError")
+
+
+async def _check_abort(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    result: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            await sb.receive()
+        except BaseException as exc:
+            result.append(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        await sa.abort()
+    assert result and isinstance(result[0], StreamReset), (
+        f"a pending receive() must raise StreamReset when the peer aborts, got {result!r}"
+    )
+    try:
+        await sb.send(b"x")
+    except StreamReset:
+        pass
+    else:
+        raise AssertionError("send() on a stream the peer reset must raise StreamReset")
+    # the connection survives a stream reset
+    ta, tb = await _open_pair(a, b)
+    await tb.send(b"ok")
+    assert bytes(await ta.receive()) == b"ok", "a stream reset must not break the connection"
+
+
+async def _check_cancelled_receive(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    with anyio.move_on_after(0.05):
+        await sb.receive()
+    payload = _pattern(300_000)
+    await sa.send(payload)
+    await sa.send(b"next")
+    assert bytes(await sb.receive()) == payload, "a cancelled receive() must not lose data"
+    assert bytes(await sb.receive()) == b"next"
+
+
+async def _check_connection_close(h: _Harness) -> None:
+    a, b = await h.pair()
+    _sa, sb = await _open_pair(a, b)
+    outcome: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            await sb.receive()
+        except (ConnectionLost, anyio.EndOfStream) as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        await a.aclose()
+    assert outcome, "a receive() pending when the peer closed the connection must end"
+    await a.aclose()  # idempotent
+    with anyio.fail_after(10):
+        await b.wait_closed()
+    assert a.is_closed
+    assert b.is_closed
+    for conn in (a, b):
+        try:
+            await conn.open_stream()
+        except ConnectionLost:
+            pass
+        else:
+            raise AssertionError("open_stream() on a closed connection must raise ConnectionLost")
+        try:
+            await conn.accept_stream()
+        except ConnectionLost:
+            pass
+        else:
+            raise AssertionError("accept_stream() on a closed connection must raise ConnectionLost")
+
+
+async def _check_identity(h: _Harness) -> None:
+    transport_b, listener = await h.listener()
+    dialer = await h.transport()
+    impostor = Identity.generate().peer_id
+    try:
+        await dialer.connect(listener.address.with_peer_id(impostor))
+    except PeerIdentityMismatch as exc:
+        assert exc.expected == impostor
+        assert exc.actual == transport_b.identity.peer_id
+    else:
+        raise AssertionError("dialing a PeerID that another key answers must fail")
+    anonymous = listener.address.with_peer_id(None)
+    try:
+        await dialer.connect(anonymous)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("dialing without a PeerID must need allow_unknown_peer=True")
+    conn = await dialer.connect(anonymous, allow_unknown_peer=True)
+    h.stack.push_async_callback(conn.aclose)
+    assert conn.peer_id == transport_b.identity.peer_id
+    wrong_scheme = Address("zz" + listener.address.scheme, "127.0.0.1", 1, impostor)
+    try:
+        await dialer.connect(wrong_scheme)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("dialing another transport's scheme must raise ValueError")
+
+
+async def _check_refused_and_listener_close(h: _Harness) -> None:
+    _, listener = await h.listener()
+    dialer = await h.transport()
+    conn = await dialer.connect(listener.address)
+    accepted = await listener.accept()
+    h.stack.push_async_callback(conn.aclose)
+    h.stack.push_async_callback(accepted.aclose)
+    address = listener.address
+    await listener.aclose()
+    await listener.aclose()  # idempotent
+    try:
+        await listener.accept()
+    except anyio.ClosedResourceError:
+        pass
+    else:
+        raise AssertionError("accept() after aclose() must raise ClosedResourceError")
+    sa, sb = await _open_pair(conn, accepted)  # existing connections stay open
+    await sb.send(b"alive")
+    assert bytes(await sa.receive()) == b"alive"
+    try:
+        with anyio.fail_after(10):
+            await dialer.connect(address)
+    except ConnectError:
+        pass
+    else:
+        raise AssertionError("dialing an address nobody listens on must raise ConnectError")
+
+
+async def _check_transport_aclose(h: _Harness) -> None:
+    transport_b, listener = await h.listener()
+    dialer = await h.transport()
+    conn = await dialer.connect(listener.address)
+    accepted = await listener.accept()
+    await dialer.aclose()
+    await dialer.aclose()  # idempotent
+    assert conn.is_closed, "closing a transport must close its connections"
+    with anyio.fail_after(10):
+        await accepted.wait_closed()
+    await transport_b.aclose()
+    try:
+        await listener.accept()
+    except anyio.ClosedResourceError:
+        pass
+    else:
+        raise AssertionError("closing a transport must close its listeners")
+
+
+#: Every check, by name, in a sensible order.
+TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
+    "handshake_and_attributes": _check_handshake_and_attributes,
+    "stream_both_ways": _check_stream_both_ways,
+    "buffer_reuse": _check_buffer_reuse,
+    "many_concurrent_streams": _check_many_concurrent_streams,
+    "large_message": _check_large_message,
+    "backpressure": _check_backpressure,
+    "send_eof": _check_send_eof,
+    "aclose": _check_aclose,
+    "abort": _check_abort,
+    "cancelled_receive": _check_cancelled_receive,
+    "connection_close": _check_connection_close,
+    "identity": _check_identity,
+    "refused_and_listener_close": _check_refused_and_listener_close,
+    "transport_aclose": _check_transport_aclose,
+}
+
+
+@asynccontextmanager
+async def _harness(
+    factory: TransportFactory, listen_address: str | Address
+) -> AsyncIterator[_Harness]:
+    async with AsyncExitStack() as stack:
+        yield _Harness(factory, Address.parse(listen_address), stack)
+
+
+async def run_transport_check(
+    name: str, factory: TransportFactory, listen_address: str | Address
+) -> None:
+    """Run the check called ``name`` against fresh transports made by ``factory``.
+
+    :raises KeyError: if there is no such check.
+    :raises AssertionError: if the transport breaks the rule.
+    """
+    check = TRANSPORT_CHECKS[name]
+    with anyio.fail_after(_TIMEOUT):
+        async with _harness(factory, listen_address) as h:
+            try:
+                await check(h)
+            except AssertionError as exc:
+                raise AssertionError(f"transport check {name!r} failed: {exc}") from exc
+
+
+async def check_transport(factory: TransportFactory, listen_address: str | Address) -> None:
+    """Run the whole conformance suite; raises ``AssertionError`` at the first broken rule."""
+    for name in TRANSPORT_CHECKS:
+        await run_transport_check(name, factory, listen_address)

@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swarmavg.abc import Stream
+from swarmavg.aio.node import Node
+from swarmavg.errors import ConnectError, PeerIdentityMismatch, StreamReset
+from swarmavg.identity import Identity
+from swarmavg.testing import MemoryNetwork
+
+pytestmark = pytest.mark.anyio
+
+
+def _node(network: MemoryNetwork, **kwargs: object) -> Node:
+    return Node(
+        listen=["memory://local:0"],
+        transports={"memory": {"network": network}},
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def _echo(stream: Stream) -> None:
+    async for msg in stream:
+        await stream.send(b"echo:", msg)
+
+
+async def test_two_nodes_exchange_messages() -> None:
+    network = MemoryNetwork()
+    async with _node(network, stream_handler=_echo) as server, _node(network) as client:
+        assert server.addresses[0].peer_id == server.peer_id
+        stream = await client.open_stream(server.addresses[0])
+        for i in range(5):
+            await stream.send(b"%d" % i)
+            assert bytes(await stream.receive()) == b"echo:%d" % i
+        await stream.aclose()
+
+
+async def test_connections_are_pooled_per_peer() -> None:
+    network = MemoryNetwork()
+    async with _node(network, stream_handler=_echo) as server, _node(network) as client:
+        address = str(server.addresses[0])
+        first = await client.connect(address)
+        second = await client.connect(address)
+        assert first is second
+        async with anyio.create_task_group() as tg:
+            results = []
+
+            async def dial() -> None:
+                results.append(await client.connect(address))
+
+            for _ in range(10):
+                tg.start_soon(dial)
+        assert all(conn is first for conn in results)
+        await first.aclose()
+        third = await client.connect(address)
+        assert third is not first
+        assert not third.is_closed
+
+
+async def test_handler_error_resets_only_that_stream() -> None:
+    network = MemoryNetwork()
+
+    async def handler(stream: Stream) -> None:
+        msg = bytes(await stream.receive())
+        if msg == b"boom":
+            raise RuntimeError("handler failed")
+        await stream.send(b"fine")
+
+    async with _node(network, stream_handler=handler) as server, _node(network) as client:
+        bad = await client.open_stream(server.addresses[0])
+        await bad.send(b"boom")
+        with pytest.raises(StreamReset):
+            await bad.receive()
+        good = await client.open_stream(server.addresses[0])
+        await good.send(b"hi")
+        assert bytes(await good.receive()) == b"fine"
+
+
+async def test_no_handler_aborts_incoming_streams() -> None:
+    network = MemoryNetwork()
+    async with _node(network) as server, _node(network) as client:
+        stream = await client.open_stream(server.addresses[0])
+        await stream.send(b"anyone?")
+        with pytest.raises(StreamReset):
+            await stream.receive()
+
+
+async def test_dial_checks_identity_and_requires_peer_id() -> None:
+    network = MemoryNetwork()
+    async with _node(network) as server, _node(network) as client:
+        impostor = server.addresses[0].with_peer_id(Identity.generate().peer_id)
+        with pytest.raises(PeerIdentityMismatch):
+            await client.connect(impostor)
+        with pytest.raises(ValueError, match="allow_unknown_peer"):
+            await client.connect(server.addresses[0].with_peer_id(None))
+        conn = await client.connect(server.addresses[0].with_peer_id(None), allow_unknown_peer=True)
+        assert conn.peer_id == server.peer_id
+        with pytest.raises(ValueError, match="itself"):
+            await client.connect(client.addresses[0])
+        with pytest.raises(ConnectError):
+            await client.connect(f"memory://local:65000/p/{Identity.generate().peer_id}")
+
+
+async def test_identity_from_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "node.key"
+    network = MemoryNetwork()
+    async with _node(network, identity=path) as first:
+        peer_id = first.peer_id
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    async with _node(network, identity=str(path)) as second:
+        assert second.peer_id == peer_id
+
+
+async def test_close_is_idempotent_and_closes_connections() -> None:
+    network = MemoryNetwork()
+    async with _node(network, stream_handler=_echo) as server:
+        client = _node(network)
+        async with client:
+            conn = await client.connect(server.addresses[0])
+            await client.aclose()
+            await client.aclose()
+            assert conn.is_closed
+        with pytest.raises(RuntimeError, match="not running"):
+            await client.connect(server.addresses[0])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="listen"):
+        Node(listen="memory://local:0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="identity"):
+        Node(identity=42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"scheme|port|address"):
+        Node(listen=["nonsense"])

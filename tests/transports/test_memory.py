@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from swarmavg.errors import ConnectError
+from swarmavg.identity import Identity
+from swarmavg.testing import TRANSPORT_CHECKS, MemoryNetwork, MemoryTransport, run_transport_check
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("check", list(TRANSPORT_CHECKS))
+async def test_conformance(check: str) -> None:
+    network = MemoryNetwork()
+    await run_transport_check(
+        check, lambda ident: MemoryTransport(ident, network=network), "memory://local:0"
+    )
+
+
+@pytest.mark.parametrize("check", ["stream_both_ways", "backpressure", "many_concurrent_streams"])
+async def test_conformance_with_impairments(check: str) -> None:
+    network = MemoryNetwork()
+    await run_transport_check(
+        check,
+        lambda ident: MemoryTransport(
+            ident,
+            network=network,
+            latency=0.001,
+            bandwidth=2e9,
+            loss=0.05,
+            retransmit_timeout=0.01,
+        ),
+        "memory://local:0",
+    )
+
+
+async def test_latency_and_bandwidth_are_applied() -> None:
+    network = MemoryNetwork()
+    a = MemoryTransport(Identity.generate(), network=network, latency=0.05)
+    b = MemoryTransport(Identity.generate(), network=network, bandwidth=10e6)
+    async with a, b:
+        listener = await b.listen("memory://local:0")
+        conn = await a.connect(listener.address)
+        peer = await listener.accept()
+        stream = await conn.open_stream()
+        start = anyio.current_time()
+        await stream.send(bytes(1_000_000))  # 0.1 s at 10 MB/s, + 0.05 s latency
+        remote = await peer.accept_stream()
+        msg = await remote.receive()
+        elapsed = anyio.current_time() - start
+        assert len(msg) == 1_000_000
+        assert elapsed >= 0.149, elapsed
+
+
+async def test_networks_are_isolated() -> None:
+    a = MemoryTransport(Identity.generate(), network=MemoryNetwork())
+    b = MemoryTransport(Identity.generate(), network=MemoryNetwork())
+    async with a, b:
+        listener = await b.listen("memory://local:0")
+        with pytest.raises(ConnectError):
+            await a.connect(listener.address)
+
+
+async def test_disconnect_all_breaks_connections() -> None:
+    network = MemoryNetwork()
+    a = MemoryTransport(Identity.generate(), network=network)
+    b = MemoryTransport(Identity.generate(), network=network)
+    async with a, b:
+        listener = await b.listen("memory://local:0")
+        conn = await a.connect(listener.address)
+        peer = await listener.accept()
+        a.disconnect_all()
+        assert conn.is_closed
+        assert peer.is_closed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"latency": -1}, "latency"),
+        ({"bandwidth": 0}, "bandwidth"),
+        ({"loss": 1.0}, "loss"),
+        ({"window": 0}, "window"),
+        ({"max_message_size": 0}, "max_message_size"),
+    ],
+)
+def test_bad_knobs_name_the_argument(kwargs: dict[str, float], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        MemoryTransport(Identity.generate(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_identity_type_checked() -> None:
+    with pytest.raises(TypeError, match="identity"):
+        MemoryTransport("not an identity")  # type: ignore[arg-type]
