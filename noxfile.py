@@ -6,6 +6,8 @@ torch is pinned to the CPU build (2.13.0) before anything else is installed: an 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -14,7 +16,11 @@ nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
-PACKAGES = ["swarmavg", "transports", "tests", "fuzz", "benchmarks", "noxfile.py"]
+PACKAGES = [
+    p
+    for p in ("swarmavg", "transports", "tests", "fuzz", "benchmarks", "noxfile.py")
+    if Path(p).exists()
+]
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:
