@@ -1,5 +1,50 @@
-"""swarmavg: decentralized averaging of tensors in small, changing groups of untrusted peers."""
+"""swarmavg: decentralized averaging of tensors in small, changing groups of untrusted peers.
+
+The public API is what ``__all__`` lists; everything else is internal. Subpackages with their own
+public API: :mod:`swarmavg.abc` (protocols), :mod:`swarmavg.proto` (sans-IO wire codec),
+:mod:`swarmavg.sync` (thread-facing runtime), :mod:`swarmavg.testing` (memory transport and
+conformance suites).
+"""
 
 from __future__ import annotations
 
+from swarmavg.address import Address
+from swarmavg.aio.node import Node
+from swarmavg.errors import (
+    ConnectError,
+    ConnectionLost,
+    LocalProtocolError,
+    MessageTooLarge,
+    PeerIdentityMismatch,
+    ProtocolError,
+    RemoteProtocolError,
+    StreamReset,
+    SwarmError,
+    TransportError,
+    TransportNotFound,
+)
+from swarmavg.identity import Identity, PeerID
+from swarmavg.transport import available_transports, resolve_transport
+
 __version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Address",
+    "ConnectError",
+    "ConnectionLost",
+    "Identity",
+    "LocalProtocolError",
+    "MessageTooLarge",
+    "Node",
+    "PeerID",
+    "PeerIdentityMismatch",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "StreamReset",
+    "SwarmError",
+    "TransportError",
+    "TransportNotFound",
+    "__version__",
+    "available_transports",
+    "resolve_transport",
+]

@@ -166,7 +166,8 @@ class _MemoryStream(Stream):
         size = sum(memoryview(p).nbytes for p in parts)
         if size > self.max_message_size:
             raise MessageTooLarge(f"message of {size} bytes > limit {self.max_message_size}")
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await anyio.lowlevel.checkpoint()
+        self._check_usable()
         peer = self._peer
         assert peer is not None
         # backpressure: wait for credit (an empty window always admits one message)
@@ -185,7 +186,6 @@ class _MemoryStream(Stream):
         peer._buffered += size
         peer._inbox.append((at, data))
         peer._changed.notify()
-        await anyio.lowlevel.cancel_shielded_checkpoint()
 
     async def receive(self) -> memoryview:
         while True:

@@ -1,0 +1,195 @@
+"""Transport and runtime benchmarks, each printed beside a reference measured in the same run.
+
+    python benchmarks/transport.py [--quick] [--json results.json]
+
+Rows:
+- memory bulk: one stream of the in-process MemoryTransport, 1 MiB messages from a mutable buffer
+  (so the transport copies each once), beside a plain ``bytes(buffer)`` copy loop of the same
+  size (the cost of that one copy alone). Target: >= 2 GB/s.
+- memory unary round trip: a 64-byte message there and back over one stream.
+- sync handle no-op: one call through swarmavg's event-loop thread, beside a plain
+  ``asyncio.run_coroutine_threadsafe(...).result()`` on a bare loop thread. Target: <= 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from swarmavg.identity import Identity
+from swarmavg.testing import MemoryNetwork, MemoryTransport
+
+MiB = 1 << 20
+
+
+async def _memory_pair() -> tuple[Any, Any, Any, Any]:
+    network = MemoryNetwork()
+    a = MemoryTransport(Identity.generate(), network=network)
+    b = MemoryTransport(Identity.generate(), network=network)
+    listener = await b.listen("memory://local:0")
+    conn = await a.connect(listener.address)
+    peer = await listener.accept()
+    return a, b, conn, peer
+
+
+async def _memory_bulk(total_bytes: int, chunk: int) -> float:
+    a, b, conn, peer = await _memory_pair()
+    buf = memoryview(bytearray(chunk))
+    stream = await conn.open_stream()
+    await stream.send(b"start")
+    remote = await peer.accept_stream()
+    await remote.receive()
+    received = 0
+
+    async def drain() -> None:
+        nonlocal received
+        async for msg in remote:
+            received += len(msg)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(drain)
+        for _ in range(total_bytes // chunk):
+            await stream.send(buf)
+        await stream.send_eof()
+    elapsed = time.perf_counter() - start
+    assert received == total_bytes
+    await a.aclose()
+    await b.aclose()
+    return total_bytes / elapsed
+
+
+def _copy_reference(total_bytes: int, chunk: int) -> float:
+    buf = memoryview(bytearray(chunk))
+    start = time.perf_counter()
+    for _ in range(total_bytes // chunk):
+        bytes(buf)
+    return total_bytes / (time.perf_counter() - start)
+
+
+async def _memory_rtt(iterations: int) -> list[float]:
+    a, b, conn, peer = await _memory_pair()
+    stream = await conn.open_stream()
+    await stream.send(b"start")
+    remote = await peer.accept_stream()
+    await remote.receive()
+    payload = bytes(64)
+    samples = []
+
+    async def echo() -> None:
+        async for msg in remote:
+            await remote.send(msg)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(echo)
+        for _ in range(iterations):
+            start = time.perf_counter()
+            await stream.send(payload)
+            await stream.receive()
+            samples.append(time.perf_counter() - start)
+        await stream.send_eof()
+    await a.aclose()
+    await b.aclose()
+    return samples
+
+
+def _quantiles(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return statistics.median(samples), samples[int(0.9 * (len(samples) - 1))]
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    total = (256 if quick else 1024) * MiB
+    repeats = 3
+    ours = max(anyio.run(_memory_bulk, total, MiB) for _ in range(repeats))
+    ref = max(_copy_reference(total, MiB) for _ in range(repeats))
+    rows.append(
+        {
+            "name": "memory bulk stream, 1 MiB messages",
+            "unit": "GB/s",
+            "ours": ours / 1e9,
+            "reference": ref / 1e9,
+            "reference_name": "bytes() copy of the same data",
+            "ratio": ours / ref,
+            "target": ">= 2 GB/s",
+            "ok": ours >= 2e9,
+        }
+    )
+    samples = anyio.run(_memory_rtt, 2000 if quick else 10000)
+    median, p90 = _quantiles(samples)
+    rows.append(
+        {
+            "name": "memory unary round trip, 64 B",
+            "unit": "µs",
+            "ours": median * 1e6,
+            "p90": p90 * 1e6,
+        }
+    )
+    try:
+        from _sync_handle import measure
+    except ImportError:  # the sync runtime benchmark is optional while it is being built
+        return rows
+    sync_rows = measure(2000 if quick else 10000)
+    by_name = {row["name"]: row for row in sync_rows}
+    ours_row = next(r for n, r in by_name.items() if "reference" not in n)
+    ref_row = next(r for n, r in by_name.items() if "reference" in n)
+    ratio = ours_row["median_us"] / ref_row["median_us"]
+    rows.append(
+        {
+            "name": f"sync handle no-op ({ours_row['name']})",
+            "unit": "µs",
+            "ours": ours_row["median_us"],
+            "p90": ours_row.get("p90_us"),
+            "reference": ref_row["median_us"],
+            "reference_name": "asyncio.run_coroutine_threadsafe round trip",
+            "ratio": ratio,
+            "target": "<= 2x reference",
+            "ok": ratio <= 2.0,
+        }
+    )
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'benchmark':44} {'ours':>10} {'reference':>10} {'ratio':>7}  {'target':16} ok"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        ref, ratio = row.get("reference"), row.get("ratio")
+        ref_text = f"{ref:.2f}" if ref is not None else ""
+        ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
+        ok = "" if "ok" not in row else ("yes" if row["ok"] else "NO")
+        ours = f"{row['ours']:.2f} {row['unit']}"
+        print(
+            f"{row['name']:44} {ours:>10} {ref_text:>10} {ratio_text:>7}  "
+            f"{row.get('target', ''):16} {ok}"
+        )
+    for row in rows:
+        if "reference_name" in row:
+            print(f"  reference for {row['name']!r}: {row['reference_name']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller transfers, fewer samples")
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    _print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
