@@ -238,6 +238,11 @@ class Transport(ABC):
     Implementations are constructed as ``TransportClass(identity, **options)`` and registered
     under the entry-point group ``swarmavg.transports``; see
     :func:`swarmavg.transport.resolve_transport`.
+
+    A transport is used as an async context manager: ``async with transport:`` gives it the
+    place where its background tasks live (reader tasks, keep-alives), and leaving the block
+    closes everything it made. Transports without background tasks keep the default
+    ``__aenter__``. Its listeners and connections may only be used inside that block.
     """
 
     #: Registered name, e.g. "tcp".
@@ -275,6 +280,19 @@ class Transport(ABC):
     @abstractmethod
     async def aclose(self) -> None:
         """Close every listener and connection this transport made. Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+        return None
 
     def _check_dial_address(self, address: Address, allow_unknown_peer: bool) -> None:
         """Shared argument validation for :meth:`connect` implementations."""

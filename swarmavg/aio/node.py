@@ -89,6 +89,7 @@ class Node:
         self._addresses: list[Address] = []
         self._pool: dict[PeerID, Connection] = {}
         self._dial_locks: dict[PeerID, anyio.Lock] = {}
+        self._running: dict[int, anyio.Event] = {}  # id(transport) -> set once it has started
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._closed = False
@@ -102,7 +103,7 @@ class Node:
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.push_async_callback(self._close_transports)
             for address in self._listen:
-                transport = self._transport_for(address.scheme)
+                transport = await self._transport_for(address.scheme)
                 listener = await transport.listen(address)
                 self._addresses.append(listener.address)
                 self._tg.start_soon(self._accept_loop, listener, name=f"listen {listener.address}")
@@ -156,16 +157,32 @@ class Node:
 
     # -- dialing ---------------------------------------------------------------------------------
 
-    def _transport_for(self, scheme: str) -> Transport:
+    async def _transport_for(self, scheme: str) -> Transport:
+        """The running transport for ``scheme``, created and started on first use."""
         transport = self._transports.get(scheme)
         if transport is None:
-            if self._closed:
+            if self._closed or self._tg is None:
                 raise anyio.ClosedResourceError("node is closed")
             cls = resolve_transport(scheme)
             transport = cls(self.identity, **self._transport_options.get(cls.name, {}))
             for s in cls.schemes:
                 self._transports.setdefault(s, transport)
+        started = self._running.get(id(transport))
+        if started is None:
+            started = self._running[id(transport)] = anyio.Event()
+            assert self._tg is not None
+            await self._tg.start(self._run_transport, transport, name=f"{transport.name} transport")
+            started.set()
+        await started.wait()  # another task may be starting it right now
         return transport
+
+    async def _run_transport(
+        self, transport: Transport, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Hold ``transport`` open (its background tasks live here) until the node closes."""
+        async with transport:
+            task_status.started()
+            await anyio.sleep_forever()
 
     async def connect(
         self,
@@ -191,7 +208,7 @@ class Node:
             existing = self._pool.get(peer)
             if existing is not None and not existing.is_closed:
                 return existing
-        transport = self._transport_for(address.scheme)
+        transport = await self._transport_for(address.scheme)
         lock = self._dial_locks.setdefault(peer, anyio.Lock()) if peer else anyio.Lock()
         async with lock:
             if peer is not None:

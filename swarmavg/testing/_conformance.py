@@ -46,8 +46,7 @@ class _Harness:
 
     async def transport(self) -> Transport:
         transport = self.factory(Identity.generate())
-        self.stack.push_async_callback(transport.aclose)
-        return transport
+        return await self.stack.enter_async_context(transport)
 
     async def listener(self) -> tuple[Transport, Listener]:
         transport = await self.transport()

@@ -497,9 +497,3 @@ class MemoryTransport(Transport):
             await listener.aclose()
         for conn in list(self._connections):
             await conn.aclose()
-
-    async def __aenter__(self) -> MemoryTransport:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
