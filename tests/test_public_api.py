@@ -11,7 +11,9 @@ from swarmavg.errors import SwarmError, TransportNotFound
 from swarmavg.testing import MemoryTransport
 
 
-@pytest.mark.parametrize("module", ["swarmavg", "swarmavg.abc", "swarmavg.testing", "swarmavg.proto", "swarmavg.sync"])
+@pytest.mark.parametrize(
+    "module", ["swarmavg", "swarmavg.abc", "swarmavg.testing", "swarmavg.proto", "swarmavg.sync"]
+)
 def test_all_is_curated(module: str) -> None:
     mod = importlib.import_module(module)
     names = mod.__all__
