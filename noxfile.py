@@ -23,9 +23,14 @@ PACKAGES = [
 ]
 
 
+#: Distributions released in lockstep with swarmavg (it pins them to its own version), so they
+#: are installed from this tree together with it.
+LOCKSTEP = ["-e", "transports/tcp"]
+
+
 def _install(session: nox.Session, extras: str = "test") -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+    session.install(*LOCKSTEP, "-e", f".[{extras}]")
 
 
 @nox.session(python=PYTHON)

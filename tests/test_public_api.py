@@ -12,7 +12,15 @@ from swarmavg.testing import MemoryTransport
 
 
 @pytest.mark.parametrize(
-    "module", ["swarmavg", "swarmavg.abc", "swarmavg.testing", "swarmavg.proto", "swarmavg.sync"]
+    "module",
+    [
+        "swarmavg",
+        "swarmavg.abc",
+        "swarmavg.testing",
+        "swarmavg.proto",
+        "swarmavg.sync",
+        "swarmavg_tcp",
+    ],
 )
 def test_all_is_curated(module: str) -> None:
     mod = importlib.import_module(module)

@@ -1,0 +1,963 @@
+"""A swarmavg-tcp connection: multiplexed message streams with flow control over one socket.
+
+Theory of operation
+-------------------
+Each connection has three background tasks, all in the transport's task group, all cancelled by
+:meth:`TcpConnection.aclose`:
+
+* the **reader** pulls records off the socket into one reusable buffer and dispatches them. It
+  never writes and never waits for the application: flow control bounds what it may buffer, so
+  a slow consumer cannot stall other streams, and a peer that ignores the windows is a protocol
+  error that closes the connection.
+* the **control writer** sends queued control records (window updates, EOF/STOP/RESET, PING),
+  so that ``receive()`` never blocks on the socket and a cancelled ``receive()`` loses nothing.
+* the **keeper** sends PINGs when we have been silent, drops a peer that has been silent for
+  too long, and closes the connection when it has had no streams for ``idle_timeout``.
+
+Application tasks write DATA records themselves, under one fair (FIFO) lock per connection that
+is taken per *record*, so a bulk message (cut into records of up to ``max_record_size``) lets
+small messages of other streams through between its records. A message is atomic: once its
+first record is written, the rest is written even if the sending task is cancelled (bounded by
+``write_timeout``, after which the connection is dropped).
+
+Flow control (both numbers come from the *receiver's* settings): a message costs its size plus
+``MESSAGE_OVERHEAD`` of credit, of its stream's window and of the connection's. A message costing
+more than half a stream window is *large*: it is sent only when no other large message is in
+flight on the connection, and it is not charged to the windows. So the receiver's memory for
+one connection is bounded by ``connection_window`` plus one ``max_message_size``, whatever the
+peer does. The receiver returns credit when the application has
+read the messages, in batches of an eighth of a window.
+
+Stream lifecycle: the peer learns of a stream from its first record (a message or EOF). Either
+side forgets a stream once it has sent its end (EOF or RESET) and received the other's (EOF or
+RESET); a RESET ends both directions at once. Stream ids are odd for streams the dialer opens,
+even for the other side's, and increase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.abc
+
+from swarmavg.abc import Connection, ConnectionAttribute, Stream, StreamAttribute
+from swarmavg.errors import (
+    ConnectionLost,
+    MessageTooLarge,
+    RemoteProtocolError,
+    StreamReset,
+    TransportError,
+)
+from swarmavg_tcp import _frames as fr
+
+if TYPE_CHECKING:
+    from swarmavg.abc import Buffer
+    from swarmavg.address import Address
+    from swarmavg.identity import PeerID
+
+logger = logging.getLogger("swarmavg_tcp")
+
+#: A part of a message at least this large starts its own record, so it is never copied to be
+#: joined with a neighbour before encryption.
+_OWN_RECORD: Final = 64 << 10
+_MAX_STREAM_ID: Final = (1 << 32) - 1
+
+
+class _Signal:
+    """A re-armable broadcast: ``wait()`` returns at the next ``notify()``."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class _FifoLock:
+    """A fair lock that costs nothing when free (no checkpoint on the uncontended path)."""
+
+    __slots__ = ("_locked", "_waiters")
+
+    def __init__(self) -> None:
+        self._locked = False
+        self._waiters: deque[anyio.Event] = deque()
+
+    async def acquire(self) -> None:
+        if not self._locked and not self._waiters:
+            self._locked = True
+            return
+        event = anyio.Event()
+        self._waiters.append(event)
+        try:
+            await event.wait()
+        except BaseException:
+            if event.is_set():  # ownership was handed to us as we were cancelled: pass it on
+                self.release()
+            else:
+                self._waiters.remove(event)
+            raise
+
+    def release(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().set()  # hand over: stays locked
+        else:
+            self._locked = False
+
+
+def plan_records(parts: list[memoryview], max_record: int) -> list[list[memoryview]]:
+    """Cut a message (the concatenation of ``parts``) into records of at most ``max_record``.
+
+    Big parts start a record of their own, so only small neighbours are ever joined.
+    An empty message is one empty record.
+    """
+    records: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    filled = 0
+    for part in parts:
+        size = len(part)
+        if filled and size >= _OWN_RECORD and filled + size > max_record:
+            records.append(current)
+            current, filled = [], 0
+        offset = 0
+        while offset < size:
+            take = min(max_record - filled, size - offset)
+            current.append(part[offset : offset + take])
+            filled += take
+            offset += take
+            if filled == max_record:
+                records.append(current)
+                current, filled = [], 0
+    if current or not records:
+        records.append(current)
+    return records
+
+
+class TcpStream(Stream):
+    """One message stream of a :class:`TcpConnection`."""
+
+    def __init__(self, conn: TcpConnection, stream_id: int, *, announced: bool) -> None:
+        self._conn = conn
+        self.id = stream_id
+        self._announced = announced  # the peer knows this stream
+        self._inbox: deque[tuple[memoryview, int, bool]] = deque()  # (message, cost, large)
+        self._changed = _Signal()
+        self._send_lock = _FifoLock()
+        # receiving
+        self._partial: bytearray | None = None
+        self._partial_view: memoryview | None = None
+        self._partial_offset = 0
+        self._partial_cost = 0
+        self._partial_large = False
+        self._buffered = 0  # credit charged to messages queued or arriving, not yet read
+        self._pending = 0  # credit read by the application, not yet returned to the peer
+        self._recv_eof = False  # the peer sent EOF
+        self._recv_end = False  # the peer sent EOF or RESET (or we reset)
+        self._discarding = False  # we read nothing more: closed or reset
+        # sending
+        self._credit = conn._peer_settings.stream_window
+        self._sent_eof = False  # no more send() from the application
+        self._sent_end = False  # we sent EOF or RESET (or the peer reset)
+        self._stopped = False  # the peer reads nothing more: sends are dropped
+        self._reset_by_peer = False
+        self._closed = False  # aclose() or abort() called
+
+    # -- attributes ------------------------------------------------------------------------------
+
+    @property
+    def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
+        return {
+            **self._conn.extra_attributes,
+            StreamAttribute.stream_id: lambda: self.id,
+        }
+
+    @property
+    def max_message_size(self) -> int:
+        return self._conn._peer_settings.max_message_size
+
+    def __repr__(self) -> str:
+        return f"<TcpStream {self.id} to {self._conn._peer_id.short()}>"
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    async def send(self, *parts: Buffer) -> None:
+        if self._closed or self._sent_eof:
+            raise anyio.ClosedResourceError
+        if self._reset_by_peer:
+            raise StreamReset(f"{self!r} was reset by the peer")
+        self._conn._check_usable()
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(len(v) for v in views)
+        if size > self.max_message_size:
+            raise MessageTooLarge(
+                f"a message of {size} bytes exceeds the peer's limit of {self.max_message_size}"
+            )
+        if self._stopped:
+            await anyio.lowlevel.checkpoint()
+            return
+        await self._send_lock.acquire()
+        try:
+            await self._conn._send_message(self, views, size)
+        finally:
+            self._send_lock.release()
+
+    async def send_eof(self) -> None:
+        if self._sent_eof or self._closed:
+            return
+        self._sent_eof = True
+        await self._send_lock.acquire()  # after any message being sent on this stream
+        try:
+            self._end_sending(announce=True)
+        finally:
+            self._send_lock.release()
+        await anyio.lowlevel.checkpoint()
+
+    def _end_sending(self, *, announce: bool) -> None:
+        """Send our EOF (``announce``: even if the peer does not know the stream yet)."""
+        if self._sent_end:
+            return
+        self._sent_end = True
+        if self._announced or announce:
+            self._announced = True
+            self._conn._queue_control(fr.EOF, 0, self.id, 0)
+        self._maybe_forget()
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    async def receive(self) -> memoryview:
+        while True:
+            if self._closed:
+                raise anyio.ClosedResourceError
+            if self._inbox:
+                await anyio.lowlevel.checkpoint_if_cancelled()  # before taking: nothing is lost
+                message, cost, large = self._inbox.popleft()
+                self._conn._consumed(self, cost, large)
+                return message
+            if self._reset_by_peer:
+                raise StreamReset(f"{self!r} was reset by the peer")
+            if self._recv_eof:
+                raise anyio.EndOfStream
+            if self._conn._error is not None:
+                raise ConnectionLost(str(self._conn._error))
+            await self._changed.wait()
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def _release_buffers(self) -> None:
+        """Give back the credit of everything queued or arriving; read nothing more."""
+        self._discarding = True
+        conn = self._conn
+        for _message, cost, large in self._inbox:
+            conn._released(self, cost, large)
+        self._inbox.clear()
+        if self._partial is not None:
+            conn._released(self, self._partial_cost, self._partial_large)
+            self._partial = self._partial_view = None
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sent_eof = True
+        self._release_buffers()
+        self._changed.notify()
+        if not self._conn._error:
+            await self._send_lock.acquire()
+            try:
+                self._end_sending(announce=False)
+                if not self._recv_end and self._announced:
+                    self._conn._queue_control(fr.STOP, 0, self.id, 0)
+            finally:
+                self._send_lock.release()
+        self._maybe_forget()
+        await anyio.lowlevel.checkpoint()
+
+    async def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sent_eof = True
+        self._release_buffers()
+        self._changed.notify()
+        if not self._sent_end:
+            self._sent_end = True
+            if self._announced and self._conn._error is None:
+                self._conn._queue_control(fr.RESET, 0, self.id, fr.CANCELLED)
+        self._recv_end = True  # a RESET ends both directions at once
+        self._maybe_forget()
+        await anyio.lowlevel.checkpoint()
+
+    def _maybe_forget(self) -> None:
+        if (self._sent_end and self._recv_end) or (not self._announced and self._closed):
+            self._conn._forget(self)
+
+    def _peer_discards(self) -> bool:
+        """Whether the peer reads nothing more of what we send (it reset or stopped)."""
+        return self._reset_by_peer or self._stopped
+
+    def _is_discarding(self) -> bool:
+        return self._discarding
+
+    # -- events from the reader ------------------------------------------------------------------
+
+    def _on_eof(self) -> None:
+        if self._recv_eof:
+            raise RemoteProtocolError(f"second EOF on stream {self.id}")
+        if self._partial is not None:
+            raise RemoteProtocolError(f"EOF in the middle of a message on stream {self.id}")
+        self._recv_eof = True
+        self._recv_end = True
+        self._changed.notify()
+        self._maybe_forget()
+
+    def _on_reset(self) -> None:
+        if self._closed:
+            self._recv_end = True
+            self._sent_end = True
+            self._maybe_forget()
+            return
+        self._reset_by_peer = True
+        self._release_buffers()
+        self._recv_end = True
+        self._sent_end = True  # the peer forgot the stream: we send nothing more on it
+        self._changed.notify()
+        self._conn._credit_changed.notify()
+        self._maybe_forget()
+
+    def _on_stop(self) -> None:
+        self._stopped = True
+        self._end_sending(announce=True)
+        self._conn._credit_changed.notify()
+
+    def _on_connection_lost(self) -> None:
+        self._changed.notify()
+
+
+class TcpConnection(Connection):
+    """An authenticated swarmavg-tcp connection (made by :class:`~swarmavg_tcp.TcpTransport`)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        transport_name: str,
+        is_initiator: bool,
+        peer_id: PeerID,
+        local_address: Address,
+        remote_address: Address,
+        settings: fr.Settings,
+        peer_settings: fr.Settings,
+        sealer: fr.Sealer | None,
+        opener: fr.Sealer | None,
+        keepalive_interval: float,
+        idle_timeout: float | None,
+        write_timeout: float,
+        on_close: Callable[[TcpConnection], None],
+    ) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._transport_name = transport_name
+        self._is_initiator = is_initiator
+        self._peer_id = peer_id
+        self._local_address = local_address
+        self._remote_address = remote_address
+        self._settings = settings
+        self._peer_settings = peer_settings
+        self._sealer = sealer
+        self._opener = opener
+        self._keepalive = keepalive_interval
+        self._idle_timeout = idle_timeout
+        self._write_timeout = write_timeout
+        self._on_close = on_close
+        # streams
+        self._streams: dict[int, TcpStream] = {}
+        self._next_id = 1 if is_initiator else 2
+        self._last_peer_id = 0
+        self._opened_count = 0  # streams we opened, not yet forgotten
+        self._accepted_count = 0  # streams the peer opened, not yet forgotten
+        self._accept_queue: deque[TcpStream] = deque()
+        self._accept_changed = _Signal()
+        self._streams_changed = _Signal()
+        # sending
+        self._write_lock = _FifoLock()
+        self._credit = peer_settings.connection_window
+        self._large_in_flight = False
+        self._credit_changed = _Signal()
+        self._control: list[tuple[int, int, int, int]] = []
+        self._control_changed = _Signal()
+        tag = fr.TAG_SIZE if sealer is not None else 0
+        self._wbuf = bytearray(fr.HEADER_SIZE + peer_settings.max_record_size + tag)
+        self._wview = memoryview(self._wbuf)
+        self._gbuf = bytearray(peer_settings.max_record_size)  # joins small parts of a record
+        self._gview = memoryview(self._gbuf)
+        self._cbuf = bytearray()
+        # receiving
+        rtag = fr.TAG_SIZE if opener is not None else 0
+        self._rbuf = bytearray(max(2 * (fr.HEADER_SIZE + settings.max_record_size + rtag), 1 << 20))
+        self._rview = memoryview(self._rbuf)
+        self._rpos = 0
+        self._rend = 0
+        self._scratch = bytearray(settings.max_record_size)
+        self._buffered = 0
+        self._pending = 0
+        self._large_active = False
+        # state
+        now = time.monotonic()
+        self._last_receive = now
+        self._last_send = now
+        self._idle_since: float | None = now
+        self._error: BaseException | None = None
+        self._closed_event = anyio.Event()
+        self._scope: anyio.CancelScope | None = None
+        self._reader_done = anyio.Event()
+        self._counted_incoming = False  # the transport counts it against its incoming limits
+
+    # -- public API ------------------------------------------------------------------------------
+
+    @property
+    def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
+        return {
+            ConnectionAttribute.peer_id: lambda: self._peer_id,
+            ConnectionAttribute.remote_address: lambda: self._remote_address,
+            ConnectionAttribute.local_address: lambda: self._local_address,
+            ConnectionAttribute.transport_name: lambda: self._transport_name,
+            ConnectionAttribute.is_initiator: lambda: self._is_initiator,
+            ConnectionAttribute.encrypted: lambda: self._sealer is not None,
+        }
+
+    @property
+    def is_closed(self) -> bool:
+        return self._error is not None
+
+    async def wait_closed(self) -> None:
+        await self._closed_event.wait()
+
+    def __repr__(self) -> str:
+        side = "to" if self._is_initiator else "from"
+        return f"<TcpConnection {side} {self._peer_id.short()} at {self._remote_address}>"
+
+    async def open_stream(self) -> TcpStream:
+        while True:
+            self._check_usable()
+            if self._opened_count < self._peer_settings.max_streams:
+                break
+            await self._streams_changed.wait()
+        if self._next_id > _MAX_STREAM_ID:
+            raise TransportError("stream ids of this connection are used up: open a new one")
+        stream = TcpStream(self, self._next_id, announced=False)
+        self._next_id += 2
+        self._streams[stream.id] = stream
+        self._opened_count += 1
+        self._idle_since = None
+        await anyio.lowlevel.checkpoint()
+        return stream
+
+    async def accept_stream(self) -> TcpStream:
+        while not self._accept_queue:
+            self._check_usable()
+            await self._accept_changed.wait()
+        await anyio.lowlevel.checkpoint()
+        return self._accept_queue.popleft()
+
+    async def aclose(self) -> None:
+        await self._close(fr.NO_ERROR, ConnectionLost("the connection was closed"))
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise ConnectionLost(str(self._error))
+
+    def _forget(self, stream: TcpStream) -> None:
+        if self._streams.pop(stream.id, None) is None:
+            return
+        if (stream.id % 2 == 1) == self._is_initiator:
+            self._opened_count -= 1
+        else:
+            self._accepted_count -= 1
+        if not self._streams:
+            self._idle_since = time.monotonic()
+        self._streams_changed.notify()
+
+    async def _close(self, code: int, error: BaseException) -> None:
+        if self._error is not None:
+            await self._closed_event.wait()
+            return
+        self._error = error
+        self._wake_everyone()
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await self._write_lock.acquire()
+                try:
+                    self._control.append((fr.GOAWAY, 0, 0, code))
+                    await self._flush_control()
+                    self._sock.shutdown(socket.SHUT_WR)
+                finally:
+                    self._write_lock.release()
+                # read (and drop) until the peer closes too, so that closing our socket with
+                # unread data cannot reset the connection before the peer read our GOAWAY
+                await self._reader_done.wait()
+        except OSError:
+            pass
+        finally:
+            self._teardown()
+
+    def _fail(self, error: BaseException) -> None:
+        """Drop the connection at once (protocol error, broken socket); nothing more is sent."""
+        if self._error is None:
+            self._error = error
+            logger.debug("%r failed: %s", self, error)
+            self._wake_everyone()
+        self._teardown()
+
+    def _wake_everyone(self) -> None:
+        for stream in list(self._streams.values()):
+            stream._on_connection_lost()
+        self._accept_changed.notify()
+        self._credit_changed.notify()
+        self._streams_changed.notify()
+        self._control_changed.notify()
+
+    def _teardown(self) -> None:
+        if self._closed_event.is_set():
+            return
+        if self._scope is not None:
+            self._scope.cancel()
+        try:
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_writer(self._sock.fileno())
+        except (ValueError, OSError):
+            pass
+        self._sock.close()
+        self._closed_event.set()
+        self._on_close(self)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Run the connection's background tasks until it closes (in the transport's group)."""
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                if self._error is not None:
+                    scope.cancel()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._reader)
+                    tg.start_soon(self._control_writer)
+                    tg.start_soon(self._keeper)
+                    task_status.started()
+        finally:
+            self._reader_done.set()
+            if self._error is None:
+                self._fail(ConnectionLost("the transport was closed"))
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    async def _send_message(self, stream: TcpStream, parts: list[memoryview], size: int) -> None:
+        peer = self._peer_settings
+        cost = size + fr.MESSAGE_OVERHEAD
+        large = peer.is_large(size)
+        while True:  # wait for credit; cancelling here sends nothing
+            self._check_usable()
+            if stream._reset_by_peer:
+                raise StreamReset(f"{stream!r} was reset by the peer")
+            if stream._stopped:
+                return
+            if large:
+                if not self._large_in_flight:
+                    self._large_in_flight = True
+                    break
+            elif stream._credit >= cost and self._credit >= cost:
+                stream._credit -= cost
+                self._credit -= cost
+                break
+            await self._credit_changed.wait()
+        records = plan_records(parts, peer.max_record_size)
+        stream._announced = True
+        sent_first = False
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._write_timeout) as timer:
+                for index, pieces in enumerate(records):
+                    flags = (fr.FIRST if index == 0 else 0) | (
+                        fr.LAST if index == len(records) - 1 else 0
+                    )
+                    await self._write_lock.acquire()
+                    try:
+                        if self.is_closed:
+                            break
+                        if stream._peer_discards():
+                            break  # the peer discards the rest of this message
+                        if self._control:
+                            await self._flush_control()
+                        sent_first = True
+                        await self._write_data(stream.id, flags, size, pieces)
+                    except OSError as exc:
+                        self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+                    finally:
+                        self._write_lock.release()
+            if timer.cancelled_caught:
+                self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+        if not sent_first:  # the peer never heard of this message: take the reservation back
+            if large:
+                self._large_in_flight = False
+            else:
+                stream._credit += cost
+                self._credit += cost
+            self._credit_changed.notify()
+        self._check_usable()
+
+    async def _write_data(
+        self, stream_id: int, flags: int, total: int, pieces: list[memoryview]
+    ) -> None:
+        length = sum(len(p) for p in pieces)
+        arg = total if flags & fr.FIRST else 0
+        if self._sealer is None:
+            header = fr.HEADER.pack(length, fr.DATA, flags, 0, stream_id, arg)
+            await self._sendmsg_all([header, *pieces])
+            return
+        wview = self._wview
+        fr.HEADER.pack_into(self._wbuf, 0, length, fr.DATA, flags, 0, stream_id, arg)
+        if len(pieces) == 1:
+            plain = pieces[0]
+        else:
+            offset = 0
+            for piece in pieces:
+                self._gview[offset : offset + len(piece)] = piece
+                offset += len(piece)
+            plain = self._gview[:length]
+        end = fr.HEADER_SIZE + length + fr.TAG_SIZE
+        self._sealer.seal_into(wview[: fr.HEADER_SIZE], plain, wview[fr.HEADER_SIZE : end])
+        await self._loop.sock_sendall(self._sock, wview[:end])
+        self._last_send = time.monotonic()
+
+    async def _sendmsg_all(self, buffers: list[Any]) -> None:
+        total = sum(len(b) for b in buffers)
+        try:
+            sent = self._sock.sendmsg(buffers)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < total:
+            for buf in buffers:
+                view = memoryview(buf)
+                if sent >= len(view):
+                    sent -= len(view)
+                    continue
+                await self._loop.sock_sendall(self._sock, view[sent:])
+                sent = 0
+        self._last_send = time.monotonic()
+
+    def _queue_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
+        if self._error is not None:
+            return
+        self._control.append((ftype, flags, stream_id, arg))
+        self._control_changed.notify()
+
+    async def _flush_control(self) -> None:
+        """Write every queued control record (the caller holds the write lock)."""
+        control, self._control = self._control, []
+        if not control:
+            return
+        buf = self._cbuf
+        del buf[:]
+        tag = fr.TAG_SIZE if self._sealer is not None else 0
+        for ftype, flags, stream_id, arg in control:
+            header = fr.HEADER.pack(0, ftype, flags, 0, stream_id, arg)
+            buf += header
+            if self._sealer is not None:
+                start = len(buf)
+                buf += bytes(tag)
+                self._sealer.seal_into(header, memoryview(b""), memoryview(buf)[start:])
+        await self._loop.sock_sendall(self._sock, buf)
+        self._last_send = time.monotonic()
+
+    async def _control_writer(self) -> None:
+        while self._error is None:
+            if not self._control:
+                await self._control_changed.wait()
+                continue
+            await self._write_lock.acquire()
+            try:
+                with anyio.move_on_after(self._write_timeout) as timer:
+                    await self._flush_control()
+            except OSError as exc:
+                self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+            finally:
+                self._write_lock.release()
+            if timer.cancelled_caught:
+                self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+
+    async def _keeper(self) -> None:
+        period = min(self._keepalive, self._idle_timeout or self._keepalive) / 3
+        while self._error is None:
+            await anyio.sleep(period)
+            now = time.monotonic()
+            if now - self._last_receive > 3 * self._keepalive:
+                self._fail(ConnectionLost(f"the peer was silent for {3 * self._keepalive} s"))
+                return
+            if now - self._last_send > self._keepalive and not self._control:
+                self._queue_control(fr.PING, 0, 0, 0)
+            idle = self._idle_since
+            if (
+                self._idle_timeout is not None
+                and idle is not None
+                and now - idle > self._idle_timeout
+            ):
+                logger.debug("closing %r: idle for %s s", self, self._idle_timeout)
+                await self._close(fr.IDLE, ConnectionLost("the connection was closed when idle"))
+                return
+
+    # -- flow control, receiving side ------------------------------------------------------------
+
+    def _consumed(self, stream: TcpStream, cost: int, large: bool) -> None:
+        """The application read a message: give its credit back (batched)."""
+        if large:
+            self._large_active = False
+            self._queue_control(fr.WINDOW, fr.LARGE_DONE, stream.id, 0)
+            return
+        stream._buffered -= cost
+        stream._pending += cost
+        self._buffered -= cost
+        self._pending += cost
+        if stream._pending >= self._settings.stream_window // 8 and not stream._recv_end:
+            self._queue_control(fr.WINDOW, 0, stream.id, stream._pending)
+            stream._pending = 0
+        if self._pending >= self._settings.connection_window // 8:
+            self._queue_control(fr.WINDOW, 0, 0, self._pending)
+            self._pending = 0
+
+    def _released(self, stream: TcpStream, cost: int, large: bool) -> None:
+        """A message was dropped unread (stream closed or reset): give its credit back."""
+        if large:
+            self._large_active = False
+            self._queue_control(fr.WINDOW, fr.LARGE_DONE, stream.id, 0)
+            return
+        stream._buffered -= cost
+        self._buffered -= cost
+        self._credit_back(cost)
+
+    def _credit_back(self, cost: int) -> None:
+        self._pending += cost
+        if self._pending >= self._settings.connection_window // 8:
+            self._queue_control(fr.WINDOW, 0, 0, self._pending)
+            self._pending = 0
+
+    # -- the reader ------------------------------------------------------------------------------
+
+    async def _fill(self, need: int) -> None:
+        """Make ``need`` unread bytes available in the read buffer."""
+        if self._rpos + need > len(self._rbuf):
+            unread = self._rend - self._rpos
+            self._rview[:unread] = self._rview[self._rpos : self._rend]
+            self._rpos, self._rend = 0, unread
+        while self._rend - self._rpos < need:
+            n = await self._loop.sock_recv_into(self._sock, self._rview[self._rend :])
+            if n == 0:
+                raise ConnectionLost("the peer closed the connection without saying goodbye")
+            self._rend += n
+            self._last_receive = time.monotonic()
+
+    async def _reader(self) -> None:
+        try:
+            await self._read_records()
+        finally:
+            self._reader_done.set()
+
+    async def _read_records(self) -> None:
+        try:
+            while True:
+                await self._fill(fr.HEADER_SIZE)
+                pos = self._rpos
+                length, ftype, flags, reserved, stream_id, arg = fr.HEADER.unpack_from(
+                    self._rbuf, pos
+                )
+                fr.check_header(length, ftype, flags, reserved, self._settings.max_record_size)
+                header = bytes(self._rview[pos : pos + fr.HEADER_SIZE])
+                self._rpos = pos + fr.HEADER_SIZE
+                if ftype == fr.DATA:
+                    await self._on_data(header, stream_id, flags, arg, length)
+                else:
+                    await self._read_payload(header, length, None)
+                    if ftype == fr.GOAWAY:
+                        self._on_goaway(arg)
+                        return
+                    self._on_control(ftype, flags, stream_id, arg)
+        except RemoteProtocolError as exc:
+            logger.info("dropping %r: protocol error: %s", self, exc)
+            self._protocol_error(exc)
+        except ConnectionLost as exc:
+            self._fail(exc)
+        except OSError as exc:
+            self._fail(ConnectionLost(f"reading from the socket failed: {exc}"))
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        if self._error is None:
+            # best effort: tell the peer why, without waiting for anything
+            try:
+                header = fr.HEADER.pack(0, fr.GOAWAY, 0, 0, 0, fr.PROTOCOL_ERROR)
+                if self._sealer is None and not self._write_lock._locked:
+                    self._sock.send(header)
+            except OSError:
+                pass
+        self._fail(ConnectionLost(f"protocol error: {exc}"))
+
+    async def _read_payload(self, header: bytes, length: int, out: memoryview | None) -> None:
+        """Read (and open) one record payload into ``out``, or discard it if ``out`` is None."""
+        if self._opener is None:
+            if out is not None and length > 4096:  # large plaintext: read straight into place
+                have = min(self._rend - self._rpos, length)
+                out[:have] = self._rview[self._rpos : self._rpos + have]
+                self._rpos += have
+                done = have
+                while done < length:
+                    n = await self._loop.sock_recv_into(self._sock, out[done:length])
+                    if n == 0:
+                        raise ConnectionLost("the peer closed the connection mid-record")
+                    done += n
+                    self._last_receive = time.monotonic()
+                return
+            await self._fill(length)
+            if out is not None:
+                out[:length] = self._rview[self._rpos : self._rpos + length]
+            self._rpos += length
+            return
+        sealed = length + fr.TAG_SIZE
+        await self._fill(sealed)
+        if out is None:
+            out = memoryview(self._scratch)[:length]
+        self._opener.open_into(header, self._rview[self._rpos : self._rpos + sealed], out)
+        self._rpos += sealed
+
+    def _lookup(self, stream_id: int, *, create: bool) -> TcpStream | None:
+        """The stream a record is for; None for a stream already forgotten."""
+        if stream_id == 0:
+            raise RemoteProtocolError("stream 0 carries no stream records")
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            return stream
+        if (stream_id % 2 == 1) == self._is_initiator:  # one of ours
+            if stream_id >= self._next_id:
+                raise RemoteProtocolError(f"record for stream {stream_id} that we never opened")
+            return None
+        if stream_id <= self._last_peer_id or not create:
+            return None
+        if self._accepted_count >= self._settings.max_streams:
+            raise RemoteProtocolError(
+                f"the peer opened more than {self._settings.max_streams} streams"
+            )
+        self._last_peer_id = stream_id
+        stream = TcpStream(self, stream_id, announced=True)
+        self._streams[stream_id] = stream
+        self._accepted_count += 1
+        self._idle_since = None
+        self._accept_queue.append(stream)
+        self._accept_changed.notify()
+        return stream
+
+    async def _on_data(
+        self, header: bytes, stream_id: int, flags: int, arg: int, length: int
+    ) -> None:
+        stream = self._lookup(stream_id, create=True)
+        settings = self._settings
+        if stream is not None and stream._recv_end and not stream._discarding:
+            raise RemoteProtocolError(f"data after EOF on stream {stream_id}")
+        if flags & fr.FIRST:
+            total = arg
+            if total > settings.max_message_size:
+                raise RemoteProtocolError(
+                    f"a message of {total} bytes exceeds our limit of {settings.max_message_size}"
+                )
+            cost = total + fr.MESSAGE_OVERHEAD
+            large = settings.is_large(total)
+            if stream is None or stream._discarding:
+                if large:
+                    self._queue_control(fr.WINDOW, fr.LARGE_DONE, stream_id, 0)
+                else:
+                    self._credit_back(cost)
+                await self._read_payload(header, length, None)
+                return
+            if stream._partial is not None:
+                raise RemoteProtocolError(f"a message started inside another on stream {stream_id}")
+            if large:
+                if self._large_active:
+                    raise RemoteProtocolError("the peer sent a large message without credit")
+                self._large_active = True
+            else:
+                if (
+                    stream._buffered + cost > settings.stream_window
+                    or self._buffered + cost > settings.connection_window
+                ):
+                    raise RemoteProtocolError("the peer exceeded its flow-control window")
+                stream._buffered += cost
+                self._buffered += cost
+            stream._partial = bytearray(total)
+            stream._partial_view = memoryview(stream._partial)
+            stream._partial_offset = 0
+            stream._partial_cost = cost
+            stream._partial_large = large
+        elif stream is None or stream._discarding:
+            await self._read_payload(header, length, None)
+            return
+        elif stream._partial is None:
+            raise RemoteProtocolError(f"a message continued that never started on {stream_id}")
+        view = stream._partial_view
+        assert view is not None
+        offset = stream._partial_offset
+        end = offset + length
+        if end > len(view):
+            raise RemoteProtocolError(f"a message on stream {stream_id} overran its size")
+        if bool(flags & fr.LAST) != (end == len(view)):
+            raise RemoteProtocolError(f"a message on stream {stream_id} was framed wrongly")
+        await self._read_payload(header, length, view[offset:end])
+        if stream._is_discarding():  # released (closed, reset) while we were reading
+            return
+        stream._partial_offset = end
+        if flags & fr.LAST:
+            stream._inbox.append((view, stream._partial_cost, stream._partial_large))
+            stream._partial = stream._partial_view = None
+            stream._changed.notify()
+
+    def _on_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
+        if ftype == fr.PING:
+            return
+        if ftype == fr.WINDOW:
+            if flags & ~fr.LARGE_DONE:
+                raise RemoteProtocolError("unknown WINDOW flags")
+            if flags & fr.LARGE_DONE:
+                self._large_in_flight = False
+            if stream_id == 0:
+                self._credit += arg
+                if self._credit > self._peer_settings.connection_window:
+                    raise RemoteProtocolError("the peer granted more credit than its window")
+            else:
+                stream = self._lookup(stream_id, create=False)
+                if stream is not None:
+                    stream._credit += arg
+                    if stream._credit > self._peer_settings.stream_window:
+                        raise RemoteProtocolError("the peer granted more credit than its window")
+            self._credit_changed.notify()
+            return
+        if ftype == fr.AUTH:
+            raise RemoteProtocolError("AUTH after the handshake")
+        stream = self._lookup(stream_id, create=ftype == fr.EOF)
+        if stream is None:
+            return
+        if ftype == fr.EOF:
+            stream._on_eof()
+        elif ftype == fr.RESET:
+            stream._on_reset()
+        elif ftype == fr.STOP:
+            stream._on_stop()
+
+    def _on_goaway(self, code: int) -> None:
+        reason = "closed the connection" if code == fr.NO_ERROR else f"went away (code {code})"
+        self._fail(ConnectionLost(f"the peer {reason}"))

@@ -1,0 +1,449 @@
+"""TcpTransport and its listener: sockets, handshakes, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Self
+
+import anyio
+import anyio.abc
+
+from swarmavg.abc import Listener, Transport
+from swarmavg.address import Address
+from swarmavg.errors import (
+    ConnectError,
+    ConnectionLost,
+    PeerIdentityMismatch,
+    RemoteProtocolError,
+    TransportError,
+)
+from swarmavg_tcp import _frames as fr
+from swarmavg_tcp._connection import TcpConnection
+from swarmavg_tcp._handshake import AUTH_SIZE, HELLO_SIZE, Handshake
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from swarmavg.identity import Identity, PeerID
+
+logger = logging.getLogger("swarmavg_tcp")
+
+
+def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or math.isnan(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def _count(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, not {value!r}")
+
+
+class TcpTransport(Transport):
+    """Authenticated, encrypted, multiplexed TCP (``tcp://host:port/p/<peer-id>``).
+
+    :param identity: our key pair; peers see its PeerID.
+    :param encryption: encrypt data with AES-256-GCM (the default). ``False`` keeps mutual
+        authentication but sends data in the clear, for trusted networks; a connection is
+        encrypted unless *both* ends turned it off.
+    :param max_message_size: largest message we accept, in bytes.
+    :param stream_window: bytes one stream may have in flight to us, unread.
+    :param connection_window: the same for a whole connection.
+    :param max_streams: streams a peer may have open to us at once, per connection.
+    :param max_record_size: largest record we accept; bulk data travels in records this big.
+    :param handshake_timeout: seconds a connection may take to authenticate.
+    :param connect_timeout: seconds a TCP connect may take.
+    :param keepalive_interval: we send a keep-alive after this many silent seconds, and drop a
+        peer silent for three times as long.
+    :param idle_timeout: close a connection that had no streams for this long (None: never).
+    :param write_timeout: drop a connection whose peer accepts no data for this long.
+    :param max_connections_per_peer: incoming connections one PeerID may hold at once.
+    :param max_incoming_connections: incoming connections in all.
+    :param max_pending_handshakes: incoming handshakes in progress at once; more wait.
+    """
+
+    name: ClassVar[str] = "tcp"
+    schemes: ClassVar[Sequence[str]] = ("tcp",)
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        encryption: bool = True,
+        max_message_size: int = 128 << 20,
+        stream_window: int = 16 << 20,
+        connection_window: int = 64 << 20,
+        max_streams: int = 256,
+        max_record_size: int = 256 << 10,
+        handshake_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+        keepalive_interval: float = 15.0,
+        idle_timeout: float | None = 300.0,
+        write_timeout: float = 60.0,
+        max_connections_per_peer: int = 8,
+        max_incoming_connections: int = 1024,
+        max_pending_handshakes: int = 64,
+    ) -> None:
+        super().__init__(identity)
+        if not isinstance(encryption, bool):
+            raise TypeError(f"encryption must be a bool, not {encryption!r}")
+        self.encryption = encryption
+        self.settings = fr.Settings(
+            max_message_size=max_message_size,
+            stream_window=stream_window,
+            connection_window=connection_window,
+            max_streams=max_streams,
+            max_record_size=max_record_size,
+        )
+        for name, value in (
+            ("handshake_timeout", handshake_timeout),
+            ("connect_timeout", connect_timeout),
+            ("keepalive_interval", keepalive_interval),
+            ("write_timeout", write_timeout),
+        ):
+            _positive(name, value)
+        _positive("idle_timeout", idle_timeout, allow_none=True)
+        _count("max_connections_per_peer", max_connections_per_peer)
+        _count("max_incoming_connections", max_incoming_connections)
+        _count("max_pending_handshakes", max_pending_handshakes)
+        self.handshake_timeout = handshake_timeout
+        self.connect_timeout = connect_timeout
+        self.keepalive_interval = keepalive_interval
+        self.idle_timeout = idle_timeout
+        self.write_timeout = write_timeout
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_incoming_connections = max_incoming_connections
+        self._handshake_slots = anyio.Semaphore(max_pending_handshakes)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._listeners: set[TcpListener] = set()
+        self._connections: set[TcpConnection] = set()
+        self._incoming: Counter[PeerID] = Counter()
+        self._incoming_total = 0
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._tg is not None:
+            raise RuntimeError("a TcpTransport can be entered only once")
+        if self._closed:
+            raise RuntimeError("this TcpTransport was closed")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for listener in list(self._listeners):
+            await listener.aclose()
+        if self._connections:
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    for conn in list(self._connections):
+                        tg.start_soon(conn.aclose)
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    def _task_group(self) -> anyio.abc.TaskGroup:
+        if self._closed:
+            raise TransportError("the transport is closed")
+        if self._tg is None:
+            raise RuntimeError("use the transport inside `async with transport:`")
+        return self._tg
+
+    # -- dialing ---------------------------------------------------------------------------------
+
+    async def connect(self, address: Address, *, allow_unknown_peer: bool = False) -> TcpConnection:
+        address = Address.parse(address)
+        self._check_dial_address(address, allow_unknown_peer)
+        tg = self._task_group()
+        loop = asyncio.get_running_loop()
+        sock: socket.socket | None = None
+        try:
+            with anyio.fail_after(self.connect_timeout):
+                infos = await loop.getaddrinfo(
+                    address.host, address.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+                )
+                if not infos:
+                    raise ConnectError(f"cannot resolve {address.host!r}")
+                family, kind, proto, _, sockaddr = infos[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, sockaddr)
+        except TimeoutError:
+            if sock is not None:
+                sock.close()
+            raise ConnectError(f"connecting to {address} timed out") from None
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            raise ConnectError(f"cannot connect to {address}: {exc}") from exc
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        try:
+            conn = await self._handshake(sock, is_initiator=True, expected=address.peer_id)
+        except PeerIdentityMismatch:
+            sock.close()
+            raise
+        except (RemoteProtocolError, ConnectionLost, OSError, TimeoutError) as exc:
+            sock.close()
+            raise ConnectError(f"handshake with {address} failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        await tg.start(conn.run)
+        return conn
+
+    # -- handshakes ------------------------------------------------------------------------------
+
+    async def _handshake(
+        self, sock: socket.socket, *, is_initiator: bool, expected: PeerID | None
+    ) -> TcpConnection:
+        loop = asyncio.get_running_loop()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hs = Handshake(
+            self.identity,
+            is_initiator=is_initiator,
+            encryption=self.encryption,
+            settings=self.settings,
+        )
+
+        async def recv_exact(n: int) -> bytes:
+            buf = bytearray(n)
+            view = memoryview(buf)
+            got = 0
+            while got < n:
+                k = await loop.sock_recv_into(sock, view[got:])
+                if k == 0:
+                    raise ConnectionLost("the peer closed the connection during the handshake")
+                got += k
+            return bytes(buf)
+
+        with anyio.fail_after(self.handshake_timeout):
+            await loop.sock_sendall(sock, hs.hello)
+            hs.receive_hello(await recv_exact(HELLO_SIZE))
+            payload = hs.auth_payload()
+            header = fr.HEADER.pack(len(payload), fr.AUTH, 0, 0, 0, 0)
+            if hs.send_sealer is not None:
+                sealed = bytearray(len(payload) + fr.TAG_SIZE)
+                hs.send_sealer.seal_into(header, memoryview(payload), memoryview(sealed))
+                await loop.sock_sendall(sock, header + sealed)
+            else:
+                await loop.sock_sendall(sock, header + payload)
+            peer_header = await recv_exact(fr.HEADER_SIZE)
+            length, ftype, flags, reserved, stream_id, arg = fr.HEADER.unpack(peer_header)
+            if ftype != fr.AUTH or length != AUTH_SIZE or flags or reserved or stream_id or arg:
+                raise RemoteProtocolError("expected the peer's AUTH record")
+            if hs.recv_opener is not None:
+                sealed_auth = await recv_exact(length + fr.TAG_SIZE)
+                plain = bytearray(length)
+                hs.recv_opener.open_into(peer_header, memoryview(sealed_auth), memoryview(plain))
+                peer_auth = bytes(plain)
+            else:
+                peer_auth = await recv_exact(length)
+            peer_id, peer_settings = hs.verify_auth(peer_auth, expected)
+        local = sock.getsockname()
+        remote = sock.getpeername()
+        conn = TcpConnection(
+            sock,
+            transport_name=self.name,
+            is_initiator=is_initiator,
+            peer_id=peer_id,
+            local_address=Address("tcp", local[0], local[1], self.identity.peer_id),
+            remote_address=Address("tcp", remote[0], remote[1], peer_id if is_initiator else None),
+            settings=self.settings,
+            peer_settings=peer_settings,
+            sealer=hs.send_sealer,
+            opener=hs.recv_opener,
+            keepalive_interval=self.keepalive_interval,
+            idle_timeout=self.idle_timeout,
+            write_timeout=self.write_timeout,
+            on_close=self._forget,
+        )
+        self._connections.add(conn)
+        return conn
+
+    def _forget(self, conn: TcpConnection) -> None:
+        self._connections.discard(conn)
+        if conn._counted_incoming:
+            conn._counted_incoming = False
+            self._incoming[conn.peer_id] -= 1
+            if self._incoming[conn.peer_id] <= 0:
+                del self._incoming[conn.peer_id]
+            self._incoming_total -= 1
+
+    # -- listening -------------------------------------------------------------------------------
+
+    async def listen(self, address: Address) -> TcpListener:
+        address = Address.parse(address)
+        if address.scheme not in self.schemes:
+            raise ValueError(f"the tcp transport cannot listen on {address}")
+        tg = self._task_group()
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(
+                address.host,
+                address.port,
+                type=socket.SOCK_STREAM,
+                proto=socket.IPPROTO_TCP,
+                flags=socket.AI_PASSIVE,
+            )
+            family, kind, proto, _, sockaddr = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+        port = sock.getsockname()[1]
+        listener = TcpListener(
+            self, sock, address.with_port(port).with_peer_id(self.identity.peer_id)
+        )
+        self._listeners.add(listener)
+        await tg.start(listener._accept_loop)
+        return listener
+
+    async def _serve_incoming(self, sock: socket.socket, listener: TcpListener) -> None:
+        try:
+            async with self._handshake_slots:
+                conn = await self._handshake(sock, is_initiator=False, expected=None)
+        except (RemoteProtocolError, ConnectionLost, OSError, TimeoutError) as exc:
+            logger.info("incoming handshake failed: %s", exc)
+            sock.close()
+            return
+        except Exception:  # a bug must cost one connection, never the transport
+            logger.exception("incoming handshake failed unexpectedly")
+            sock.close()
+            return
+        except BaseException:
+            sock.close()
+            raise
+        peer = conn.peer_id
+        refusal = None
+        if self._incoming_total >= self.max_incoming_connections:
+            refusal = f"{self.max_incoming_connections} incoming connections already"
+        elif self._incoming[peer] >= self.max_connections_per_peer:
+            refusal = f"{peer.short()} already holds {self.max_connections_per_peer} connections"
+        elif listener._closed:
+            refusal = "the listener was closed"
+        if refusal is not None:
+            logger.info("refusing a connection: %s", refusal)
+            self._connections.discard(conn)
+            sock.close()
+            return
+        conn._counted_incoming = True
+        self._incoming[peer] += 1
+        self._incoming_total += 1
+        await self._task_group().start(conn.run)
+        listener._deliver(conn)
+
+
+class TcpListener(Listener):
+    """Accepts swarmavg-tcp connections on one socket."""
+
+    def __init__(self, transport: TcpTransport, sock: socket.socket, address: Address) -> None:
+        self._transport = transport
+        self._sock = sock
+        self._address = address
+        self._send, self._receive = anyio.create_memory_object_stream[TcpConnection](64)
+        self._closed = False
+        self._scope: anyio.CancelScope | None = None
+
+    @property
+    def address(self) -> Address:
+        return self._address
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<TcpListener {self._address}>"
+
+    async def accept(self) -> TcpConnection:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise anyio.ClosedResourceError from None
+
+    def _deliver(self, conn: TcpConnection) -> None:
+        try:
+            self._send.send_nowait(conn)
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            logger.warning("dropping an incoming connection: nobody accepts on %s", self)
+            conn._fail(ConnectionLost("the listener is overloaded or closed"))
+
+    async def _accept_loop(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        loop = asyncio.get_running_loop()
+        tg = self._transport._task_group()
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            task_status.started()
+            while not self._closed:
+                try:
+                    sock, _ = await loop.sock_accept(self._sock)
+                except OSError as exc:
+                    if self.is_closed:
+                        break
+                    logger.warning("accept() failed on %s: %s", self, exc)
+                    await anyio.sleep(0.1)
+                    continue
+                sock.setblocking(False)
+                tg.start_soon(self._transport._serve_incoming, sock, self)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._transport._listeners.discard(self)
+        if self._scope is not None:
+            self._scope.cancel()
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._send.close()
+        while True:
+            try:
+                conn = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            await conn.aclose()
+        self._receive.close()
+        await anyio.lowlevel.checkpoint()
