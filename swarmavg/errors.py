@@ -7,7 +7,8 @@ SwarmError
 │                  └ MessageTooLarge also derives from LocalProtocolError when raised locally
 ├─ TransportError ─ ConnectError | ConnectionLost | PeerIdentityMismatch | StreamReset
 ├─ TransportNotFound (no plugin for a transport name; says what to install)
-├─ RPCError ─ RemoteError (handler failed) | RPCTimeout
+├─ RPCError ─ RemoteError (handler failed) ─ MethodNotFound
+│          └ RPCTimeout
 ├─ MatchmakingFailed (no group in time; says why)
 └─ AllReduceFailed (nothing was averaged; names the peers that failed)
 ```
@@ -23,8 +24,12 @@ __all__ = [
     "ConnectionLost",
     "LocalProtocolError",
     "MessageTooLarge",
+    "MethodNotFound",
     "PeerIdentityMismatch",
     "ProtocolError",
+    "RPCError",
+    "RPCTimeout",
+    "RemoteError",
     "RemoteProtocolError",
     "StreamReset",
     "SwarmError",
@@ -84,3 +89,28 @@ class StreamReset(TransportError):
 
 class TransportNotFound(SwarmError, LookupError):
     """No transport plugin is registered under the requested name or URL scheme."""
+
+
+class RPCError(SwarmError):
+    """A remote procedure call failed."""
+
+
+class RemoteError(RPCError):
+    """The remote handler raised, or refused the call; only that call failed.
+
+    :ivar code: a short machine-readable reason (``"handler_error"``, ``"unknown_method"``, ...).
+    :ivar remote_type: the name of the exception type the remote handler raised, if any.
+    """
+
+    def __init__(self, message: str, *, code: str = "handler_error", remote_type: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.remote_type = remote_type
+
+
+class MethodNotFound(RemoteError):
+    """The peer has no handler registered under the method name that was called."""
+
+
+class RPCTimeout(RPCError, TimeoutError):
+    """A call did not finish within its ``timeout``; the remote handler was cancelled."""

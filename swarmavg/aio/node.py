@@ -24,8 +24,9 @@ from typing import Any, Self
 import anyio
 import anyio.abc
 
-from swarmavg.abc import Connection, Stream, Transport
+from swarmavg.abc import Connection, ConnectionAttribute, Stream, Transport
 from swarmavg.address import Address
+from swarmavg.aio.rpc import RPC
 from swarmavg.errors import ConnectError, SwarmError
 from swarmavg.identity import Identity, PeerID
 from swarmavg.transport import resolve_transport
@@ -47,7 +48,12 @@ class Node:
     :param transports: per-transport options, e.g. ``{"memory": {"network": net}}``, or ready
         :class:`Transport` instances bound to this node's identity. Transports for other schemes
         are created on first use with default options.
-    :param stream_handler: called with each stream a peer opens (see :meth:`set_stream_handler`).
+    :param stream_handler: called with each stream a peer opens, instead of the RPC layer
+        (see :meth:`set_stream_handler`).
+    :param max_concurrent_calls_per_peer: RPC calls one peer may run on this node at once.
+
+    Remote procedure calls go through :attr:`rpc` (``node.rpc.register(...)``,
+    ``await node.rpc.call(...)``).
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class Node:
         listen: Sequence[str | Address] = (),
         transports: Mapping[str, Mapping[str, Any] | Transport] | Sequence[Transport] = (),
         stream_handler: StreamHandler | None = None,
+        max_concurrent_calls_per_peer: int = 64,
     ) -> None:
         if identity is None:
             identity = Identity.generate()
@@ -86,6 +93,8 @@ class Node:
             else:
                 raise TypeError(f"transports[{name!r}] must be an options mapping or a Transport")
         self._handler = stream_handler
+        #: The RPC layer: serves every incoming stream unless a stream handler replaces it.
+        self.rpc = RPC(self, max_concurrent_calls_per_peer=max_concurrent_calls_per_peer)
         self._addresses: list[Address] = []
         self._pool: dict[PeerID, Connection] = {}
         self._dial_locks: dict[PeerID, anyio.Lock] = {}
@@ -151,7 +160,7 @@ class Node:
         """Set the coroutine function that serves streams peers open to this node.
 
         Each stream runs ``handler(stream)`` in its own task; the stream is closed when the
-        handler returns and aborted if it raises. With no handler, incoming streams are aborted.
+        handler returns and aborted if it raises. ``None`` gives the streams back to :attr:`rpc`.
         """
         self._handler = handler
 
@@ -223,6 +232,11 @@ class Node:
             self._adopt(conn)
             return conn
 
+    def connection_to(self, peer_id: PeerID) -> Connection | None:
+        """The open pooled connection to ``peer_id``, if there is one."""
+        conn = self._pool.get(peer_id)
+        return conn if conn is not None and not conn.is_closed else None
+
     async def open_stream(self, address: str | Address, *, timeout: float | None = None) -> Stream:
         """Open a stream to the peer at ``address`` (connecting first if needed)."""
         conn = await self.connect(address, timeout=timeout)
@@ -262,11 +276,11 @@ class Node:
 
     async def _serve_stream(self, stream: Stream) -> None:
         handler = self._handler
-        if handler is None:
-            await stream.abort()
-            return
         try:
-            await handler(stream)
+            if handler is None:
+                await self.rpc.serve_stream(stream, stream.extra(ConnectionAttribute.peer_id))
+            else:
+                await handler(stream)
         except Exception:
             logger.exception("stream handler failed; resetting the stream")
             with anyio.CancelScope(shield=True):

@@ -10,6 +10,7 @@ from swarmavg.abc import Stream
 from swarmavg.aio.node import Node
 from swarmavg.errors import ConnectError, PeerIdentityMismatch, StreamReset
 from swarmavg.identity import Identity
+from swarmavg.proto import Ping, Pong
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
@@ -80,13 +81,22 @@ async def test_handler_error_resets_only_that_stream() -> None:
         assert bytes(await good.receive()) == b"fine"
 
 
-async def test_no_handler_aborts_incoming_streams() -> None:
+async def test_rpc_layer_aborts_garbage_on_incoming_streams() -> None:
+    """Without a custom stream handler, streams go to ``node.rpc``: junk that is no call
+    header gets the stream reset, and the node keeps serving."""
     network = MemoryNetwork()
     async with _node(network) as server, _node(network) as client:
-        stream = await client.open_stream(server.addresses[0])
-        await stream.send(b"anyone?")
-        with pytest.raises(StreamReset):
-            await stream.receive()
+        for _ in range(2):
+            stream = await client.open_stream(server.addresses[0])
+            await stream.send(b"anyone?")
+            with pytest.raises(StreamReset):
+                await stream.receive()
+        server.rpc.register("ping", _pong)
+        assert await client.rpc.call(server.addresses[0], "ping", Ping(7)) == Pong(7)
+
+
+async def _pong(request: Ping, ctx: object) -> Pong:
+    return Pong(request.nonce)
 
 
 async def test_dial_checks_identity_and_requires_peer_id() -> None:

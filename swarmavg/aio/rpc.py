@@ -1,0 +1,730 @@
+"""Remote procedure calls between nodes: unary, server-stream, client-stream and bidirectional.
+
+Theory of operation
+-------------------
+Every call is one transport stream. The caller sends a :class:`CallHeader` (method name, kind,
+remaining time budget), then its request message(s), each an encoded
+:class:`~swarmavg.proto.Message`; a client-stream or bidi caller marks the end of its requests
+with an :class:`EndOfRequests` message. The callee answers with response message(s) and ends its
+direction of the stream; a failure is a single :class:`CallFailed` message instead, which the
+caller raises as :class:`~swarmavg.errors.RemoteError`.
+
+The caller never ends its own direction (EOF) before it has read the whole answer: it closes the
+stream only when it leaves the call. So the callee can watch the stream for the whole call, with a
+task that reads the caller's side (and hands requests to the handler): EOF or a reset there means
+the caller went away, gave up, aborted or timed out, and the handler is cancelled. (While that
+task waits for the handler to take a request it cannot notice the caller leaving; the handler's
+next read or write does.)
+
+Deadlines travel as a *relative* budget (clocks of peers are not synchronized). The callee runs
+the handler under that budget; the caller enforces its own with the same number, so both sides
+give up at about the same time, and the caller raises :class:`~swarmavg.errors.RPCTimeout`.
+
+Handlers only ever see messages of the types they declared: a message of another type, a
+message that does not decode, or a protocol breach fails that call (``"bad_request"``), never the
+node. A handler that raises fails only its call (``"handler_error"``, with the exception's type
+name and message).
+
+How a call can fail, from the caller's side:
+
+* :class:`~swarmavg.errors.ConnectError`: the call could not be started (the peer cannot be
+  reached); no request was sent, so it is safe to retry.
+* :class:`~swarmavg.errors.RemoteError` with ``code``: ``"handler_error"``, ``"bad_request"``,
+  ``"response_too_large"``, ``"no_response"``, or :class:`~swarmavg.errors.MethodNotFound`
+  (``"unknown_method"``): the callee answered that the call failed; or ``"interrupted"``: the
+  connection broke or the callee reset the stream mid-call (the peer died, closed or dropped
+  us); the transport error is its ``__cause__``, and the handler may or may not have run.
+* :class:`~swarmavg.errors.RPCTimeout` (also a :class:`TimeoutError`): past ``timeout``.
+* :class:`~swarmavg.errors.MessageTooLarge`: a request does not fit in one message; raised
+  locally, before it is sent.
+* :class:`~swarmavg.errors.RemoteProtocolError`: the callee sent something that is not a valid
+  answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from contextlib import AbstractContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from swarmavg.abc import Stream
+from swarmavg.address import Address
+from swarmavg.errors import (
+    ConnectError,
+    ConnectionLost,
+    MessageTooLarge,
+    MethodNotFound,
+    RemoteError,
+    RemoteProtocolError,
+    RPCTimeout,
+    StreamReset,
+    SwarmError,
+)
+from swarmavg.identity import PeerID
+from swarmavg.proto import Message, decode_message, encode_message, message
+
+if TYPE_CHECKING:
+    from swarmavg.aio.node import Node
+
+__all__ = [
+    "RPC",
+    "CallContext",
+    "CallFailed",
+    "CallHeader",
+    "EndOfRequests",
+    "RPCKind",
+    "StreamingCall",
+]
+
+logger = logging.getLogger(__name__)
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+_MAX_METHOD_LEN = 128
+_HEADER_TIMEOUT = 10.0  # a caller must send its header this soon after opening the stream
+_FAIL_TIMEOUT = 5.0  # how long the callee tries to deliver a CallFailed
+_MAX_FAILURE_TEXT = 2000
+#: The transport errors that mean the other side of a call's stream is gone.
+_GONE = (StreamReset, ConnectionLost, anyio.ClosedResourceError, anyio.BrokenResourceError)
+
+
+class RPCKind(enum.Enum):
+    """The shape of a call: how many messages go each way."""
+
+    UNARY = "unary"  #: one request, one response
+    SERVER_STREAM = "server_stream"  #: one request, any number of responses
+    CLIENT_STREAM = "client_stream"  #: any number of requests, one response
+    BIDI = "bidi"  #: any number each way, interleaved
+
+
+@message("rpc.call")
+@dataclass(frozen=True, slots=True)
+class CallHeader(Message):
+    """The first message of every call. ``timeout`` is the caller's budget in seconds, 0: none."""
+
+    method: str
+    kind: str
+    timeout: float
+
+
+@message("rpc.failed")
+@dataclass(frozen=True, slots=True)
+class CallFailed(Message):
+    """The callee's answer when a call fails: ``code`` says why, ``message`` for humans."""
+
+    code: str
+    error_type: str
+    message: str
+
+
+@message("rpc.end")
+@dataclass(frozen=True, slots=True)
+class EndOfRequests(Message):
+    """The caller of a client-stream or bidi call sends no more requests (see
+    :meth:`StreamingCall.done_sending`)."""
+
+
+#: Messages of the RPC protocol itself: never a request nor a response.
+_CONTROL = (CallHeader, CallFailed, EndOfRequests)
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a handler knows about the call it serves."""
+
+    peer_id: PeerID
+    method: str
+    #: ``anyio.current_time()`` by which the call must finish, or ``math.inf``.
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Method:
+    name: str
+    kind: RPCKind
+    handler: Callable[..., Any]
+    request_type: type[Message]
+
+
+def _timeout_budget(timeout: float | None) -> float:
+    if timeout is None:
+        return math.inf
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or math.isnan(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    return float(timeout)
+
+
+async def _send_message(stream: Stream, msg: Message) -> None:
+    """Send ``msg``; :class:`MessageTooLarge` (before sending anything) if it does not fit."""
+    await stream.send(*encode_message(msg, max_size=stream.max_message_size))
+
+
+async def _receive_message(stream: Stream) -> Message:
+    """The next message; ``anyio.EndOfStream`` at the end; ``RemoteProtocolError`` on garbage."""
+    data = await stream.receive()
+    return decode_message(data, max_size=stream.max_message_size)
+
+
+class StreamingCall(Generic[Req, Resp]):
+    """The caller's side of a call in progress (see :meth:`RPC.open`).
+
+    ``send`` requests, ``receive`` responses (or ``async for`` them), ``done_sending`` to tell
+    the callee no more requests come. Every operation respects the call's deadline and raises
+    :class:`~swarmavg.errors.RPCTimeout` past it; a :class:`CallFailed` answer raises
+    :class:`~swarmavg.errors.RemoteError`; a broken connection or a reset stream raises
+    :class:`~swarmavg.errors.RemoteError` with code ``"interrupted"``.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        method: str,
+        response_type: type[Resp] | None,
+        deadline: float,
+        timeout: float | None,
+    ) -> None:
+        self._stream = stream
+        self._method = method
+        self._response_type = response_type
+        self._deadline = deadline
+        self._timeout = timeout
+        self._finished = False
+        self._done_sending = False
+
+    def _scope(self) -> AbstractContextManager[anyio.CancelScope]:
+        remaining = self._deadline - anyio.current_time()
+        return anyio.fail_after(remaining if math.isfinite(remaining) else None)
+
+    async def _send(self, msg: Message) -> None:
+        try:
+            with self._scope():
+                await _send_message(self._stream, msg)
+        except TimeoutError:
+            raise self._timed_out() from None
+        except (StreamReset, ConnectionLost) as exc:
+            raise self._interrupted(exc) from exc
+
+    async def send(self, request: Message) -> None:
+        """Send one request message.
+
+        :raises MessageTooLarge: if it does not fit in one message of the transport (nothing
+            is sent).
+        :raises anyio.ClosedResourceError: after :meth:`done_sending`.
+        """
+        if self._done_sending:
+            raise anyio.ClosedResourceError(f"call {self._method!r}: done_sending() was called")
+        await self._send(request)
+
+    async def done_sending(self) -> None:
+        """Tell the callee that no more requests come. Idempotent.
+
+        This does not end our direction of the stream: the callee keeps watching it, so that
+        leaving the call still cancels the handler.
+        """
+        if not self._done_sending:
+            self._done_sending = True
+            await self._send(EndOfRequests())
+
+    async def receive(self) -> Resp:
+        """The next response.
+
+        :raises StopAsyncIteration: when the callee has sent everything.
+        :raises RemoteError: if the callee answered with a failure, or ``"interrupted"`` if
+            the connection broke or the callee reset the stream.
+        :raises RPCTimeout: past the deadline.
+        :raises RemoteProtocolError: if the callee sent something that is not a valid response.
+        """
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            with self._scope():
+                msg = await _receive_message(self._stream)
+        except anyio.EndOfStream:
+            self._finished = True
+            raise StopAsyncIteration from None
+        except TimeoutError:
+            raise self._timed_out() from None
+        except (StreamReset, ConnectionLost) as exc:
+            raise self._interrupted(exc) from exc
+        if isinstance(msg, CallFailed):
+            self._finished = True
+            if msg.code == "timeout":  # the callee's clock ran out before ours
+                raise self._timed_out()
+            cls = MethodNotFound if msg.code == "unknown_method" else RemoteError
+            raise cls(msg.message, code=msg.code, remote_type=msg.error_type)
+        if isinstance(msg, _CONTROL):
+            raise RemoteProtocolError(f"call {self._method!r} got a {type(msg).__name__} response")
+        if self._response_type is not None and not isinstance(msg, self._response_type):
+            raise RemoteProtocolError(
+                f"call {self._method!r} expected a {self._response_type.__name__} response, "
+                f"got {type(msg).__name__}"
+            )
+        return msg  # type: ignore[return-value]
+
+    def __aiter__(self) -> AsyncIterator[Resp]:
+        return self
+
+    async def __anext__(self) -> Resp:
+        return await self.receive()
+
+    def _timed_out(self) -> RPCTimeout:
+        return RPCTimeout(f"call {self._method!r} timed out after {self._timeout} s")
+
+    def _interrupted(self, exc: Exception) -> RemoteError:
+        return RemoteError(
+            f"call {self._method!r} was interrupted: {str(exc) or type(exc).__name__}",
+            code="interrupted",
+        )
+
+
+class RPC:
+    """The RPC layer of a :class:`~swarmavg.aio.node.Node` (``node.rpc``).
+
+    :param node: the node whose streams carry the calls.
+    :param max_concurrent_calls_per_peer: calls one peer may have running on this node at once;
+        more wait for a free slot (within their deadline). Other peers are not affected.
+    """
+
+    def __init__(self, node: Node, *, max_concurrent_calls_per_peer: int = 64) -> None:
+        if (
+            isinstance(max_concurrent_calls_per_peer, bool)
+            or not isinstance(max_concurrent_calls_per_peer, int)
+            or max_concurrent_calls_per_peer < 1
+        ):
+            raise ValueError(
+                "max_concurrent_calls_per_peer must be an int >= 1, "
+                f"not {max_concurrent_calls_per_peer!r}"
+            )
+        self._node = node
+        self._methods: dict[str, _Method] = {}
+        self._per_peer = max_concurrent_calls_per_peer
+        self._limiters: dict[PeerID, tuple[anyio.CapacityLimiter, int]] = {}
+
+    # -- registration --------------------------------------------------------------------------
+
+    def register(
+        self,
+        name: str,
+        handler: Callable[..., Any],
+        *,
+        kind: RPCKind | str = RPCKind.UNARY,
+        request_type: type[Message] = Message,
+    ) -> None:
+        """Serve ``name`` with ``handler``.
+
+        Handler shapes, by ``kind``::
+
+            UNARY          async def h(request, ctx) -> Message
+            SERVER_STREAM  async def h(request, ctx) -> AsyncIterator[Message]  (async generator)
+            CLIENT_STREAM  async def h(requests: AsyncIterator, ctx) -> Message
+            BIDI           async def h(requests: AsyncIterator, ctx) -> AsyncIterator[Message]
+
+        ``ctx`` is the :class:`CallContext`. The handler is cancelled when the caller goes
+        away or the call's deadline passes; an exception it raises fails only its call, and the
+        caller gets it as :class:`~swarmavg.errors.RemoteError` (code ``"handler_error"``).
+
+        :param request_type: the message type requests must have; others fail the call with
+            code ``"bad_request"`` before the handler sees them.
+        :raises ValueError: if ``name`` is not a non-empty str of at most 128 characters or is
+            already registered, or ``kind`` is not an :class:`RPCKind`.
+        :raises TypeError: if ``handler`` is not callable or ``request_type`` is not a
+            :class:`~swarmavg.proto.Message` subclass.
+        """
+        if not isinstance(name, str) or not name or len(name) > _MAX_METHOD_LEN:
+            raise ValueError(
+                f"method name must be a non-empty str of <= {_MAX_METHOD_LEN} chars: {name!r}"
+            )
+        if name in self._methods:
+            raise ValueError(f"method {name!r} is already registered")
+        if not callable(handler):
+            raise TypeError(f"handler for {name!r} must be callable")
+        if not (isinstance(request_type, type) and issubclass(request_type, Message)):
+            raise TypeError(f"request_type must be a Message subclass, not {request_type!r}")
+        self._methods[name] = _Method(name, RPCKind(kind), handler, request_type)
+
+    def unregister(self, name: str) -> None:
+        """Stop serving ``name`` (calls in progress finish)."""
+        self._methods.pop(name, None)
+
+    # -- calling -------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        *,
+        kind: RPCKind | str = RPCKind.BIDI,
+        response_type: type[Resp] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[StreamingCall[Message, Resp]]:
+        """Open a call and yield its :class:`StreamingCall`; the general form of every call.
+
+        ``peer`` is an address to dial (an open connection to that peer is reused), or the
+        :class:`~swarmavg.identity.PeerID` of a peer this node is connected to.
+
+        Leaving the block closes the call: the callee's handler is cancelled if it has not
+        finished. Leaving it with an exception (or cancellation) resets the stream.
+
+        :raises ConnectError: if the peer cannot be reached (nothing was sent).
+        :raises RPCTimeout: if the call cannot even be opened within ``timeout``.
+        :raises ValueError: if ``timeout`` is not a positive number of seconds or ``None``.
+        """
+        budget = _timeout_budget(timeout)
+        deadline = anyio.current_time() + budget
+        kind = RPCKind(kind)
+        try:
+            with anyio.fail_after(None if math.isinf(budget) else budget):
+                stream = await self._open_stream(peer)
+        except TimeoutError:
+            raise RPCTimeout(f"opening call {method!r} timed out after {timeout} s") from None
+        try:
+            call: StreamingCall[Message, Resp] = StreamingCall(
+                stream, method, response_type, deadline, timeout
+            )
+            # the budget left once connected; positive (0 means "none"): if it is all spent,
+            # sending the header times out right away
+            left = max(deadline - anyio.current_time(), 1e-9) if math.isfinite(budget) else 0.0
+            await call._send(CallHeader(method, kind.value, left))
+            yield call
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.abort()
+            raise
+        else:
+            await stream.aclose()
+
+    async def call(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        request: Message,
+        *,
+        response_type: type[Resp] | None = None,
+        timeout: float | None = None,
+    ) -> Resp:
+        """A unary call: send ``request``, return the response.
+
+        :raises RemoteError: if the handler raised or the call was refused (see ``code``), or
+            with code ``"interrupted"`` if the connection broke or the callee reset the stream.
+        :raises MethodNotFound: if the peer serves no such method.
+        :raises RPCTimeout: if no answer came within ``timeout`` seconds; the remote handler
+            is cancelled.
+        :raises MessageTooLarge: if ``request`` is too large for one message (nothing is sent).
+        :raises ConnectError: if the peer cannot be reached.
+        """
+        async with self.open(
+            peer, method, kind=RPCKind.UNARY, response_type=response_type, timeout=timeout
+        ) as call:
+            await call.send(request)
+            try:
+                return await call.receive()
+            except StopAsyncIteration:
+                raise RemoteError(
+                    f"call {method!r} ended without a response", code="no_response"
+                ) from None
+
+    @asynccontextmanager
+    async def server_stream(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        request: Message,
+        *,
+        response_type: type[Resp] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[AsyncIterator[Resp]]:
+        """Send one request and iterate over the responses::
+
+            async with node.rpc.server_stream(peer, "chunks", Req()) as responses:
+                async for chunk in responses: ...
+
+        Leaving the block before the last response cancels the remote handler. Raises as
+        :meth:`call` does.
+        """
+        async with self.open(
+            peer, method, kind=RPCKind.SERVER_STREAM, response_type=response_type, timeout=timeout
+        ) as call:
+            await call.send(request)
+            yield call
+
+    async def client_stream(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        requests: AsyncIterable[Message] | Iterable[Message],
+        *,
+        response_type: type[Resp] | None = None,
+        timeout: float | None = None,
+    ) -> Resp:
+        """Send every message of ``requests``, then return the single response.
+
+        Raises as :meth:`call` does.
+        """
+        async with self.open(
+            peer, method, kind=RPCKind.CLIENT_STREAM, response_type=response_type, timeout=timeout
+        ) as call:
+            if isinstance(requests, AsyncIterable):
+                async for request in requests:
+                    await call.send(request)
+            else:
+                for request in requests:
+                    await call.send(request)
+            await call.done_sending()
+            try:
+                return await call.receive()
+            except StopAsyncIteration:
+                raise RemoteError(
+                    f"call {method!r} ended without a response", code="no_response"
+                ) from None
+
+    async def _open_stream(self, peer: PeerID | Address | str) -> Stream:
+        if isinstance(peer, PeerID):
+            conn = self._node.connection_to(peer)
+            if conn is None:
+                raise ConnectError(f"not connected to {peer} and no address is known for it")
+            try:
+                return await conn.open_stream()
+            except ConnectionLost as exc:
+                raise ConnectError(f"the connection to {peer} is gone: {exc}") from exc
+        try:
+            return await self._node.open_stream(peer)
+        except ConnectionLost as exc:
+            raise ConnectError(f"the connection to {peer} is gone: {exc}") from exc
+
+    # -- serving -------------------------------------------------------------------------------
+
+    async def serve_stream(self, stream: Stream, peer_id: PeerID) -> None:
+        """Serve one incoming call (the node's stream handler).
+
+        A stream that does not start with a valid :class:`CallHeader` is aborted; every other
+        failure is answered with a :class:`CallFailed`.
+        """
+        try:
+            with anyio.fail_after(_HEADER_TIMEOUT):
+                header = await _receive_message(stream)
+        except (TimeoutError, anyio.EndOfStream, RemoteProtocolError, *_GONE) as exc:
+            logger.debug("dropping a stream from %s without a valid call header: %r", peer_id, exc)
+            await stream.abort()
+            return
+        if not isinstance(header, CallHeader):
+            logger.debug("dropping a stream from %s: %s is not a call header", peer_id, header)
+            await stream.abort()
+            return
+        method = self._methods.get(header.method)
+        if method is None:
+            await self._fail(stream, "unknown_method", "", f"no method {header.method!r} here")
+            return
+        if header.kind != method.kind.value:
+            await self._fail(
+                stream,
+                "bad_request",
+                "",
+                f"{header.method!r} is a {method.kind.value} method, called as {header.kind}",
+            )
+            return
+        if not (math.isfinite(header.timeout) and header.timeout >= 0):
+            await self._fail(stream, "bad_request", "", f"invalid timeout {header.timeout!r}")
+            return
+        budget = header.timeout or math.inf
+        ctx = CallContext(peer_id, method.name, anyio.current_time() + budget)
+        failure: CallFailed | None = None
+        limiter = self._acquire_limiter(peer_id)
+        try:
+            with anyio.move_on_at(ctx.deadline) as scope:
+                async with limiter:
+                    failure = await self._run(method, stream, ctx)
+            if scope.cancelled_caught:
+                failure = CallFailed("timeout", "", f"deadline of {header.timeout} s exceeded")
+        finally:
+            self._release_limiter(peer_id)
+        if failure is not None:
+            await self._fail(stream, failure.code, failure.error_type, failure.message)
+
+    def _acquire_limiter(self, peer_id: PeerID) -> anyio.CapacityLimiter:
+        limiter, users = self._limiters.get(peer_id, (None, 0))
+        if limiter is None:
+            limiter = anyio.CapacityLimiter(self._per_peer)
+        self._limiters[peer_id] = (limiter, users + 1)
+        return limiter
+
+    def _release_limiter(self, peer_id: PeerID) -> None:
+        limiter, users = self._limiters[peer_id]
+        if users <= 1:
+            del self._limiters[peer_id]
+        else:
+            self._limiters[peer_id] = (limiter, users - 1)
+
+    async def _run(self, method: _Method, stream: Stream, ctx: CallContext) -> CallFailed | None:
+        """Run the handler of one call and send its responses; return the failure to report.
+
+        Returns ``None`` when the call succeeded or the caller went away (nobody to tell).
+        """
+        failures: list[CallFailed] = []  # the first one is reported
+
+        def fail(code: str, error_type: str, text: str) -> None:
+            if not failures:
+                failures.append(CallFailed(code, error_type, text))
+
+        streaming = method.kind in (RPCKind.CLIENT_STREAM, RPCKind.BIDI)
+        request: Message | None = None
+        if not streaming:
+            try:
+                request = await self._receive_request(stream, method)
+            except _BadRequest as exc:
+                return CallFailed("bad_request", "", str(exc))
+            except _GONE:
+                return None
+        send_requests, receive_requests = anyio.create_memory_object_stream[Message](0)
+        with send_requests, receive_requests:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    self._read_caller,
+                    stream,
+                    method,
+                    send_requests if streaming else None,
+                    fail,
+                    tg.cancel_scope,
+                )
+                try:
+                    arg = receive_requests if streaming else request
+                    await self._invoke(method, stream, ctx, arg)
+                except _CallerGone as exc:
+                    logger.debug(
+                        "call %r from %s: the caller left: %s", ctx.method, ctx.peer_id, exc
+                    )
+                except _ResponseTooLarge as exc:
+                    fail("response_too_large", "MessageTooLarge", str(exc))
+                except Exception as exc:
+                    logger.warning("handler of %r failed for %s: %r", ctx.method, ctx.peer_id, exc)
+                    fail("handler_error", type(exc).__name__, str(exc))
+                finally:
+                    tg.cancel_scope.cancel()  # stop reading the caller's side
+        return failures[0] if failures else None
+
+    async def _invoke(self, method: _Method, stream: Stream, ctx: CallContext, arg: object) -> None:
+        """Call the handler and send its response(s)."""
+        if method.kind in (RPCKind.UNARY, RPCKind.CLIENT_STREAM):
+            await self._respond(stream, method, await method.handler(arg, ctx))
+            return
+        responses = method.handler(arg, ctx)
+        if not isinstance(responses, AsyncIterator):
+            if inspect.iscoroutine(responses):
+                responses.close()  # never awaited: close it to avoid the warning
+            raise TypeError(
+                f"handler of the {method.kind.value} method {method.name!r} must return an async "
+                f"iterator (be an async generator function), not {type(responses).__name__}"
+            )
+        try:
+            async for response in responses:
+                await self._respond(stream, method, response)
+        finally:
+            # run the generator's cleanup now, not whenever it is garbage-collected
+            aclose = getattr(responses, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _read_caller(
+        self,
+        stream: Stream,
+        method: _Method,
+        requests: MemoryObjectSendStream[Message] | None,
+        fail: Callable[[str, str, str], None],
+        scope: anyio.CancelScope,
+    ) -> None:
+        """Read the caller's side of the stream until the call ends, then cancel ``scope``.
+
+        For client-stream and bidi calls, hand the requests on through ``requests`` (closed at
+        :class:`EndOfRequests`). After that, and for the whole of a unary or server-stream call
+        (whose request was read already), the caller sends nothing but maybe an
+        ``EndOfRequests``: anything else is a protocol breach. EOF or a reset means the caller
+        went away.
+        """
+        try:
+            if requests is not None:
+                async with requests:  # closing it ends the handler's iteration
+                    while not isinstance(msg := await _receive_message(stream), EndOfRequests):
+                        await requests.send(self._check_request(method, msg))
+            end_seen = requests is not None
+            while True:
+                msg = await _receive_message(stream)
+                if isinstance(msg, EndOfRequests) and not end_seen:
+                    end_seen = True
+                    continue
+                raise _BadRequest(f"unexpected {type(msg).__name__} after the request(s)")
+        except _BadRequest as exc:
+            fail("bad_request", "", str(exc))
+        except RemoteProtocolError as exc:
+            fail("bad_request", "", f"undecodable request: {exc}")
+        except (anyio.EndOfStream, *_GONE):
+            pass  # the caller left, or the handler has finished and stopped taking requests
+        scope.cancel()
+
+    async def _receive_request(self, stream: Stream, method: _Method) -> Message:
+        try:
+            msg = await _receive_message(stream)
+        except anyio.EndOfStream:
+            raise _BadRequest("the call carried no request") from None
+        except RemoteProtocolError as exc:
+            raise _BadRequest(f"undecodable request: {exc}") from None
+        if isinstance(msg, EndOfRequests):
+            raise _BadRequest("the call carried no request")
+        return self._check_request(method, msg)
+
+    @staticmethod
+    def _check_request(method: _Method, msg: Message) -> Message:
+        if isinstance(msg, _CONTROL) or not isinstance(msg, method.request_type):
+            raise _BadRequest(
+                f"{method.name!r} takes {method.request_type.__name__}, not {type(msg).__name__}"
+            )
+        return msg
+
+    async def _respond(self, stream: Stream, method: _Method, response: object) -> None:
+        if not isinstance(response, Message):
+            raise TypeError(
+                f"handler of {method.name!r} returned {type(response).__name__}, not a Message"
+            )
+        try:
+            await _send_message(stream, response)
+        except MessageTooLarge as exc:
+            raise _ResponseTooLarge(str(exc)) from exc
+        except _GONE as exc:
+            raise _CallerGone(str(exc) or type(exc).__name__) from exc
+
+    async def _fail(self, stream: Stream, code: str, error_type: str, text: str) -> None:
+        """Tell the caller that the call failed (best effort, bounded in time)."""
+        with anyio.move_on_after(_FAIL_TIMEOUT, shield=True):
+            for limit in (_MAX_FAILURE_TEXT, 0):  # without the text if it is too large
+                try:
+                    await _send_message(stream, CallFailed(code, error_type, text[:limit]))
+                except MessageTooLarge:
+                    continue
+                except (SwarmError, *_GONE):
+                    pass
+                return
+
+
+class _BadRequest(Exception):
+    """The caller sent something a call does not accept."""
+
+
+class _ResponseTooLarge(Exception):
+    """A handler's response does not fit in one message."""
+
+
+class _CallerGone(Exception):
+    """The caller reset or closed the call's stream, or the connection broke."""
