@@ -56,6 +56,7 @@ from swarmavg.errors import (
     TransportError,
 )
 from swarmavg_tcp import _frames as fr
+from swarmavg_tcp._buffers import POOL
 
 if TYPE_CHECKING:
     from swarmavg.abc import Buffer
@@ -156,7 +157,7 @@ class TcpStream(Stream):
         self._changed = _Signal()
         self._send_lock = _FifoLock()
         # receiving
-        self._partial: bytearray | None = None
+        self._partial: object | None = None  # the buffer of the message being received
         self._partial_view: memoryview | None = None
         self._partial_offset = 0
         self._partial_cost = 0
@@ -899,8 +900,9 @@ class TcpConnection(Connection):
                     raise RemoteProtocolError("the peer exceeded its flow-control window")
                 stream._buffered += cost
                 self._buffered += cost
-            stream._partial = bytearray(total)
-            stream._partial_view = memoryview(stream._partial)
+            # uninitialised and recycled (see _buffers): every byte is written before delivery
+            stream._partial_view = POOL.get(total)
+            stream._partial = stream._partial_view
             stream._partial_offset = 0
             stream._partial_cost = cost
             stream._partial_large = large
