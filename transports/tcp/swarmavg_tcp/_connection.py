@@ -2,22 +2,24 @@
 
 Theory of operation
 -------------------
-Each connection has three background tasks, all in the transport's task group, all cancelled by
-:meth:`TcpConnection.aclose`:
+Each connection has a reader callback and two background tasks (in the transport's task group),
+all stopped by :meth:`TcpConnection.aclose`:
 
-* the **reader** pulls records off the socket into one reusable buffer and dispatches them. It
-  never writes and never waits for the application: flow control bounds what it may buffer, so
-  a slow consumer cannot stall other streams, and a peer that ignores the windows is a protocol
-  error that closes the connection.
-* the **control writer** sends queued control records (window updates, EOF/STOP/RESET, PING),
-  so that ``receive()`` never blocks on the socket and a cancelled ``receive()`` loses nothing.
-* the **keeper** sends PINGs when we have been silent, drops a peer that has been silent for
-  too long, and closes the connection when it has had no streams for ``idle_timeout``.
+* the **reader**, an event-loop callback (``add_reader``, no task switch per read), pulls
+  records off the socket into one reusable buffer (large plaintext payloads straight into the
+  message's buffer) and dispatches them synchronously. It never writes and never waits for the
+  application: flow control bounds what it may buffer, so a slow consumer cannot stall other
+  streams, and a peer that ignores the windows is a protocol error that closes the connection.
+* the **control writer** sends queued control records (window updates, EOF/STOP/RESET, PING), so
+  that ``receive()`` never blocks on the socket and a cancelled ``receive()`` loses nothing.
+* the **keeper** sends PINGs when we have been silent, drops a peer that has been silent for too
+  long, and closes the connection when it has had no streams for ``idle_timeout``.
 
-Application tasks write DATA records themselves, under one fair (FIFO) lock per connection that
-is taken per *record*, so a bulk message (cut into records of up to ``max_record_size``) lets
-small messages of other streams through between its records. A message is atomic: once its
-first record is written, the rest is written even if the sending task is cancelled (bounded by
+Application tasks write DATA records themselves (a small message with one non-blocking
+``sendmsg``, no task switch), under one fair (FIFO) lock per connection that is taken per
+*record*, so a bulk message (cut into records of up to ``max_record_size``) lets small messages
+of other streams through between its records. A message is atomic: once its first record is
+written, the rest is written even if the sending task is cancelled (bounded by
 ``write_timeout``, after which the connection is dropped).
 
 Flow control (both numbers come from the *receiver's* settings): a message costs its size plus
@@ -25,8 +27,8 @@ Flow control (both numbers come from the *receiver's* settings): a message costs
 more than half a stream window is *large*: it is sent only when no other large message is in
 flight on the connection, and it is not charged to the windows. So the receiver's memory for
 one connection is bounded by ``connection_window`` plus one ``max_message_size``, whatever the
-peer does. The receiver returns credit when the application has
-read the messages, in batches of an eighth of a window.
+peer does. The receiver returns credit when the application has read the messages, in batches
+of an eighth of a window.
 
 Stream lifecycle: the peer learns of a stream from its first record (a message or EOF). Either
 side forgets a stream once it has sent its end (EOF or RESET) and received the other's (EOF or
@@ -95,6 +97,12 @@ class _FifoLock:
     def __init__(self) -> None:
         self._locked = False
         self._waiters: deque[anyio.Event] = deque()
+
+    def try_acquire(self) -> bool:
+        if not self._locked and not self._waiters:
+            self._locked = True
+            return True
+        return False
 
     async def acquire(self) -> None:
         if not self._locked and not self._waiters:
@@ -410,7 +418,13 @@ class TcpConnection(Connection):
         self._rview = memoryview(self._rbuf)
         self._rpos = 0
         self._rend = 0
-        self._scratch = bytearray(settings.max_record_size)
+        self._scratch_view = memoryview(bytearray(settings.max_record_size))
+        self._reading = True
+        self._record: tuple[bytes, int, int, int, int, int] | None = None  # header being served
+        self._out: memoryview | None = None  # where its payload goes
+        self._data_stream: TcpStream | None = None
+        self._direct: memoryview | None = None
+        self._direct_done = 0
         self._buffered = 0
         self._pending = 0
         self._large_active = False
@@ -418,6 +432,7 @@ class TcpConnection(Connection):
         now = time.monotonic()
         self._last_receive = now
         self._last_send = now
+        self._fast_sends = 0
         self._idle_since: float | None = now
         self._error: BaseException | None = None
         self._closed_event = anyio.Event()
@@ -534,6 +549,8 @@ class TcpConnection(Connection):
     def _teardown(self) -> None:
         if self._closed_event.is_set():
             return
+        self._reading = False
+        self._reader_done.set()
         if self._scope is not None:
             self._scope.cancel()
         try:
@@ -552,13 +569,13 @@ class TcpConnection(Connection):
                 self._scope = scope
                 if self._error is not None:
                     scope.cancel()
+                else:
+                    self._loop.add_reader(self._sock.fileno(), self._on_readable)
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._reader)
                     tg.start_soon(self._control_writer)
                     tg.start_soon(self._keeper)
                     task_status.started()
         finally:
-            self._reader_done.set()
             if self._error is None:
                 self._fail(ConnectionLost("the transport was closed"))
 
@@ -585,6 +602,23 @@ class TcpConnection(Connection):
             await self._credit_changed.wait()
         records = plan_records(parts, peer.max_record_size)
         stream._announced = True
+        if len(records) == 1 and not self._control and self._write_lock.try_acquire():
+            # fast path (small messages): write at once, no cancel scopes, no task switch
+            try:
+                left = self._write_now(
+                    self._compose(stream.id, fr.FIRST | fr.LAST, size, records[0])
+                )
+                if left:  # the socket is full: the rest must go out, even if we are cancelled
+                    await self._finish_write(left)
+            except OSError as exc:
+                self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+            finally:
+                self._write_lock.release()
+            self._check_usable()
+            self._fast_sends += 1
+            if self._fast_sends % 32 == 0:  # let other tasks run in a long burst of sends
+                await anyio.lowlevel.checkpoint()
+            return
         sent_first = False
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self._write_timeout) as timer:
@@ -601,7 +635,9 @@ class TcpConnection(Connection):
                         if self._control:
                             await self._flush_control()
                         sent_first = True
-                        await self._write_data(stream.id, flags, size, pieces)
+                        left = self._write_now(self._compose(stream.id, flags, size, pieces))
+                        if left:
+                            await self._write_all(left)
                     except OSError as exc:
                         self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
                     finally:
@@ -617,15 +653,14 @@ class TcpConnection(Connection):
             self._credit_changed.notify()
         self._check_usable()
 
-    async def _write_data(
+    def _compose(
         self, stream_id: int, flags: int, total: int, pieces: list[memoryview]
-    ) -> None:
+    ) -> list[Any]:
+        """The buffers of one DATA record (sealed into the write buffer when encrypting)."""
         length = sum(len(p) for p in pieces)
         arg = total if flags & fr.FIRST else 0
         if self._sealer is None:
-            header = fr.HEADER.pack(length, fr.DATA, flags, 0, stream_id, arg)
-            await self._sendmsg_all([header, *pieces])
-            return
+            return [fr.HEADER.pack(length, fr.DATA, flags, 0, stream_id, arg), *pieces]
         wview = self._wview
         fr.HEADER.pack_into(self._wbuf, 0, length, fr.DATA, flags, 0, stream_id, arg)
         if len(pieces) == 1:
@@ -638,24 +673,39 @@ class TcpConnection(Connection):
             plain = self._gview[:length]
         end = fr.HEADER_SIZE + length + fr.TAG_SIZE
         self._sealer.seal_into(wview[: fr.HEADER_SIZE], plain, wview[fr.HEADER_SIZE : end])
-        await self._loop.sock_sendall(self._sock, wview[:end])
-        self._last_send = time.monotonic()
+        return [wview[:end]]
 
-    async def _sendmsg_all(self, buffers: list[Any]) -> None:
+    def _write_now(self, buffers: list[Any]) -> list[memoryview]:
+        """Write what the socket takes without waiting; return what is left."""
         total = sum(len(b) for b in buffers)
         try:
-            sent = self._sock.sendmsg(buffers)
+            sent = self._sock.sendmsg(buffers) if len(buffers) > 1 else self._sock.send(buffers[0])
         except (BlockingIOError, InterruptedError):
             sent = 0
-        if sent < total:
-            for buf in buffers:
-                view = memoryview(buf)
-                if sent >= len(view):
-                    sent -= len(view)
-                    continue
-                await self._loop.sock_sendall(self._sock, view[sent:])
-                sent = 0
         self._last_send = time.monotonic()
+        if sent == total:
+            return []
+        left: list[memoryview] = []
+        for buf in buffers:
+            view = memoryview(buf)
+            if sent >= len(view):
+                sent -= len(view)
+                continue
+            left.append(view[sent:])
+            sent = 0
+        return left
+
+    async def _write_all(self, buffers: list[memoryview]) -> None:
+        for view in buffers:
+            await self._loop.sock_sendall(self._sock, view)
+        self._last_send = time.monotonic()
+
+    async def _finish_write(self, buffers: list[memoryview]) -> None:
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._write_timeout) as timer:
+                await self._write_all(buffers)
+            if timer.cancelled_caught:
+                self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
 
     def _queue_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
         if self._error is not None:
@@ -753,45 +803,41 @@ class TcpConnection(Connection):
             self._pending = 0
 
     # -- the reader ------------------------------------------------------------------------------
+    #
+    # A callback of the event loop (``add_reader``), not a task: it runs as soon as the socket is
+    # readable, reads what it can without blocking, and dispatches every complete record
+    # synchronously. A plaintext payload of a large record is read straight into the message's
+    # buffer (``_direct``); everything else goes through the reusable read buffer.
 
-    async def _fill(self, need: int) -> None:
-        """Make ``need`` unread bytes available in the read buffer."""
-        if self._rpos + need > len(self._rbuf):
-            unread = self._rend - self._rpos
-            self._rview[:unread] = self._rview[self._rpos : self._rend]
-            self._rpos, self._rend = 0, unread
-        while self._rend - self._rpos < need:
-            n = await self._loop.sock_recv_into(self._sock, self._rview[self._rend :])
-            if n == 0:
-                raise ConnectionLost("the peer closed the connection without saying goodbye")
-            self._rend += n
-            self._last_receive = time.monotonic()
-
-    async def _reader(self) -> None:
+    def _on_readable(self) -> None:
         try:
-            await self._read_records()
-        finally:
-            self._reader_done.set()
-
-    async def _read_records(self) -> None:
-        try:
-            while True:
-                await self._fill(fr.HEADER_SIZE)
-                pos = self._rpos
-                length, ftype, flags, reserved, stream_id, arg = fr.HEADER.unpack_from(
-                    self._rbuf, pos
-                )
-                fr.check_header(length, ftype, flags, reserved, self._settings.max_record_size)
-                header = bytes(self._rview[pos : pos + fr.HEADER_SIZE])
-                self._rpos = pos + fr.HEADER_SIZE
-                if ftype == fr.DATA:
-                    await self._on_data(header, stream_id, flags, arg, length)
+            budget = 8 << 20  # then give other callbacks and tasks a turn
+            while budget > 0 and self._reading:
+                direct = self._direct
+                if direct is not None:
+                    target = direct[self._direct_done :]
                 else:
-                    await self._read_payload(header, length, None)
-                    if ftype == fr.GOAWAY:
-                        self._on_goaway(arg)
-                        return
-                    self._on_control(ftype, flags, stream_id, arg)
+                    if self._rpos == self._rend:
+                        self._rpos = self._rend = 0
+                    elif self._rend == len(self._rbuf):
+                        self._compact()
+                    target = self._rview[self._rend :]
+                try:
+                    n = self._sock.recv_into(target)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if n == 0:
+                    raise ConnectionLost("the peer closed the connection without saying goodbye")
+                budget -= n
+                if direct is not None:
+                    self._direct_done += n
+                    if self._direct_done == len(direct):
+                        self._direct = None
+                        self._end_data()
+                else:
+                    self._rend += n
+                    self._process()
+            self._last_receive = time.monotonic()
         except RemoteProtocolError as exc:
             logger.info("dropping %r: protocol error: %s", self, exc)
             self._protocol_error(exc)
@@ -800,43 +846,138 @@ class TcpConnection(Connection):
         except OSError as exc:
             self._fail(ConnectionLost(f"reading from the socket failed: {exc}"))
 
-    def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        if self._error is None:
-            # best effort: tell the peer why, without waiting for anything
-            try:
-                header = fr.HEADER.pack(0, fr.GOAWAY, 0, 0, 0, fr.PROTOCOL_ERROR)
-                if self._sealer is None and not self._write_lock._locked:
-                    self._sock.send(header)
-            except OSError:
-                pass
-        self._fail(ConnectionLost(f"protocol error: {exc}"))
+    def _compact(self) -> None:
+        unread = self._rend - self._rpos
+        self._rview[:unread] = self._rview[self._rpos : self._rend]
+        self._rpos, self._rend = 0, unread
 
-    async def _read_payload(self, header: bytes, length: int, out: memoryview | None) -> None:
-        """Read (and open) one record payload into ``out``, or discard it if ``out`` is None."""
-        if self._opener is None:
-            if out is not None and length > 4096:  # large plaintext: read straight into place
-                have = min(self._rend - self._rpos, length)
-                out[:have] = self._rview[self._rpos : self._rpos + have]
-                self._rpos += have
-                done = have
-                while done < length:
-                    n = await self._loop.sock_recv_into(self._sock, out[done:length])
-                    if n == 0:
-                        raise ConnectionLost("the peer closed the connection mid-record")
-                    done += n
-                    self._last_receive = time.monotonic()
+    def _process(self) -> None:
+        """Dispatch every complete record in the read buffer."""
+        tag = fr.TAG_SIZE if self._opener is not None else 0
+        while self._reading:
+            avail = self._rend - self._rpos
+            if self._record is None:
+                if avail < fr.HEADER_SIZE:
+                    if self._rpos + fr.HEADER_SIZE > len(self._rbuf):
+                        self._compact()
+                    return
+                pos = self._rpos
+                length, ftype, flags, reserved, stream_id, arg = fr.HEADER.unpack_from(
+                    self._rbuf, pos
+                )
+                fr.check_header(length, ftype, flags, reserved, self._settings.max_record_size)
+                header = bytes(self._rview[pos : pos + fr.HEADER_SIZE])
+                self._rpos = pos + fr.HEADER_SIZE
+                avail -= fr.HEADER_SIZE
+                self._record = (header, length, ftype, flags, stream_id, arg)
+                if ftype == fr.DATA:
+                    self._out = self._begin_data(stream_id, flags, arg, length)
+            header, length, ftype, flags, stream_id, arg = self._record
+            out = self._out
+            if (
+                ftype == fr.DATA
+                and out is not None
+                and not tag
+                and length > 4096
+                and avail < length
+            ):
+                out[:avail] = self._rview[self._rpos : self._rend]  # the rest goes straight there
+                self._rpos = self._rend
+                self._direct = out
+                self._direct_done = avail
                 return
-            await self._fill(length)
-            if out is not None:
-                out[:length] = self._rview[self._rpos : self._rpos + length]
-            self._rpos += length
+            sealed = length + tag
+            if avail < sealed:
+                if self._rpos + sealed > len(self._rbuf):
+                    self._compact()
+                return
+            payload = self._rview[self._rpos : self._rpos + sealed]
+            self._rpos += sealed
+            if self._opener is not None:
+                target = out if out is not None else self._scratch_view[:length]
+                self._opener.open_into(header, payload, target)
+            elif out is not None:
+                out[:] = payload
+            if ftype == fr.DATA:
+                self._end_data()
+            elif ftype == fr.GOAWAY:
+                self._record = None
+                self._on_goaway(arg)
+                return
+            else:
+                self._record = None
+                self._on_control(ftype, flags, stream_id, arg)
+
+    def _begin_data(self, stream_id: int, flags: int, arg: int, length: int) -> memoryview | None:
+        """Check a DATA header; return where its payload goes (None: read and drop it)."""
+        stream = self._lookup(stream_id, create=True)
+        self._data_stream = stream
+        settings = self._settings
+        if stream is not None and stream._recv_end and not stream._discarding:
+            raise RemoteProtocolError(f"data after EOF on stream {stream_id}")
+        if flags & fr.FIRST:
+            total = arg
+            if total > settings.max_message_size:
+                raise RemoteProtocolError(
+                    f"a message of {total} bytes exceeds our limit of {settings.max_message_size}"
+                )
+            cost = total + fr.MESSAGE_OVERHEAD
+            large = settings.is_large(total)
+            if stream is None or stream._discarding:
+                if large:
+                    self._queue_control(fr.WINDOW, fr.LARGE_DONE, stream_id, 0)
+                else:
+                    self._credit_back(cost)
+                self._data_stream = None
+                return None
+            if stream._partial is not None:
+                raise RemoteProtocolError(f"a message started inside another on stream {stream_id}")
+            if large:
+                if self._large_active:
+                    raise RemoteProtocolError("the peer sent a large message without credit")
+                self._large_active = True
+            else:
+                if (
+                    stream._buffered + cost > settings.stream_window
+                    or self._buffered + cost > settings.connection_window
+                ):
+                    raise RemoteProtocolError("the peer exceeded its flow-control window")
+                stream._buffered += cost
+                self._buffered += cost
+            # uninitialised and recycled (see _buffers): every byte is written before delivery
+            stream._partial_view = POOL.get(total)
+            stream._partial = stream._partial_view
+            stream._partial_offset = 0
+            stream._partial_cost = cost
+            stream._partial_large = large
+        elif stream is None or stream._discarding:
+            self._data_stream = None
+            return None
+        elif stream._partial is None:
+            raise RemoteProtocolError(f"a message continued that never started on {stream_id}")
+        view = stream._partial_view
+        assert view is not None
+        offset = stream._partial_offset
+        end = offset + length
+        if end > len(view):
+            raise RemoteProtocolError(f"a message on stream {stream_id} overran its size")
+        if bool(flags & fr.LAST) != (end == len(view)):
+            raise RemoteProtocolError(f"a message on stream {stream_id} was framed wrongly")
+        stream._partial_offset = end
+        return view[offset:end]
+
+    def _end_data(self) -> None:
+        """The payload of the current DATA record is in place."""
+        record, stream = self._record, self._data_stream
+        self._record = self._out = self._data_stream = None
+        if stream is None or stream._is_discarding() or record is None:
             return
-        sealed = length + fr.TAG_SIZE
-        await self._fill(sealed)
-        if out is None:
-            out = memoryview(self._scratch)[:length]
-        self._opener.open_into(header, self._rview[self._rpos : self._rpos + sealed], out)
-        self._rpos += sealed
+        if record[3] & fr.LAST:
+            view = stream._partial_view
+            assert view is not None
+            stream._inbox.append((view, stream._partial_cost, stream._partial_large))
+            stream._partial = stream._partial_view = None
+            stream._changed.notify()
 
     def _lookup(self, stream_id: int, *, create: bool) -> TcpStream | None:
         """The stream a record is for; None for a stream already forgotten."""
@@ -864,69 +1005,16 @@ class TcpConnection(Connection):
         self._accept_changed.notify()
         return stream
 
-    async def _on_data(
-        self, header: bytes, stream_id: int, flags: int, arg: int, length: int
-    ) -> None:
-        stream = self._lookup(stream_id, create=True)
-        settings = self._settings
-        if stream is not None and stream._recv_end and not stream._discarding:
-            raise RemoteProtocolError(f"data after EOF on stream {stream_id}")
-        if flags & fr.FIRST:
-            total = arg
-            if total > settings.max_message_size:
-                raise RemoteProtocolError(
-                    f"a message of {total} bytes exceeds our limit of {settings.max_message_size}"
-                )
-            cost = total + fr.MESSAGE_OVERHEAD
-            large = settings.is_large(total)
-            if stream is None or stream._discarding:
-                if large:
-                    self._queue_control(fr.WINDOW, fr.LARGE_DONE, stream_id, 0)
-                else:
-                    self._credit_back(cost)
-                await self._read_payload(header, length, None)
-                return
-            if stream._partial is not None:
-                raise RemoteProtocolError(f"a message started inside another on stream {stream_id}")
-            if large:
-                if self._large_active:
-                    raise RemoteProtocolError("the peer sent a large message without credit")
-                self._large_active = True
-            else:
-                if (
-                    stream._buffered + cost > settings.stream_window
-                    or self._buffered + cost > settings.connection_window
-                ):
-                    raise RemoteProtocolError("the peer exceeded its flow-control window")
-                stream._buffered += cost
-                self._buffered += cost
-            # uninitialised and recycled (see _buffers): every byte is written before delivery
-            stream._partial_view = POOL.get(total)
-            stream._partial = stream._partial_view
-            stream._partial_offset = 0
-            stream._partial_cost = cost
-            stream._partial_large = large
-        elif stream is None or stream._discarding:
-            await self._read_payload(header, length, None)
-            return
-        elif stream._partial is None:
-            raise RemoteProtocolError(f"a message continued that never started on {stream_id}")
-        view = stream._partial_view
-        assert view is not None
-        offset = stream._partial_offset
-        end = offset + length
-        if end > len(view):
-            raise RemoteProtocolError(f"a message on stream {stream_id} overran its size")
-        if bool(flags & fr.LAST) != (end == len(view)):
-            raise RemoteProtocolError(f"a message on stream {stream_id} was framed wrongly")
-        await self._read_payload(header, length, view[offset:end])
-        if stream._is_discarding():  # released (closed, reset) while we were reading
-            return
-        stream._partial_offset = end
-        if flags & fr.LAST:
-            stream._inbox.append((view, stream._partial_cost, stream._partial_large))
-            stream._partial = stream._partial_view = None
-            stream._changed.notify()
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        if self._error is None:
+            # best effort: tell the peer why, without waiting for anything
+            try:
+                header = fr.HEADER.pack(0, fr.GOAWAY, 0, 0, 0, fr.PROTOCOL_ERROR)
+                if self._sealer is None and not self._write_lock._locked:
+                    self._sock.send(header)
+            except OSError:
+                pass
+        self._fail(ConnectionLost(f"protocol error: {exc}"))
 
     def _on_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
         if ftype == fr.PING:

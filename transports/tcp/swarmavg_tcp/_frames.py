@@ -9,7 +9,7 @@ carry a sequence of records::
     | stream u32 | arg u32                               |                       | encrypted |
     +----------------------------------------------------+-----------------------+-----------+
 
-With encryption (the default) the payload is sealed with AES-256-GCM under the key of that
+With encryption (the default) the payload is sealed with AES-128-GCM under the key of that
 direction; the nonce is a per-direction record counter and the header is the associated data, so
 a record cannot be altered, dropped, replayed or reordered without the next ``open`` failing.
 Control records carry an empty payload and still a tag. Without encryption there is no tag: the
@@ -133,7 +133,7 @@ class Settings:
 
 
 class Sealer:
-    """Seals the records of one direction: AES-256-GCM, counter nonces, header as AAD."""
+    """Seals the records of one direction: AES-128-GCM, counter nonces, header as AAD."""
 
     __slots__ = ("_aead", "_nonce", "counter")
 

@@ -10,7 +10,7 @@ then, having read the other HELLO, both derive the session keys and send::
 
 * ``transcript = SHA-256("swarmavg-tcp/1" | initiator HELLO | responder HELLO)``.
 * ``k_i2r | k_r2i = HKDF-SHA256(X25519 secret, salt=transcript, info="swarmavg-tcp/1 keys")``,
-  one AES-256-GCM key per direction; the AUTH record is the first record sealed with it.
+  one AES-128-GCM key per direction; the AUTH record is the first record sealed with it.
 * The signature covers ``"swarmavg-tcp/1 auth" | role | transcript | settings``: it proves the key
   behind the PeerID, binds it to these ephemeral keys (so it cannot be replayed into another
   connection, nor reflected, the role being signed) and to the settings.
@@ -38,6 +38,9 @@ HELLO: Final = struct.Struct("!4sBBH32s")
 HELLO_SIZE: Final = HELLO.size  # 40
 FLAG_PLAINTEXT: Final = 1
 AUTH_SIZE: Final = 32 + 64 + SETTINGS_SIZE
+#: AES-128-GCM, as TLS 1.3's mandatory suite: a third faster than AES-256 here, and 128-bit
+#: keys fresh for every connection are far beyond reach.
+KEY_SIZE: Final = 16
 
 _PROTOCOL: Final = b"swarmavg-tcp/1"
 
@@ -93,11 +96,11 @@ class Handshake:
             raise RemoteProtocolError("invalid ephemeral key") from None
         keys = HKDF(
             algorithm=hashes.SHA256(),
-            length=64,
+            length=2 * KEY_SIZE,
             salt=self._transcript,
             info=_PROTOCOL + b" keys",
         ).derive(shared)
-        i2r, r2i = keys[:32], keys[32:]
+        i2r, r2i = keys[:KEY_SIZE], keys[KEY_SIZE:]
         send_key, recv_key = (i2r, r2i) if self.is_initiator else (r2i, i2r)
         if self.encrypted:
             self.send_sealer = Sealer(send_key)

@@ -56,7 +56,7 @@ class TcpTransport(Transport):
     """Authenticated, encrypted, multiplexed TCP (``tcp://host:port/p/<peer-id>``).
 
     :param identity: our key pair; peers see its PeerID.
-    :param encryption: encrypt data with AES-256-GCM (the default). ``False`` keeps mutual
+    :param encryption: encrypt data with AES-128-GCM (the default). ``False`` keeps mutual
         authentication but sends data in the clear, for trusted networks; a connection is
         encrypted unless *both* ends turned it off.
     :param max_message_size: largest message we accept, in bytes.
