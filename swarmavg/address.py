@@ -17,6 +17,7 @@ hivemind/libp2p-style multiaddrs are accepted wherever an address is, e.g.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, replace
 from typing import Final
@@ -61,6 +62,10 @@ class Address:
             return value
         if not isinstance(value, str):
             raise TypeError(f"an address must be a str, not {type(value).__name__}")
+        return _parse_text(value)
+
+    @classmethod
+    def _parse_text(cls, value: str) -> Address:
         text = value.strip()
         if not text or len(text) > _MAX_ADDRESS_LEN:
             raise ValueError(f"invalid address {value[:80]!r}")
@@ -189,3 +194,9 @@ def _normalize_host(host: str) -> str:
     if not host or len(host) > 253 or not all(c.isalnum() or c in "-._" for c in host):
         raise ValueError(f"invalid host {host!r}")
     return host
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_text(value: str) -> Address:
+    """Parsing is pure and addresses are immutable: the peers a node talks to repeat."""
+    return Address._parse_text(value)

@@ -47,13 +47,14 @@ import enum
 import inspect
 import logging
 import math
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from contextlib import AbstractContextManager, asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from swarmavg.abc import Stream
 from swarmavg.address import Address
@@ -205,9 +206,10 @@ class StreamingCall(Generic[Req, Resp]):
         self._finished = False
         self._done_sending = False
 
-    def _scope(self) -> AbstractContextManager[anyio.CancelScope]:
-        remaining = self._deadline - anyio.current_time()
-        return anyio.fail_after(remaining if math.isfinite(remaining) else None)
+    def _scope(self) -> AbstractContextManager[object]:
+        if math.isinf(self._deadline):
+            return _NO_SCOPE
+        return anyio.fail_after(self._deadline - anyio.current_time())
 
     async def _send(self, msg: Message) -> None:
         try:
@@ -312,7 +314,7 @@ class RPC:
         self._node = node
         self._methods: dict[str, _Method] = {}
         self._per_peer = max_concurrent_calls_per_peer
-        self._limiters: dict[PeerID, tuple[anyio.CapacityLimiter, int]] = {}
+        self._slots: dict[PeerID, _Slots] = {}
 
     # -- registration --------------------------------------------------------------------------
 
@@ -388,8 +390,11 @@ class RPC:
         deadline = anyio.current_time() + budget
         kind = RPCKind(kind)
         try:
-            with anyio.fail_after(None if math.isinf(budget) else budget):
+            if math.isinf(budget):
                 stream = await self._open_stream(peer)
+            else:
+                with anyio.fail_after(budget):
+                    stream = await self._open_stream(peer)
         except TimeoutError:
             raise RPCTimeout(f"opening call {method!r} timed out after {timeout} s") from None
         try:
@@ -543,31 +548,25 @@ class RPC:
         budget = header.timeout or math.inf
         ctx = CallContext(peer_id, method.name, anyio.current_time() + budget)
         failure: CallFailed | None = None
-        limiter = self._acquire_limiter(peer_id)
+        slots = self._slots.get(peer_id)
+        if slots is None:
+            slots = self._slots[peer_id] = _Slots(self._per_peer)
+        slots.users += 1
         try:
-            with anyio.move_on_at(ctx.deadline) as scope:
-                async with limiter:
+            with anyio.move_on_at(ctx.deadline) as scope:  # a no-op scope without a deadline
+                await slots.acquire()
+                try:
                     failure = await self._run(method, stream, ctx)
+                finally:
+                    slots.release()
             if scope.cancelled_caught:
                 failure = CallFailed("timeout", "", f"deadline of {header.timeout} s exceeded")
         finally:
-            self._release_limiter(peer_id)
+            slots.users -= 1
+            if not slots.users:
+                del self._slots[peer_id]
         if failure is not None:
             await self._fail(stream, failure.code, failure.error_type, failure.message)
-
-    def _acquire_limiter(self, peer_id: PeerID) -> anyio.CapacityLimiter:
-        limiter, users = self._limiters.get(peer_id, (None, 0))
-        if limiter is None:
-            limiter = anyio.CapacityLimiter(self._per_peer)
-        self._limiters[peer_id] = (limiter, users + 1)
-        return limiter
-
-    def _release_limiter(self, peer_id: PeerID) -> None:
-        limiter, users = self._limiters[peer_id]
-        if users <= 1:
-            del self._limiters[peer_id]
-        else:
-            self._limiters[peer_id] = (limiter, users - 1)
 
     async def _run(self, method: _Method, stream: Stream, ctx: CallContext) -> CallFailed | None:
         """Run the handler of one call and send its responses; return the failure to report.
@@ -589,20 +588,25 @@ class RPC:
                 return CallFailed("bad_request", "", str(exc))
             except _GONE:
                 return None
-        send_requests, receive_requests = anyio.create_memory_object_stream[Message](0)
-        with send_requests, receive_requests:
+        send_requests: MemoryObjectSendStream[Message] | None = None
+        receive_requests: MemoryObjectReceiveStream[Message] | None = None
+        if streaming:
+            send_requests, receive_requests = anyio.create_memory_object_stream[Message](0)
+        try:
             async with anyio.create_task_group() as tg:
+                scope = tg.cancel_scope
+                reader_done = anyio.Event()
                 tg.start_soon(
-                    self._read_caller,
-                    stream,
-                    method,
-                    send_requests if streaming else None,
-                    fail,
-                    tg.cancel_scope,
+                    self._read_caller, stream, method, send_requests, fail, scope, reader_done
                 )
                 try:
                     arg = receive_requests if streaming else request
                     await self._invoke(method, stream, ctx, arg)
+                    # Done: end our direction, then let the reader see the caller leave on its
+                    # own (cheaper than cancelling it), within a bound.
+                    await stream.send_eof()
+                    with anyio.move_on_after(_LINGER):
+                        await reader_done.wait()
                 except _CallerGone as exc:
                     logger.debug(
                         "call %r from %s: the caller left: %s", ctx.method, ctx.peer_id, exc
@@ -614,6 +618,10 @@ class RPC:
                     fail("handler_error", type(exc).__name__, str(exc))
                 finally:
                     tg.cancel_scope.cancel()  # stop reading the caller's side
+        finally:
+            if send_requests is not None and receive_requests is not None:
+                send_requests.close()
+                receive_requests.close()
         return failures[0] if failures else None
 
     async def _invoke(self, method: _Method, stream: Stream, ctx: CallContext, arg: object) -> None:
@@ -645,6 +653,7 @@ class RPC:
         requests: MemoryObjectSendStream[Message] | None,
         fail: Callable[[str, str, str], None],
         scope: anyio.CancelScope,
+        done: anyio.Event,
     ) -> None:
         """Read the caller's side of the stream until the call ends, then cancel ``scope``.
 
@@ -672,6 +681,7 @@ class RPC:
             fail("bad_request", "", f"undecodable request: {exc}")
         except (anyio.EndOfStream, *_GONE):
             pass  # the caller left, or the handler has finished and stopped taking requests
+        done.set()
         scope.cancel()
 
     async def _receive_request(self, stream: Stream, method: _Method) -> Message:
@@ -716,6 +726,44 @@ class RPC:
                 except (SwarmError, *_GONE):
                     pass
                 return
+
+
+_NO_SCOPE: Final = nullcontext()
+#: After answering, how long a callee waits for the caller to close the call before it stops
+#: watching (a caller closes at once; this only bounds a misbehaving one).
+_LINGER: Final = 10.0
+
+
+class _Slots:
+    """Per-peer call slots: a FIFO semaphore that does not yield when a slot is free."""
+
+    __slots__ = ("free", "users", "waiters")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self.users = 0  # calls holding or waiting for a slot
+        self.waiters: deque[anyio.Event] = deque()
+
+    async def acquire(self) -> None:
+        if self.free and not self.waiters:
+            self.free -= 1
+            return
+        event = anyio.Event()
+        self.waiters.append(event)
+        try:
+            await event.wait()
+        except BaseException:
+            if event.is_set():  # a slot was handed to us as we were cancelled: pass it on
+                self.release()
+            else:
+                self.waiters.remove(event)
+            raise
+
+    def release(self) -> None:
+        if self.waiters:
+            self.waiters.popleft().set()  # hand the slot over
+        else:
+            self.free += 1
 
 
 class _BadRequest(Exception):

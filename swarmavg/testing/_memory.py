@@ -56,13 +56,16 @@ class _Signal:
     __slots__ = ("_event",)
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None  # made only when someone waits
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
         await self._event.wait()
 
 

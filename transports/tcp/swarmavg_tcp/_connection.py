@@ -79,13 +79,16 @@ class _Signal:
     __slots__ = ("_event",)
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None  # made only when someone waits
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
         await self._event.wait()
 
 
@@ -182,15 +185,13 @@ class TcpStream(Stream):
         self._stopped = False  # the peer reads nothing more: sends are dropped
         self._reset_by_peer = False
         self._closed = False  # aclose() or abort() called
+        self._attributes = {**conn._attributes, StreamAttribute.stream_id: lambda: self.id}
 
     # -- attributes ------------------------------------------------------------------------------
 
     @property
     def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
-        return {
-            **self._conn.extra_attributes,
-            StreamAttribute.stream_id: lambda: self.id,
-        }
+        return self._attributes  # built once: extra() looks attributes up on every call
 
     @property
     def max_message_size(self) -> int:
@@ -411,7 +412,7 @@ class TcpConnection(Connection):
         self._wview = memoryview(self._wbuf)
         self._gbuf = bytearray(peer_settings.max_record_size)  # joins small parts of a record
         self._gview = memoryview(self._gbuf)
-        self._cbuf = bytearray()
+        self._pending_out: list[bytes] = []  # the rest of a control write, for the writer
         # receiving
         rtag = fr.TAG_SIZE if opener is not None else 0
         self._rbuf = bytearray(max(2 * (fr.HEADER_SIZE + settings.max_record_size + rtag), 1 << 20))
@@ -425,6 +426,7 @@ class TcpConnection(Connection):
         self._data_stream: TcpStream | None = None
         self._direct: memoryview | None = None
         self._direct_done = 0
+        self._bulk = False  # the last record was read straight into place
         self._buffered = 0
         self._pending = 0
         self._large_active = False
@@ -439,11 +441,15 @@ class TcpConnection(Connection):
         self._scope: anyio.CancelScope | None = None
         self._reader_done = anyio.Event()
         self._counted_incoming = False  # the transport counts it against its incoming limits
+        self._attributes = self._make_attributes()
 
     # -- public API ------------------------------------------------------------------------------
 
     @property
     def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
+        return self._attributes
+
+    def _make_attributes(self) -> dict[Any, Callable[[], Any]]:
         return {
             ConnectionAttribute.peer_id: lambda: self._peer_id,
             ConnectionAttribute.remote_address: lambda: self._remote_address,
@@ -708,37 +714,59 @@ class TcpConnection(Connection):
                 self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
 
     def _queue_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
+        """Send a control record: at once if the socket is free, else by the control writer."""
         if self._error is not None:
             return
         self._control.append((ftype, flags, stream_id, arg))
-        self._control_changed.notify()
-
-    async def _flush_control(self) -> None:
-        """Write every queued control record (the caller holds the write lock)."""
-        control, self._control = self._control, []
-        if not control:
+        if not self._write_lock.try_acquire():
+            self._control_changed.notify()
             return
-        buf = self._cbuf
-        del buf[:]
-        tag = fr.TAG_SIZE if self._sealer is not None else 0
+        try:
+            left = self._write_now([self._compose_control()])
+        except OSError as exc:
+            self._write_lock.release()
+            self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+            return
+        if left:  # the control writer finishes it, holding the lock meanwhile
+            self._pending_out = [bytes(view) for view in left]
+            self._control_changed.notify()
+        else:
+            self._write_lock.release()
+
+    def _compose_control(self) -> bytearray:
+        """The queued control records, sealed, as one buffer (empties the queue)."""
+        control, self._control = self._control, []
+        buf = bytearray()
         for ftype, flags, stream_id, arg in control:
             header = fr.HEADER.pack(0, ftype, flags, 0, stream_id, arg)
             buf += header
             if self._sealer is not None:
                 start = len(buf)
-                buf += bytes(tag)
+                buf += bytes(fr.TAG_SIZE)
                 self._sealer.seal_into(header, memoryview(b""), memoryview(buf)[start:])
-        await self._loop.sock_sendall(self._sock, buf)
-        self._last_send = time.monotonic()
+        return buf
+
+    async def _flush_control(self) -> None:
+        """Write every queued control record (the caller holds the write lock)."""
+        if self._control:
+            left = self._write_now([self._compose_control()])
+            if left:
+                await self._write_all(left)
 
     async def _control_writer(self) -> None:
         while self._error is None:
-            if not self._control:
+            pending = self._pending_out
+            if not pending and not self._control:
                 await self._control_changed.wait()
                 continue
-            await self._write_lock.acquire()
+            if pending:  # _queue_control left us the lock and the rest of its write
+                self._pending_out = []
+            else:
+                await self._write_lock.acquire()
             try:
                 with anyio.move_on_after(self._write_timeout) as timer:
+                    if pending:
+                        await self._write_all([memoryview(b) for b in pending])
                     await self._flush_control()
             except OSError as exc:
                 self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
@@ -819,9 +847,14 @@ class TcpConnection(Connection):
                 else:
                     if self._rpos == self._rend:
                         self._rpos = self._rend = 0
-                    elif self._rend == len(self._rbuf):
-                        self._compact()
-                    target = self._rview[self._rend :]
+                        # after a bulk record, read just the next header: its payload most
+                        # likely goes straight into a message buffer, not through ours
+                        end = fr.HEADER_SIZE if self._bulk else len(self._rbuf)
+                    else:
+                        if self._rend == len(self._rbuf):
+                            self._compact()
+                        end = len(self._rbuf)
+                    target = self._rview[self._rend : end]
                 try:
                     n = self._sock.recv_into(target)
                 except (BlockingIOError, InterruptedError):
@@ -833,6 +866,7 @@ class TcpConnection(Connection):
                     self._direct_done += n
                     if self._direct_done == len(direct):
                         self._direct = None
+                        self._bulk = True
                         self._end_data()
                 else:
                     self._rend += n
@@ -881,6 +915,7 @@ class TcpConnection(Connection):
                 and length > 4096
                 and avail < length
             ):
+                self._bulk = True
                 out[:avail] = self._rview[self._rpos : self._rend]  # the rest goes straight there
                 self._rpos = self._rend
                 self._direct = out
@@ -893,6 +928,7 @@ class TcpConnection(Connection):
                 return
             payload = self._rview[self._rpos : self._rpos + sealed]
             self._rpos += sealed
+            self._bulk = False
             if self._opener is not None:
                 target = out if out is not None else self._scratch_view[:length]
                 self._opener.open_into(header, payload, target)

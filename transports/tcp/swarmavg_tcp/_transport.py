@@ -231,6 +231,8 @@ class TcpTransport(Transport):
     ) -> TcpConnection:
         loop = asyncio.get_running_loop()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         hs = Handshake(
             self.identity,
             is_initiator=is_initiator,
