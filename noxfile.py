@@ -30,7 +30,10 @@ LOCKSTEP = ["-e", "transports/tcp"]
 
 def _install(session: nox.Session, extras: str = "test") -> None:
     session.install(TORCH)
-    session.install(*LOCKSTEP, "-e", f".[{extras}]")
+    # ``-e .`` before ``-e .[extras]``: pip 23's resolver does not let an editable requirement
+    # *with extras* satisfy the plain ``swarmavg==X`` that swarmavg-tcp pins, and fails with
+    # "No matching distribution found for swarmavg" unless the plain one is named too.
+    session.install(*LOCKSTEP, "-e", ".", "-e", f".[{extras}]")
 
 
 @nox.session(python=PYTHON)

@@ -1,6 +1,6 @@
 """Transport and runtime benchmarks, each printed beside a reference measured in the same run.
 
-    python benchmarks/transport.py [--quick] [--json results.json]
+    python benchmarks/transport.py [--quick] [--json results.json] [--no-tcp]
 
 Rows:
 - memory bulk: one stream of the in-process MemoryTransport, 1 MiB messages from a mutable buffer
@@ -9,6 +9,11 @@ Rows:
 - memory unary round trip: a 64-byte message there and back over one stream.
 - sync handle no-op: one call through swarmavg's event-loop thread, beside a plain
   ``asyncio.run_coroutine_threadsafe(...).result()`` on a bare loop thread. Target: <= 2x.
+- tcp (unless ``--no-tcp``; see ``_tcp_bench.py``): two processes on loopback. Bulk 1 GiB in
+  1 MiB messages over raw asyncio sockets (reference A) and over our TCP transport, encrypted
+  (target >= 0.6x A) and plain (>= 0.8x A), with CPU s/GB and peak RSS of each side as footnotes;
+  a 64-byte raw asyncio ping-pong (reference B) and a unary RPC over our encrypted transport
+  (target <= 4x B and <= 250 µs). Rows that could not be measured carry an ``error``.
 """
 
 from __future__ import annotations
@@ -165,8 +170,34 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _tcp_rows(quick: bool) -> list[dict[str, Any]]:
+    from _tcp_bench import measure
+
+    return measure(quick)
+
+
+def _footnote(row: dict[str, Any]) -> str | None:
+    """A row's error, or its CPU and memory figures, if it has any."""
+    if "error" in row:
+        return f"  {row['name']!r} not measured: {row['error']}"
+    if "cpu_s_per_gb_client" not in row:
+        return None
+    lifetime = "" if row.get("client_rss_reset", True) else " (client: process lifetime peak)"
+
+    def rss(side: str) -> str:
+        start = row.get(f"start_rss_mib_{side}")
+        before = f" ({start:.0f} before)" if start is not None else ""
+        return f"{row[f'peak_rss_mib_{side}']:.0f} MiB{before}"
+
+    return (
+        f"  {row['name']!r}: CPU s/GB client {row['cpu_s_per_gb_client']:.3f}, "
+        f"server {row['cpu_s_per_gb_server']:.3f}; peak RSS client {rss('client')}, "
+        f"server {rss('server')}{lifetime}"
+    )
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'benchmark':52} {'ours':>10} {'reference':>10} {'ratio':>7}  {'target':16} ok"
+    header = f"{'benchmark':52} {'ours':>10} {'reference':>10} {'ratio':>7}  {'target':20} ok"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -174,22 +205,34 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         ref_text = f"{ref:.2f}" if ref is not None else ""
         ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
         ok = "" if "ok" not in row else ("yes" if row["ok"] else "NO")
-        ours = f"{row['ours']:.2f} {row['unit']}"
+        ours = f"{row['ours']:.2f} {row['unit']}" if "ours" in row else "error"
         print(
             f"{row['name']:52} {ours:>10} {ref_text:>10} {ratio_text:>7}  "
-            f"{row.get('target', ''):16} {ok}"
+            f"{row.get('target', ''):20} {ok}"
         )
     for row in rows:
         if "reference_name" in row:
             print(f"  reference for {row['name']!r}: {row['reference_name']}")
+    for row in rows:
+        note = _footnote(row)
+        if note:
+            print(note)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller transfers, fewer samples")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--tcp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the two-process loopback TCP rows (default: on)",
+    )
     args = parser.parse_args()
     rows = run(args.quick)
+    if args.tcp:
+        rows += _tcp_rows(args.quick)
     _print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

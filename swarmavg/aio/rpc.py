@@ -47,6 +47,7 @@ import enum
 import inspect
 import logging
 import math
+import struct
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
@@ -70,7 +71,7 @@ from swarmavg.errors import (
     SwarmError,
 )
 from swarmavg.identity import PeerID
-from swarmavg.proto import Message, decode_message, encode_message, message
+from swarmavg.proto import Message, decode_message, encode_message, encoded_size, message
 
 if TYPE_CHECKING:
     from swarmavg.aio.node import Node
@@ -210,6 +211,24 @@ class StreamingCall(Generic[Req, Resp]):
         if math.isinf(self._deadline):
             return _NO_SCOPE
         return anyio.fail_after(self._deadline - anyio.current_time())
+
+    async def _send_opening(self, header: CallHeader, first: Message | None) -> None:
+        """Send the opening message: ``u32 header size | CallHeader | [first request]``."""
+        limit = self._stream.max_message_size
+        parts = encode_message(header, max_size=limit)
+        prefix = _OPENING_PREFIX.pack(encoded_size(parts))
+        if first is not None:
+            parts += encode_message(first, max_size=limit)
+        size = sum(len(memoryview(p)) for p in parts) + _OPENING_PREFIX.size
+        if size > limit:
+            raise MessageTooLarge(f"the request needs {size} bytes; the peer takes {limit}")
+        try:
+            with self._scope():
+                await self._stream.send(prefix, *parts)
+        except TimeoutError:
+            raise self._timed_out() from None
+        except (StreamReset, ConnectionLost) as exc:
+            raise self._interrupted(exc) from exc
 
     async def _send(self, msg: Message) -> None:
         try:
@@ -386,6 +405,21 @@ class RPC:
         :raises RPCTimeout: if the call cannot even be opened within ``timeout``.
         :raises ValueError: if ``timeout`` is not a positive number of seconds or ``None``.
         """
+        async with self._open_call(peer, method, kind, response_type, timeout, None) as call:
+            yield call
+
+    @asynccontextmanager
+    async def _open_call(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        kind: RPCKind | str,
+        response_type: type[Resp] | None,
+        timeout: float | None,
+        first: Message | None,
+    ) -> AsyncIterator[StreamingCall[Message, Resp]]:
+        """:meth:`open`, sending ``first`` (the request of a unary or server-stream call) in
+        the opening message, with the header: one message, one write, one read."""
         budget = _timeout_budget(timeout)
         deadline = anyio.current_time() + budget
         kind = RPCKind(kind)
@@ -404,7 +438,7 @@ class RPC:
             # the budget left once connected; positive (0 means "none"): if it is all spent,
             # sending the header times out right away
             left = max(deadline - anyio.current_time(), 1e-9) if math.isfinite(budget) else 0.0
-            await call._send(CallHeader(method, kind.value, left))
+            await call._send_opening(CallHeader(method, kind.value, left), first)
             yield call
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -432,10 +466,9 @@ class RPC:
         :raises MessageTooLarge: if ``request`` is too large for one message (nothing is sent).
         :raises ConnectError: if the peer cannot be reached.
         """
-        async with self.open(
-            peer, method, kind=RPCKind.UNARY, response_type=response_type, timeout=timeout
+        async with self._open_call(
+            peer, method, RPCKind.UNARY, response_type, timeout, request
         ) as call:
-            await call.send(request)
             try:
                 return await call.receive()
             except StopAsyncIteration:
@@ -461,10 +494,9 @@ class RPC:
         Leaving the block before the last response cancels the remote handler. Raises as
         :meth:`call` does.
         """
-        async with self.open(
-            peer, method, kind=RPCKind.SERVER_STREAM, response_type=response_type, timeout=timeout
+        async with self._open_call(
+            peer, method, RPCKind.SERVER_STREAM, response_type, timeout, request
         ) as call:
-            await call.send(request)
             yield call
 
     async def client_stream(
@@ -521,15 +553,19 @@ class RPC:
         """
         try:
             with anyio.fail_after(_HEADER_TIMEOUT):
-                header = await _receive_message(stream)
+                opening = await stream.receive()
+            header, rest = _decode_opening(opening, stream.max_message_size)
         except (TimeoutError, anyio.EndOfStream, RemoteProtocolError, *_GONE) as exc:
             logger.debug("dropping a stream from %s without a valid call header: %r", peer_id, exc)
             await stream.abort()
             return
-        if not isinstance(header, CallHeader):
-            logger.debug("dropping a stream from %s: %s is not a call header", peer_id, header)
-            await stream.abort()
-            return
+        first: Message | None = None
+        if rest:
+            try:
+                first = decode_message(rest, max_size=stream.max_message_size)
+            except RemoteProtocolError as exc:
+                await self._fail(stream, "bad_request", "", f"undecodable request: {exc}")
+                return
         method = self._methods.get(header.method)
         if method is None:
             await self._fail(stream, "unknown_method", "", f"no method {header.method!r} here")
@@ -556,7 +592,7 @@ class RPC:
             with anyio.move_on_at(ctx.deadline) as scope:  # a no-op scope without a deadline
                 await slots.acquire()
                 try:
-                    failure = await self._run(method, stream, ctx)
+                    failure = await self._run(method, stream, ctx, first)
                 finally:
                     slots.release()
             if scope.cancelled_caught:
@@ -568,7 +604,9 @@ class RPC:
         if failure is not None:
             await self._fail(stream, failure.code, failure.error_type, failure.message)
 
-    async def _run(self, method: _Method, stream: Stream, ctx: CallContext) -> CallFailed | None:
+    async def _run(
+        self, method: _Method, stream: Stream, ctx: CallContext, first: Message | None
+    ) -> CallFailed | None:
         """Run the handler of one call and send its responses; return the failure to report.
 
         Returns ``None`` when the call succeeded or the caller went away (nobody to tell).
@@ -583,7 +621,10 @@ class RPC:
         request: Message | None = None
         if not streaming:
             try:
-                request = await self._receive_request(stream, method)
+                if first is not None:
+                    request = self._check_request(method, first)
+                else:
+                    request = await self._receive_request(stream, method)
             except _BadRequest as exc:
                 return CallFailed("bad_request", "", str(exc))
             except _GONE:
@@ -596,15 +637,27 @@ class RPC:
             async with anyio.create_task_group() as tg:
                 scope = tg.cancel_scope
                 reader_done = anyio.Event()
+                handler_done = anyio.Event()  # answered: the reader just waits for the caller
                 tg.start_soon(
-                    self._read_caller, stream, method, send_requests, fail, scope, reader_done
+                    self._read_caller,
+                    stream,
+                    method,
+                    send_requests,
+                    fail,
+                    scope,
+                    reader_done,
+                    first if streaming else None,
+                    handler_done,
                 )
                 try:
                     arg = receive_requests if streaming else request
                     await self._invoke(method, stream, ctx, arg)
-                    # Done: end our direction, then let the reader see the caller leave on its
-                    # own (cheaper than cancelling it), within a bound.
-                    await stream.send_eof()
+                    handler_done.set()
+                    # Done: end our direction where responses are streamed (a unary or
+                    # client-stream caller stops at the one response), then let the reader see
+                    # the caller leave on its own (cheaper than cancelling it), within a bound.
+                    if method.kind in (RPCKind.SERVER_STREAM, RPCKind.BIDI):
+                        await stream.send_eof()
                     with anyio.move_on_after(_LINGER):
                         await reader_done.wait()
                 except _CallerGone as exc:
@@ -617,7 +670,8 @@ class RPC:
                     logger.warning("handler of %r failed for %s: %r", ctx.method, ctx.peer_id, exc)
                     fail("handler_error", type(exc).__name__, str(exc))
                 finally:
-                    tg.cancel_scope.cancel()  # stop reading the caller's side
+                    if not reader_done.is_set():
+                        tg.cancel_scope.cancel()  # stop reading the caller's side
         finally:
             if send_requests is not None and receive_requests is not None:
                 send_requests.close()
@@ -654,6 +708,8 @@ class RPC:
         fail: Callable[[str, str, str], None],
         scope: anyio.CancelScope,
         done: anyio.Event,
+        first: Message | None,
+        finished: anyio.Event,
     ) -> None:
         """Read the caller's side of the stream until the call ends, then cancel ``scope``.
 
@@ -666,6 +722,8 @@ class RPC:
         try:
             if requests is not None:
                 async with requests:  # closing it ends the handler's iteration
+                    if first is not None:
+                        await requests.send(self._check_request(method, first))
                     while not isinstance(msg := await _receive_message(stream), EndOfRequests):
                         await requests.send(self._check_request(method, msg))
             end_seen = requests is not None
@@ -681,8 +739,9 @@ class RPC:
             fail("bad_request", "", f"undecodable request: {exc}")
         except (anyio.EndOfStream, *_GONE):
             pass  # the caller left, or the handler has finished and stopped taking requests
+        if not finished.is_set():
+            scope.cancel()  # the handler is still at work: stop it (cancelling costs, so only then)
         done.set()
-        scope.cancel()
 
     async def _receive_request(self, stream: Stream, method: _Method) -> Message:
         try:
@@ -729,6 +788,27 @@ class RPC:
 
 
 _NO_SCOPE: Final = nullcontext()
+#: The opening message of a call starts with the size of its CallHeader.
+_OPENING_PREFIX: Final = struct.Struct("!I")
+
+
+def _decode_opening(data: memoryview, max_size: int) -> tuple[CallHeader, memoryview]:
+    """Split a call's opening message into its header and the request it may carry (raw).
+
+    :raises RemoteProtocolError: if it is not ``u32 size | CallHeader | [request]``.
+    """
+    if len(data) < _OPENING_PREFIX.size:
+        raise RemoteProtocolError("truncated call opening")
+    (size,) = _OPENING_PREFIX.unpack_from(data)
+    end = _OPENING_PREFIX.size + size
+    if end > len(data):
+        raise RemoteProtocolError("call header overruns the opening message")
+    header = decode_message(data[_OPENING_PREFIX.size : end], max_size=max_size)
+    if not isinstance(header, CallHeader):
+        raise RemoteProtocolError(f"a call must open with a header, not {type(header).__name__}")
+    return header, data[end:]
+
+
 #: After answering, how long a callee waits for the caller to close the call before it stops
 #: watching (a caller closes at once; this only bounds a misbehaving one).
 _LINGER: Final = 10.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ from swarmavg.proto import Message, decode_message, encode_message_bytes, messag
 from swarmavg.testing import MemoryNetwork, MemoryTransport
 
 pytestmark = pytest.mark.anyio
+
+
+def _opening(header: Message, *requests: Message) -> bytes:
+    """A call's opening message as the RPC layer writes it: u32 header size, header, request."""
+    head = encode_message_bytes(header)
+    return struct.pack("!I", len(head)) + head + b"".join(map(encode_message_bytes, requests))
 
 
 @message("test.rpc.num")
@@ -489,8 +496,7 @@ async def test_callee_enforces_the_deadline_it_was_sent() -> None:
         blocker = _serve_blocker(server)
         with anyio.fail_after(5):
             stream = await client.open_stream(server.addresses[0])
-            await stream.send(encode_message_bytes(CallHeader("block", "unary", 0.2)))
-            await stream.send(encode_message_bytes(Num(0)))
+            await stream.send(_opening(CallHeader("block", "unary", 0.2), Num(0)))
             failed = decode_message(await stream.receive())  # we never give up: the callee does
             assert isinstance(failed, CallFailed)
             assert failed.code == "timeout"
@@ -501,8 +507,7 @@ async def test_callee_enforces_the_deadline_it_was_sent() -> None:
             call: StreamingCall[Message, Message] = StreamingCall(
                 stream, "block", None, math.inf, 0.2
             )
-            await call.send(CallHeader("block", "unary", 0.2))
-            await call.send(Num(0))
+            await call._send_opening(CallHeader("block", "unary", 0.2), Num(0))
             with pytest.raises(RPCTimeout):
                 await call.receive()
             await stream.aclose()
@@ -836,11 +841,12 @@ async def test_garbage_streams_are_aborted_and_the_node_keeps_serving(
             await stream.send(b"\x00\x00\x00\x05junk!")
             with pytest.raises(StreamReset):
                 await stream.receive()
-            # a valid message that is not a call header
-            stream = await client.open_stream(address)
-            await stream.send(encode_message_bytes(Num(1)))
-            with pytest.raises(StreamReset):
-                await stream.receive()
+            # a valid message that is not a call opening, or one that opens with no header
+            for opening in (encode_message_bytes(Num(1)), _opening(Num(1))):
+                stream = await client.open_stream(address)
+                await stream.send(opening)
+                with pytest.raises(StreamReset):
+                    await stream.receive()
             # a stream that ends, or stays silent, before its header
             stream = await client.open_stream(address)
             await stream.send_eof()
@@ -849,16 +855,22 @@ async def test_garbage_streams_are_aborted_and_the_node_keeps_serving(
             stream = await client.open_stream(address)
             with pytest.raises(StreamReset):
                 await stream.receive()
-            # a valid header followed by garbage fails that call as a bad request
+            # a valid header followed by garbage fails that call as a bad request, whether the
+            # garbage comes in the opening message or after it
             stream = await client.open_stream(address)
-            await stream.send(encode_message_bytes(CallHeader("double", "unary", 0.0)))
+            await stream.send(_opening(CallHeader("double", "unary", 0.0)), b"\xff" * 16)
+            failed = decode_message(await stream.receive())
+            assert isinstance(failed, CallFailed)
+            assert failed.code == "bad_request"
+            stream = await client.open_stream(address)
+            await stream.send(_opening(CallHeader("double", "unary", 0.0)))
             await stream.send(b"\xff" * 16)
             failed = decode_message(await stream.receive())
             assert isinstance(failed, CallFailed)
             assert failed.code == "bad_request"
             # an invalid deadline is refused
             stream = await client.open_stream(address)
-            await stream.send(encode_message_bytes(CallHeader("double", "unary", -1.0)))
+            await stream.send(_opening(CallHeader("double", "unary", -1.0)))
             failed = decode_message(await stream.receive())
             assert isinstance(failed, CallFailed)
             assert failed.code == "bad_request"

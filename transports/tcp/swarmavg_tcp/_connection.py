@@ -73,6 +73,10 @@ _OWN_RECORD: Final = 64 << 10
 _MAX_STREAM_ID: Final = (1 << 32) - 1
 
 
+#: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
+_IOV_BATCH = 512
+
+
 class _Signal:
     """A re-armable broadcast: ``wait()`` returns at the next ``notify()``."""
 
@@ -232,7 +236,6 @@ class TcpStream(Stream):
             self._end_sending(announce=True)
         finally:
             self._send_lock.release()
-        await anyio.lowlevel.checkpoint()
 
     def _end_sending(self, *, announce: bool) -> None:
         """Send our EOF (``announce``: even if the peer does not know the stream yet)."""
@@ -292,7 +295,6 @@ class TcpStream(Stream):
             finally:
                 self._send_lock.release()
         self._maybe_forget()
-        await anyio.lowlevel.checkpoint()
 
     async def abort(self) -> None:
         if self._closed:
@@ -307,7 +309,6 @@ class TcpStream(Stream):
                 self._conn._queue_control(fr.RESET, 0, self.id, fr.CANCELLED)
         self._recv_end = True  # a RESET ends both directions at once
         self._maybe_forget()
-        await anyio.lowlevel.checkpoint()
 
     def _maybe_forget(self) -> None:
         if (self._sent_end and self._recv_end) or (not self._announced and self._closed):
@@ -413,6 +414,7 @@ class TcpConnection(Connection):
         self._gbuf = bytearray(peer_settings.max_record_size)  # joins small parts of a record
         self._gview = memoryview(self._gbuf)
         self._pending_out: list[bytes] = []  # the rest of a control write, for the writer
+        self._flush_scheduled = False
         # receiving
         rtag = fr.TAG_SIZE if opener is not None else 0
         self._rbuf = bytearray(max(2 * (fr.HEADER_SIZE + settings.max_record_size + rtag), 1 << 20))
@@ -439,6 +441,7 @@ class TcpConnection(Connection):
         self._error: BaseException | None = None
         self._closed_event = anyio.Event()
         self._scope: anyio.CancelScope | None = None
+        self._write_scope: anyio.CancelScope | None = None
         self._reader_done = anyio.Event()
         self._counted_incoming = False  # the transport counts it against its incoming limits
         self._attributes = self._make_attributes()
@@ -483,7 +486,7 @@ class TcpConnection(Connection):
         self._streams[stream.id] = stream
         self._opened_count += 1
         self._idle_since = None
-        await anyio.lowlevel.checkpoint()
+        await anyio.lowlevel.checkpoint_if_cancelled()
         return stream
 
     async def accept_stream(self) -> TcpStream:
@@ -557,6 +560,8 @@ class TcpConnection(Connection):
             return
         self._reading = False
         self._reader_done.set()
+        if self._write_scope is not None:
+            self._write_scope.cancel()
         if self._scope is not None:
             self._scope.cancel()
         try:
@@ -608,12 +613,12 @@ class TcpConnection(Connection):
             await self._credit_changed.wait()
         records = plan_records(parts, peer.max_record_size)
         stream._announced = True
-        if len(records) == 1 and not self._control and self._write_lock.try_acquire():
+        if len(records) == 1 and self._write_lock.try_acquire():
             # fast path (small messages): write at once, no cancel scopes, no task switch
             try:
-                left = self._write_now(
-                    self._compose(stream.id, fr.FIRST | fr.LAST, size, records[0])
-                )
+                buffers = [self._compose_control()] if self._control else []
+                buffers += self._compose(stream.id, fr.FIRST | fr.LAST, size, records[0])
+                left = self._write_now(buffers)
                 if left:  # the socket is full: the rest must go out, even if we are cancelled
                     await self._finish_write(left)
             except OSError as exc:
@@ -683,28 +688,50 @@ class TcpConnection(Connection):
 
     def _write_now(self, buffers: list[Any]) -> list[memoryview]:
         """Write what the socket takes without waiting; return what is left."""
-        total = sum(len(b) for b in buffers)
-        try:
-            sent = self._sock.sendmsg(buffers) if len(buffers) > 1 else self._sock.send(buffers[0])
-        except (BlockingIOError, InterruptedError):
-            sent = 0
+        start = 0
+        sent = 0
+        batch: list[Any] = []
+        # At most _IOV_BATCH buffers per sendmsg: the kernel refuses more than IOV_MAX (1024
+        # on Linux) with EMSGSIZE, and a message may have thousands of parts.
+        while start < len(buffers):
+            batch = buffers[start : start + _IOV_BATCH]
+            start += len(batch)
+            total = sum(len(b) for b in batch)
+            try:
+                sent = self._sock.sendmsg(batch) if len(batch) > 1 else self._sock.send(batch[0])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent != total:
+                break
         self._last_send = time.monotonic()
-        if sent == total:
+        if sent == sum(len(b) for b in batch) and start >= len(buffers):
             return []
         left: list[memoryview] = []
-        for buf in buffers:
+        for buf in batch:
             view = memoryview(buf)
             if sent >= len(view):
                 sent -= len(view)
                 continue
             left.append(view[sent:])
             sent = 0
+        left.extend(memoryview(b) for b in buffers[start:])
         return left
 
     async def _write_all(self, buffers: list[memoryview]) -> None:
-        for view in buffers:
-            await self._loop.sock_sendall(self._sock, view)
-        self._last_send = time.monotonic()
+        """Write everything, waiting for the socket (the caller holds the write lock). Callers
+        shield this from their own cancellation; the connection's teardown still ends it, since
+        a closed socket never becomes writable."""
+        with anyio.CancelScope() as scope:
+            self._write_scope = scope
+            try:
+                if self._error is None:
+                    for view in buffers:
+                        await self._loop.sock_sendall(self._sock, view)
+                    self._last_send = time.monotonic()
+            finally:
+                self._write_scope = None
+        if self._error is not None:
+            raise ConnectionResetError("the connection closed while writing")
 
     async def _finish_write(self, buffers: list[memoryview]) -> None:
         with anyio.CancelScope(shield=True):
@@ -714,10 +741,19 @@ class TcpConnection(Connection):
                 self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
 
     def _queue_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
-        """Send a control record: at once if the socket is free, else by the control writer."""
+        """Send a control record soon: with the next message written in this turn of the event
+        loop, or at the end of the turn (so a burst of them costs one write)."""
         if self._error is not None:
             return
         self._control.append((ftype, flags, stream_id, arg))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_control_soon)
+
+    def _flush_control_soon(self) -> None:
+        self._flush_scheduled = False
+        if not self._control or self._error is not None:
+            return
         if not self._write_lock.try_acquire():
             self._control_changed.notify()
             return
@@ -862,6 +898,7 @@ class TcpConnection(Connection):
                 if n == 0:
                     raise ConnectionLost("the peer closed the connection without saying goodbye")
                 budget -= n
+                drained = n < len(target)  # a short read: no need to ask again (EAGAIN)
                 if direct is not None:
                     self._direct_done += n
                     if self._direct_done == len(direct):
@@ -871,6 +908,8 @@ class TcpConnection(Connection):
                 else:
                     self._rend += n
                     self._process()
+                if drained:
+                    break
             self._last_receive = time.monotonic()
         except RemoteProtocolError as exc:
             logger.info("dropping %r: protocol error: %s", self, exc)
