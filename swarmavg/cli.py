@@ -1,69 +1,190 @@
-"""The ``swarmavg`` command line.
+"""The ``swarmavg`` command line: start a node, call one, or watch two talk.
 
-``swarmavg demo`` starts two nodes in this process, connected over the in-process memory
-transport, exchanges a few messages between them and measures a bulk transfer. Later releases
-make it the averaging demo.
+``swarmavg serve`` starts a node that answers ``ping`` calls and takes bulk uploads, and prints
+the address to dial it at (with its PeerID, so the caller can check who answers).
+``swarmavg ping ADDRESS`` calls such a node: it connects (both sides prove their keys),
+measures the round trip of unary RPC calls and the rate of a bulk upload.
+``swarmavg demo`` does both on this machine: it starts ``swarmavg serve`` in a second process
+on the loopback interface and pings it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import anyio
+import numpy as np
 
 from swarmavg import __version__
-from swarmavg.abc import Stream
+from swarmavg.abc import ConnectionAttribute
+from swarmavg.address import Address
 from swarmavg.aio.node import Node
-from swarmavg.testing import MemoryNetwork
+from swarmavg.aio.rpc import CallContext
+from swarmavg.errors import SwarmError
+from swarmavg.proto import Ping, Pong, TensorChunk
 
 __all__ = ["main"]
 
+#: Size of one message of the bulk upload.
+CHUNK_BYTES = 1 << 20
+#: How long ``ping`` waits for each step before giving up.
+STEP_TIMEOUT = 60.0
 
-async def _serve(stream: Stream) -> None:
-    """Answer every message with its length and a greeting; count bulk bytes until EOF."""
-    async for msg in stream:
-        await stream.send(f"got {len(msg)} bytes".encode())
+
+# -- serve ---------------------------------------------------------------------------------------
 
 
-async def _demo(megabytes: int) -> None:
-    network = MemoryNetwork()
-    options = {"memory": {"network": network}}
-    async with (
-        Node(listen=["memory://local:0"], transports=options, stream_handler=_serve) as alice,
-        Node(listen=["memory://local:0"], transports=options) as bob,
-    ):
-        print(f"alice: {alice.addresses[0]}")
-        print(f"bob:   {bob.addresses[0]}")
-        conn = await bob.connect(alice.addresses[0])
-        print(f"bob connected to {conn.peer_id} (identity checked against the address)")
-        stream = await conn.open_stream()
-        for text in ("hello alice", "how big is this?"):
-            start = time.perf_counter()
-            await stream.send(text.encode())
-            reply = bytes(await stream.receive()).decode()
-            rtt_us = (time.perf_counter() - start) * 1e6
-            print(f"bob -> alice: {text!r:20} alice -> bob: {reply!r}  ({rtt_us:.0f} µs)")
-        await stream.aclose()
+async def _pong(request: Ping, ctx: CallContext) -> Pong:
+    return Pong(request.nonce)
 
-        bulk = await conn.open_stream()
-        chunk = memoryview(bytearray(1 << 20))  # mutable: the transport copies it
+
+async def _sink(chunks: AsyncIterator[TensorChunk], ctx: CallContext) -> Pong:
+    """Take a bulk upload; answer with the number of bytes received."""
+    total = 0
+    async for chunk in chunks:
+        total += chunk.array.nbytes
+    return Pong(total)
+
+
+def _transport_options(encryption: bool) -> dict[str, dict[str, Any]]:
+    return {"tcp": {"encryption": encryption}}
+
+
+def _dialable(address: Address) -> str:
+    """The address as a peer dials it: a wildcard host becomes a placeholder to fill in."""
+    text = str(address)
+    for wildcard in ("//0.0.0.0:", "//[::]:"):
+        if wildcard in text:
+            return text.replace(wildcard, "//<this machine's IP>:")
+    return text
+
+
+async def _serve(
+    listen: list[str], identity: str | None, encryption: bool, until_stdin_closes: bool
+) -> None:
+    async with Node(
+        identity=identity, listen=listen, transports=_transport_options(encryption)
+    ) as node:
+        node.rpc.register("ping", _pong, request_type=Ping)
+        node.rpc.register("upload", _sink, kind="client_stream", request_type=TensorChunk)
+        if until_stdin_closes:  # machine-readable, for `swarmavg demo`
+            print(str(node.addresses[0]), flush=True)
+        else:
+            print(f"serving as {node.peer_id}")
+            for address in node.addresses:
+                print(f"  dial me at: {_dialable(address)}")
+            print("Ctrl+C stops.", flush=True)
+        if until_stdin_closes:
+            # the parent closes our stdin when it is done (or dies): then we exit
+            await anyio.to_thread.run_sync(sys.stdin.buffer.read, abandon_on_cancel=True)
+        else:
+            await anyio.sleep_forever()
+
+
+# -- ping ----------------------------------------------------------------------------------------
+
+
+async def _ping(address: str, calls: int, megabytes: int, encryption: bool) -> None:
+    async with Node(transports=_transport_options(encryption)) as node:
         start = time.perf_counter()
-        async with anyio.create_task_group() as tg:
+        with anyio.fail_after(STEP_TIMEOUT):
+            conn = await node.connect(address)
+        connect_ms = (time.perf_counter() - start) * 1e3
+        peer = conn.extra(ConnectionAttribute.peer_id)
+        how = "encrypted" if conn.extra(ConnectionAttribute.encrypted, False) else "NOT encrypted"
+        print(f"connected to {peer} in {connect_ms:.1f} ms: its key is proven, {how}")
 
-            async def drain() -> None:
-                async for _ in bulk:
-                    pass
+        samples = []
+        for nonce in range(calls + max(calls // 10, 1)):  # the first tenth warms up
+            start = time.perf_counter()
+            pong = await node.rpc.call(
+                peer, "ping", Ping(nonce), response_type=Pong, timeout=STEP_TIMEOUT
+            )
+            samples.append(time.perf_counter() - start)
+            if pong.nonce != nonce:
+                raise SwarmError(f"ping {nonce} was answered with pong {pong.nonce}")
+        samples = sorted(samples[-calls:])
+        print(
+            f"rpc round trip ({calls} unary calls): median "
+            f"{statistics.median(samples) * 1e6:.0f} µs, p90 "
+            f"{samples[int(len(samples) * 0.9)] * 1e6:.0f} µs"
+        )
 
-            tg.start_soon(drain)
-            for _ in range(megabytes):
-                await bulk.send(chunk)
-            await bulk.send_eof()
-        elapsed = time.perf_counter() - start
-        print(f"bulk: {megabytes} MiB in {elapsed:.3f} s = {megabytes / 1024 / elapsed:.2f} GiB/s")
+        if megabytes:
+            array = np.zeros(CHUNK_BYTES, dtype=np.uint8)
+            start = time.perf_counter()
+            chunks = (TensorChunk("bulk", index, array) for index in range(megabytes))
+            reply = await node.rpc.client_stream(
+                peer, "upload", chunks, response_type=Pong, timeout=STEP_TIMEOUT + megabytes
+            )
+            elapsed = time.perf_counter() - start
+            if reply.nonce != megabytes * CHUNK_BYTES:
+                raise SwarmError(f"sent {megabytes} MiB, the peer got {reply.nonce} bytes")
+            rate = megabytes * CHUNK_BYTES / elapsed / 1e9
+            print(
+                f"bulk upload: {megabytes} MiB in {elapsed:.2f} s = {rate:.2f} GB/s "
+                f"(client-stream call of 1 MiB tensor chunks, acknowledged by the peer)"
+            )
+
+
+# -- demo ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _server_process(encryption: bool) -> Iterator[str]:
+    """``swarmavg serve`` on loopback in a child process; yields its address."""
+    command = [sys.executable, "-m", "swarmavg.cli", "serve", "--listen", "tcp://127.0.0.1:0"]
+    command += ["--until-stdin-closes"] + ([] if encryption else ["--no-encryption"])
+    child = subprocess.Popen(  # noqa: S603 (this interpreter, constant arguments)
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert child.stdout is not None
+        address = child.stdout.readline().strip()
+        if not address:
+            raise SwarmError(f"the server process failed to start (exit code {child.wait(10)})")
+        yield address
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()  # tells it to stop
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def _demo(calls: int, megabytes: int, encryption: bool) -> None:
+    with _server_process(encryption) as address:
+        print(f"started `swarmavg serve` in process 2, listening at {address}")
+        anyio.run(_ping, address, calls, megabytes, encryption)
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,21 +193,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"swarmavg {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="two in-process nodes exchanging messages")
-    demo.add_argument("--megabytes", type=int, default=512, help="size of the bulk transfer")
+
+    def measured(cmd: argparse.ArgumentParser) -> None:
+        cmd.add_argument("--calls", type=_positive, default=500, help="unary calls to time")
+        cmd.add_argument(
+            "--megabytes", type=_non_negative, default=1024, help="size of the bulk upload"
+        )
+
+    def encrypted(cmd: argparse.ArgumentParser) -> None:
+        cmd.add_argument(
+            "--no-encryption",
+            dest="encryption",
+            action="store_false",
+            help="send data in the clear (peers are still authenticated); both ends must agree",
+        )
+
+    demo = sub.add_parser("demo", help="serve in a second process on loopback and ping it")
+    measured(demo)
+    encrypted(demo)
+    serve = sub.add_parser("serve", help="start a node that answers `swarmavg ping`")
+    serve.add_argument(
+        "--listen",
+        action="append",
+        help="address to listen on (repeatable; default tcp://0.0.0.0:7000)",
+    )
+    serve.add_argument(
+        "--identity", metavar="KEY_FILE", help="key file to keep the same PeerID across runs"
+    )
+    serve.add_argument("--until-stdin-closes", action="store_true", help=argparse.SUPPRESS)
+    encrypted(serve)
+    ping = sub.add_parser("ping", help="call a node started with `swarmavg serve`")
+    ping.add_argument("address", help="the address `swarmavg serve` printed, with /p/<peer id>")
+    measured(ping)
+    encrypted(ping)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "demo":
-        if args.megabytes < 1:
-            parser.error("--megabytes must be at least 1")
-        try:
-            anyio.run(_demo, args.megabytes)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
+    try:
+        if args.command == "demo":
+            _demo(args.calls, args.megabytes, args.encryption)
+        elif args.command == "serve":
+            listen = args.listen or ["tcp://0.0.0.0:7000"]
+            anyio.run(_serve, listen, args.identity, args.encryption, args.until_stdin_closes)
+        else:
+            try:
+                Address.parse(args.address)
+            except ValueError as exc:
+                parser.error(f"address: {exc}")
+            anyio.run(_ping, args.address, args.calls, args.megabytes, args.encryption)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (SwarmError, OSError, TimeoutError) as exc:
+        print(f"swarmavg {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -110,6 +110,15 @@ class Stream(TypedAttributeProvider, ABC):
     async def send_eof(self) -> None:
         """Tell the peer we will send nothing more; we can still receive. Idempotent."""
 
+    async def send_last(self, *parts: Buffer) -> None:
+        """:meth:`send` one message, then :meth:`send_eof`.
+
+        Transports override it to put both on the wire together (one write, one wake-up of the
+        peer): the last answer of a call is the common case.
+        """
+        await self.send(*parts)
+        await self.send_eof()
+
     @abstractmethod
     async def aclose(self) -> None:
         """Close both directions gracefully. Idempotent; never raises transport errors."""

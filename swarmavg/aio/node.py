@@ -123,9 +123,17 @@ class Node:
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         await self.aclose()
         stack, self._stack = self._stack, None
-        if stack is not None:
+        if stack is None:
+            return None
+        try:
             return await stack.__aexit__(*exc_info)
-        return None
+        except BaseExceptionGroup as group:
+            # The task group wraps what the ``async with`` body raised; when nothing else
+            # failed, give the caller their own exception back (a ConnectError, not a group).
+            error = exc_info[1]
+            if error is not None and list(group.exceptions) == [error]:
+                raise error from None
+            raise
 
     async def aclose(self) -> None:
         """Stop serving and close every transport, listener and connection. Idempotent."""

@@ -170,9 +170,14 @@ def _timeout_budget(timeout: float | None) -> float:
     return float(timeout)
 
 
-async def _send_message(stream: Stream, msg: Message) -> None:
-    """Send ``msg``; :class:`MessageTooLarge` (before sending anything) if it does not fit."""
-    await stream.send(*encode_message(msg, max_size=stream.max_message_size))
+async def _send_message(stream: Stream, msg: Message, *, last: bool = False) -> None:
+    """Send ``msg`` (``last``: and EOF after it); :class:`MessageTooLarge` (before sending
+    anything) if it does not fit."""
+    parts = encode_message(msg, max_size=stream.max_message_size)
+    if last:
+        await stream.send_last(*parts)
+    else:
+        await stream.send(*parts)
 
 
 async def _receive_message(stream: Stream) -> Message:
@@ -653,9 +658,9 @@ class RPC:
                     arg = receive_requests if streaming else request
                     await self._invoke(method, stream, ctx, arg)
                     handler_done.set()
-                    # Done: end our direction where responses are streamed (a unary or
-                    # client-stream caller stops at the one response), then let the reader see
-                    # the caller leave on its own (cheaper than cancelling it), within a bound.
+                    # Done: end our direction where responses are streamed (the one response
+                    # of a unary or client-stream call carried our EOF), then let the reader
+                    # see the caller leave on its own (cheaper than cancelling it), in a bound.
                     if method.kind in (RPCKind.SERVER_STREAM, RPCKind.BIDI):
                         await stream.send_eof()
                     with anyio.move_on_after(_LINGER):
@@ -681,7 +686,8 @@ class RPC:
     async def _invoke(self, method: _Method, stream: Stream, ctx: CallContext, arg: object) -> None:
         """Call the handler and send its response(s)."""
         if method.kind in (RPCKind.UNARY, RPCKind.CLIENT_STREAM):
-            await self._respond(stream, method, await method.handler(arg, ctx))
+            # the one response and our EOF: one write where the transport can
+            await self._respond(stream, method, await method.handler(arg, ctx), last=True)
             return
         responses = method.handler(arg, ctx)
         if not isinstance(responses, AsyncIterator):
@@ -762,13 +768,15 @@ class RPC:
             )
         return msg
 
-    async def _respond(self, stream: Stream, method: _Method, response: object) -> None:
+    async def _respond(
+        self, stream: Stream, method: _Method, response: object, *, last: bool = False
+    ) -> None:
         if not isinstance(response, Message):
             raise TypeError(
                 f"handler of {method.name!r} returned {type(response).__name__}, not a Message"
             )
         try:
-            await _send_message(stream, response)
+            await _send_message(stream, response, last=last)
         except MessageTooLarge as exc:
             raise _ResponseTooLarge(str(exc)) from exc
         except _GONE as exc:
@@ -779,7 +787,9 @@ class RPC:
         with anyio.move_on_after(_FAIL_TIMEOUT, shield=True):
             for limit in (_MAX_FAILURE_TEXT, 0):  # without the text if it is too large
                 try:
-                    await _send_message(stream, CallFailed(code, error_type, text[:limit]))
+                    await _send_message(
+                        stream, CallFailed(code, error_type, text[:limit]), last=True
+                    )
                 except MessageTooLarge:
                     continue
                 except (SwarmError, *_GONE):

@@ -259,6 +259,44 @@ async def _check_send_eof(h: _Harness) -> None:
         raise AssertionError("send() after send_eof() must raise ClosedResourceError")
 
 
+async def _check_send_last(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    await sa.send(b"first")
+    await sa.send_last(b"last")
+    assert bytes(await sb.receive()) == b"first"
+    assert bytes(await sb.receive()) == b"last"
+    try:
+        await sb.receive()
+    except anyio.EndOfStream:
+        pass
+    else:
+        raise AssertionError("send_last() must end the stream after its message")
+    await sb.send(b"half-open")
+    assert bytes(await sa.receive()) == b"half-open", "the other direction must stay open"
+    try:
+        await sa.send(b"after send_last")
+    except anyio.ClosedResourceError:
+        pass
+    else:
+        raise AssertionError("send() after send_last() must raise ClosedResourceError")
+    # a large message (several records on record-based transports) ends the stream too
+    big = _pattern(3 << 20)
+    sa2 = await a.open_stream()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sa2.send_last, big)
+        sb2 = await b.accept_stream()
+        assert bytes(await sb2.receive()) == big
+    try:
+        await sb2.receive()
+    except anyio.EndOfStream:
+        pass
+    else:
+        raise AssertionError("send_last() of a large message must end the stream after it")
+    for stream in (sa, sb, sa2, sb2):
+        await stream.aclose()
+
+
 async def _check_aclose(h: _Harness) -> None:
     a, b = await h.pair()
     sa, sb = await _open_pair(a, b)
@@ -445,6 +483,7 @@ TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
     "large_message": _check_large_message,
     "backpressure": _check_backpressure,
     "send_eof": _check_send_eof,
+    "send_last": _check_send_last,
     "aclose": _check_aclose,
     "abort": _check_abort,
     "cancelled_receive": _check_cancelled_receive,

@@ -145,3 +145,14 @@ def test_bad_arguments() -> None:
         Node(identity=42)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"scheme|port|address"):
         Node(listen=["nonsense"])
+
+
+async def test_errors_in_the_body_come_out_unwrapped() -> None:
+    """A failure inside ``async with Node()`` reaches the caller as itself, not as a group."""
+    network = MemoryNetwork()
+    with pytest.raises(ConnectError):
+        async with _node(network) as client:
+            await client.connect(f"memory://local:65000/p/{Identity.generate().peer_id}")
+    with pytest.raises(KeyError):
+        async with _node(network):
+            raise KeyError("mine")

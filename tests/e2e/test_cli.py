@@ -1,29 +1,94 @@
+"""The ``swarmavg`` command: the README's main job, and the two-machine commands on loopback."""
+
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 
+import pytest
 
-def test_demo_runs_and_reports() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmavg.cli", "demo", "--megabytes", "16"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert "alice -> bob: 'got 11 bytes'" in out.stdout
-    assert re.search(r"bulk: 16 MiB in [0-9.]+ s = [0-9.]+ GiB/s", out.stdout), out.stdout
+CLI = [sys.executable, "-m", "swarmavg.cli"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("encryption", [True, False])
+def test_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
+    args = ["demo", "--calls", "50", "--megabytes", "32"]
+    out = _run(*args, *([] if encryption else ["--no-encryption"]))
+    assert out.returncode == 0, out.stderr
+    address = re.search(r"listening at (tcp://127\.0\.0\.1:\d+/p/(\S+))", out.stdout)
+    assert address, out.stdout
+    peer_id = address.group(2)
+    # the caller checked the key behind the PeerID it dialed, and says whether data is secret
+    how = "encrypted" if encryption else "NOT encrypted"
+    assert f"connected to {peer_id} in " in out.stdout
+    assert f"its key is proven, {how}\n" in out.stdout
+    assert re.search(r"rpc round trip \(50 unary calls\): median \d+ µs, p90 \d+ µs", out.stdout)
+    assert re.search(r"bulk upload: 32 MiB in [0-9.]+ s = [0-9.]+ GB/s", out.stdout), out.stdout
     assert out.stderr == ""
 
 
-def test_demo_rejects_bad_arguments() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmavg.cli", "demo", "--megabytes", "0"],
-        capture_output=True,
+def test_serve_and_ping() -> None:
+    """What the README tells two machines to do, on one: serve prints an address, ping uses it."""
+    with subprocess.Popen(
+        [*CLI, "serve", "--listen", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
+    ) as server:
+        try:
+            assert server.stdout is not None
+            first = server.stdout.readline()
+            assert first.startswith("serving as "), first
+            line = server.stdout.readline()
+            address = line.split("dial me at: ")[1].strip()
+            out = _run("ping", address, "--calls", "10", "--megabytes", "4")
+            assert out.returncode == 0, out.stderr
+            assert "its key is proven, encrypted" in out.stdout
+            assert "bulk upload: 4 MiB" in out.stdout
+            # the wrong PeerID for that address: the caller refuses to talk to the impostor
+            other = "12D3KooWKXBdwiTBFFaqe9Ls3mi9giZCrDoSATMBqRFEhCrCK7EA"
+            wrong = address.rsplit("/p/", 1)[0] + "/p/" + other
+            out = _run("ping", wrong, "--calls", "1", "--megabytes", "0")
+            assert out.returncode == 1
+            assert "PeerIdentityMismatch" in out.stderr, out.stderr
+            # Ctrl+C stops the server cleanly
+            server.send_signal(signal.SIGINT)
+            assert server.wait(30) == 130
+            assert server.stderr is not None
+            assert server.stderr.read() == "interrupted\n"
+        finally:
+            if server.poll() is None:
+                server.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (["demo", "--megabytes", "-1"], "--megabytes"),
+        (["demo", "--calls", "0"], "--calls"),
+        (["ping", "not an address"], "address"),
+    ],
+)
+def test_bad_arguments_are_named(args: list[str], name: str) -> None:
+    out = _run(*args, timeout=60)
+    assert out.returncode == 2
+    assert name in out.stderr
+
+
+def test_ping_without_a_server_fails_cleanly() -> None:
+    out = _run(
+        "ping",
+        "tcp://127.0.0.1:9/p/12D3KooWKXBdwiTBFFaqe9Ls3mi9giZCrDoSATMBqRFEhCrCK7EA",
+        "--calls",
+        "1",
         timeout=60,
     )
-    assert out.returncode == 2
-    assert "--megabytes" in out.stderr
+    assert out.returncode == 1
+    assert out.stderr.startswith("swarmavg ping: ")
+    assert "Traceback" not in out.stderr

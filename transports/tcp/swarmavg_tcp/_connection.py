@@ -207,6 +207,15 @@ class TcpStream(Stream):
     # -- sending ---------------------------------------------------------------------------------
 
     async def send(self, *parts: Buffer) -> None:
+        await self._send(parts, eof=False)
+
+    async def send_last(self, *parts: Buffer) -> None:
+        """Send a message and our EOF; a small message and the EOF go out in one write."""
+        await self._send(parts, eof=True)
+        if not self._sent_eof:  # the peer had stopped reading: the message was dropped
+            await self.send_eof()
+
+    async def _send(self, parts: tuple[Buffer, ...], *, eof: bool) -> None:
         if self._closed or self._sent_eof:
             raise anyio.ClosedResourceError
         if self._reset_by_peer:
@@ -223,7 +232,10 @@ class TcpStream(Stream):
             return
         await self._send_lock.acquire()
         try:
-            await self._conn._send_message(self, views, size)
+            await self._conn._send_message(self, views, size, eof)
+            if eof and not self._sent_eof:  # not sent with the message (a multi-record one)
+                self._sent_eof = True
+                self._end_sending(announce=True)
         finally:
             self._send_lock.release()
 
@@ -592,7 +604,11 @@ class TcpConnection(Connection):
 
     # -- sending ---------------------------------------------------------------------------------
 
-    async def _send_message(self, stream: TcpStream, parts: list[memoryview], size: int) -> None:
+    async def _send_message(
+        self, stream: TcpStream, parts: list[memoryview], size: int, eof: bool = False
+    ) -> None:
+        """Send one message of ``stream``; with ``eof``, a one-record message carries the
+        stream's EOF in the same write (the caller sends it otherwise)."""
         peer = self._peer_settings
         cost = size + fr.MESSAGE_OVERHEAD
         large = peer.is_large(size)
@@ -618,6 +634,11 @@ class TcpConnection(Connection):
             try:
                 buffers = [self._compose_control()] if self._control else []
                 buffers += self._compose(stream.id, fr.FIRST | fr.LAST, size, records[0])
+                if eof:  # sealed after the message: the records go out in nonce order
+                    stream._sent_eof = stream._sent_end = True
+                    self._control.append((fr.EOF, 0, stream.id, 0))
+                    buffers.append(self._compose_control())
+                    stream._maybe_forget()
                 left = self._write_now(buffers)
                 if left:  # the socket is full: the rest must go out, even if we are cancelled
                     await self._finish_write(left)
