@@ -451,6 +451,10 @@ class RPC:
             raise
         else:
             await stream.aclose()
+            # Let the close go out now, in a write of its own, rather than with the opening
+            # of the caller's next call: the callee then tears this call down while we prepare
+            # the next one, not on that call's critical path.
+            await anyio.lowlevel.checkpoint()
 
     async def call(
         self,
