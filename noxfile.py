@@ -71,6 +71,7 @@ def fuzz(session: nox.Session) -> None:
     _install(session)
     args = session.posargs or ["--seconds", "20"]
     session.run("python", "fuzz/fuzz_wire.py", *args)
+    session.run("python", "fuzz/fuzz_tcp.py", *args)
 
 
 @nox.session(python=PYTHON)

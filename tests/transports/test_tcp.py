@@ -893,3 +893,86 @@ async def test_a_peer_that_resets_its_socket_is_harmless() -> None:
                     await stream.receive()
         assert not transport._connections
         await assert_serves(listener)
+
+
+# -- memory bounds found by fuzz/fuzz_tcp.py ------------------------------------------------------
+
+
+async def test_streams_ended_before_they_are_accepted_are_bounded() -> None:
+    """Streams the peer opens and resets at once no longer count against max_streams, but they
+    wait to be accepted: past max_streams of them, new ones are refused, not queued."""
+    async with (
+        serving(encryption=False, **STRICT) as (_, listener),
+        raw_session(listener, encryption=False) as (raw, conn, _stream),
+    ):
+        ids = range(3, 3 + 2 * 200, 2)
+        await raw.send_raw(
+            b"".join(raw.record(fr.EOF, 0, i) + raw.record(fr.RESET, 0, i) for i in ids)
+        )
+        refused: set[int] = set()
+        with anyio.fail_after(BOUND):
+            while len(refused) < 200 - STRICT["max_streams"]:
+                ftype, _, stream_id, code, _, _ = await raw.receive_record()
+                if ftype == fr.RESET and code == fr.REFUSED:
+                    refused.add(stream_id)
+        assert len(conn._accept_queue) <= STRICT["max_streams"]
+        assert not conn.is_closed  # opening and resetting streams is legal: refused, not dropped
+        await raw.message(1001, b"still served?")
+        with anyio.fail_after(BOUND):
+            while True:  # the queue is full: this one is refused too, until the app accepts
+                ftype, _, stream_id, code, _, _ = await raw.receive_record()
+                if stream_id == 1001:
+                    assert (ftype, code) == (fr.RESET, fr.REFUSED)
+                    break
+            for _ in range(STRICT["max_streams"]):
+                await conn.accept_stream()
+        await raw.message(1003, b"now there is room")
+        with anyio.fail_after(BOUND):
+            stream = await conn.accept_stream()
+            assert bytes(await stream.receive()) == b"now there is room"
+
+
+async def test_a_peer_that_reads_nothing_cannot_make_us_queue_replies_forever() -> None:
+    """Each large-message start on a closed stream earns a credit reply; a peer that sends
+    them without reading anything loses its connection once the replies pile up."""
+    async with (
+        serving(encryption=False, **STRICT) as (_, listener),
+        raw_session(listener, encryption=False) as (raw, conn, _stream),
+    ):
+        large = STRICT["stream_window"] // 2 + 1
+        await raw.send_raw(raw.record(fr.EOF, 0, 3) + raw.record(fr.RESET, 0, 3))
+        burst = raw.record(fr.DATA, fr.FIRST, 3, large) * 4096
+        with anyio.fail_after(30):
+            with contextlib.suppress(anyio.BrokenResourceError, ConnectionError):
+                while not conn.is_closed:
+                    await raw.send_raw(burst)
+                    assert len(conn._control) <= 1 << 13
+        assert conn.is_closed
+        await assert_serves(listener)
+
+
+# -- the record stream, fuzzed (fuzz/fuzz_tcp.py runs the same target for longer) -----------------
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(data=st.data())
+@example(data=None)
+def test_record_stream_fuzz(data: st.DataObject | None) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fuzz"))
+    import fuzz_tcp
+
+    if data is None:  # a fixed input: a valid message, then garbage
+        fuzz_tcp.check_record_stream(fuzz_tcp.Scenario(encrypted=False, chunks=[b"\x00" * 40]))
+        return
+    fuzz_tcp.check_record_stream(data.draw(fuzz_tcp.scenarios()))

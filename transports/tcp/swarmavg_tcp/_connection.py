@@ -73,6 +73,9 @@ _OWN_RECORD: Final = 64 << 10
 _MAX_STREAM_ID: Final = (1 << 32) - 1
 
 
+#: Most control records queued (unwritten because the peer does not read) before the
+#: connection is dropped: bounds the memory a peer can make us spend on replies.
+_MAX_QUEUED_CONTROL = 1 << 13
 #: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
 _IOV_BATCH = 512
 
@@ -766,6 +769,11 @@ class TcpConnection(Connection):
         loop, or at the end of the turn (so a burst of them costs one write)."""
         if self._error is not None:
             return
+        if len(self._control) >= _MAX_QUEUED_CONTROL:
+            # An honest peer keeps this short (credit replies are batched, one large message
+            # is in flight); a peer that makes us answer while it reads nothing does not.
+            self._fail(ConnectionLost("the peer does not read what it makes us send"))
+            return
         self._control.append((ftype, flags, stream_id, arg))
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -1093,6 +1101,12 @@ class TcpConnection(Connection):
                 f"the peer opened more than {self._settings.max_streams} streams"
             )
         self._last_peer_id = stream_id
+        if len(self._accept_queue) >= self._settings.max_streams:
+            # Streams the peer ended (or reset) before our application accepted them no longer
+            # count against max_streams, yet wait in the queue: refuse more rather than queue
+            # without bound. The peer sees StreamReset; its records for the stream are dropped.
+            self._queue_control(fr.RESET, 0, stream_id, fr.REFUSED)
+            return None
         stream = TcpStream(self, stream_id, announced=True)
         self._streams[stream_id] = stream
         self._accepted_count += 1

@@ -67,6 +67,8 @@ PROTOCOL_ERROR: Final = 1
 INTERNAL_ERROR: Final = 2
 CANCELLED: Final = 3
 IDLE: Final = 4
+#: RESET of a stream we did not take: too many of the peer's streams wait to be accepted.
+REFUSED: Final = 5
 
 #: Credit a message costs beyond its size, so that floods of empty messages are bounded too.
 MESSAGE_OVERHEAD: Final = 64
