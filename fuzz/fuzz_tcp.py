@@ -16,7 +16,6 @@ written to ``fuzz/crashes/``).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import hashlib
@@ -37,11 +36,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "fuzz"))
 
 import anyio  # noqa: E402
 import anyio.abc  # noqa: E402
 import anyio.from_thread  # noqa: E402
 import anyio.lowlevel  # noqa: E402
+from _engine import arg_parser, crash_dir, libfuzzer_args  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -873,12 +874,6 @@ def check_record_stream(scenario: Scenario) -> None:
 # -- the engines ---------------------------------------------------------------------------------
 
 
-def crash_dir() -> Path:
-    crashes = ROOT / "fuzz" / "crashes"
-    crashes.mkdir(exist_ok=True)
-    return crashes
-
-
 def save_crash(scenario: Scenario) -> Path:
     text = scenario.to_json()
     path = crash_dir() / f"tcp-{zlib.crc32(text.encode()):08x}.json"
@@ -998,7 +993,6 @@ def run_atheris(seconds: float, corpus: Path | None, extra: list[str]) -> int:
     import atheris
 
     atheris.instrument_all()
-    crashes = crash_dir()
     with anyio.from_thread.start_blocking_portal() as portal, tempfile.TemporaryDirectory() as tmp:
         harness = Harness()
         ready = threading.Event()
@@ -1022,14 +1016,7 @@ def run_atheris(seconds: float, corpus: Path | None, extra: list[str]) -> int:
         corpus_dir = corpus or Path(tmp)
         if corpus is None:
             seed_corpus(corpus_dir)
-        args = [
-            sys.argv[0],
-            f"-max_total_time={int(seconds)}",
-            f"-artifact_prefix={crashes}/",
-            "-rss_limit_mb=4096",
-            *extra,
-            str(corpus_dir),
-        ]
+        args = libfuzzer_args(sys.argv[0], seconds, extra, corpus_dir)
         atheris.Setup(args, test_one)
         atheris.Fuzz()  # exits the process: 0 when time is up, non-zero on a crash
     return 0
@@ -1040,14 +1027,7 @@ def _digest(scenario: Scenario) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long to fuzz")
-    parser.add_argument("--engine", choices=["hypothesis", "atheris"], default="hypothesis")
-    parser.add_argument("--seed", type=int, default=None, help="hypothesis: reproducible run")
-    parser.add_argument("--corpus", type=Path, default=None, help="atheris: corpus directory")
-    parser.add_argument(
-        "--reproduce", type=Path, default=None, help="re-check one saved scenario file"
-    )
+    parser = arg_parser((__doc__ or "").split("\n", 1)[0], "re-check one saved scenario file")
     args, extra = parser.parse_known_args()
     if args.reproduce is not None:
         scenario = load_scenario(args.reproduce)

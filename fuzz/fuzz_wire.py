@@ -11,7 +11,6 @@ written to ``fuzz/crashes/`` by the atheris engine).
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -23,9 +22,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "proto"))  # the message strategies live with the tests
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "fuzz"))
 
 import numpy as np  # noqa: E402
 import proto_sample_messages  # noqa: E402  (registers the test.* messages)
+from _engine import arg_parser, crash_dir, libfuzzer_args  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from proto_strategies import (  # noqa: E402
@@ -138,12 +139,6 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(out)
 
 
-def crash_dir() -> Path:
-    crashes = ROOT / "fuzz" / "crashes"
-    crashes.mkdir(exist_ok=True)
-    return crashes
-
-
 def save_crash(data: bytes) -> Path:
     path = crash_dir() / f"crash-{zlib.crc32(data):08x}"
     path.write_bytes(data)
@@ -209,33 +204,18 @@ def run_atheris(seconds: float, corpus: Path | None, extra: list[str]) -> int:
     import atheris
 
     atheris.instrument_all()
-    crashes = crash_dir()
     with tempfile.TemporaryDirectory() as tmp:
         corpus_dir = corpus or Path(tmp)
         if corpus is None:
             seed_corpus(corpus_dir)
-        args = [
-            sys.argv[0],
-            f"-max_total_time={int(seconds)}",
-            f"-artifact_prefix={crashes}/",
-            "-rss_limit_mb=4096",
-            *extra,
-            str(corpus_dir),
-        ]
+        args = libfuzzer_args(sys.argv[0], seconds, extra, corpus_dir)
         atheris.Setup(args, check)
         atheris.Fuzz()  # exits the process: 0 when time is up, non-zero on a crash
     return 0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long to fuzz")
-    parser.add_argument("--engine", choices=["hypothesis", "atheris"], default="hypothesis")
-    parser.add_argument("--seed", type=int, default=None, help="hypothesis: reproducible run")
-    parser.add_argument("--corpus", type=Path, default=None, help="atheris: corpus directory")
-    parser.add_argument(
-        "--reproduce", type=Path, default=None, help="run the invariant on one saved input file"
-    )
+    parser = arg_parser(__doc__.split("\n", 1)[0], "run the invariant on one saved input file")
     args, extra = parser.parse_known_args()
     np.seterr(all="ignore")
     import_all_message_modules()  # fuzz every message any swarmavg module registers

@@ -24,7 +24,7 @@ from typing import Any, Self
 import anyio
 import anyio.abc
 
-from swarmavg.abc import Connection, ConnectionAttribute, Stream, Transport
+from swarmavg.abc import Connection, Stream, Transport
 from swarmavg.address import Address
 from swarmavg.aio.rpc import RPC
 from swarmavg.errors import ConnectError, SwarmError
@@ -273,7 +273,7 @@ class Node:
         try:
             while True:
                 stream = await conn.accept_stream()
-                self._tg.start_soon(self._serve_stream, stream)
+                self._tg.start_soon(self._serve_stream, stream, conn.peer_id)
         except SwarmError:
             pass
         finally:
@@ -282,11 +282,11 @@ class Node:
             with anyio.CancelScope(shield=True):
                 await conn.aclose()
 
-    async def _serve_stream(self, stream: Stream) -> None:
+    async def _serve_stream(self, stream: Stream, peer_id: PeerID) -> None:
         handler = self._handler
         try:
             if handler is None:
-                await self.rpc.serve_stream(stream, stream.extra(ConnectionAttribute.peer_id))
+                await self.rpc.serve_stream(stream, peer_id)
             else:
                 await handler(stream)
         except Exception:

@@ -598,13 +598,14 @@ class RPC:
             slots = self._slots[peer_id] = _Slots(self._per_peer)
         slots.users += 1
         try:
-            with anyio.move_on_at(ctx.deadline) as scope:  # a no-op scope without a deadline
+            scope = anyio.move_on_at(ctx.deadline) if budget != math.inf else None
+            with scope or _NO_SCOPE:
                 await slots.acquire()
                 try:
                     failure = await self._run(method, stream, ctx, first)
                 finally:
                     slots.release()
-            if scope.cancelled_caught:
+            if scope is not None and scope.cancelled_caught:
                 failure = CallFailed("timeout", "", f"deadline of {header.timeout} s exceeded")
         finally:
             slots.users -= 1
@@ -667,8 +668,9 @@ class RPC:
                     # see the caller leave on its own (cheaper than cancelling it), in a bound.
                     if method.kind in (RPCKind.SERVER_STREAM, RPCKind.BIDI):
                         await stream.send_eof()
-                    with anyio.move_on_after(_LINGER):
-                        await reader_done.wait()
+                    # bounded by the group's own scope (one scope less than move_on_after)
+                    scope.deadline = min(scope.deadline, anyio.current_time() + _LINGER)
+                    await reader_done.wait()
                 except _CallerGone as exc:
                     logger.debug(
                         "call %r from %s: the caller left: %s", ctx.method, ctx.peer_id, exc

@@ -513,6 +513,28 @@ async def test_callee_enforces_the_deadline_it_was_sent() -> None:
             await stream.aclose()
 
 
+async def test_callee_waits_a_bounded_time_for_a_caller_that_never_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After answering, the callee waits for the caller's close (cheaper than cancelling its
+    read), but not forever: the call's slot is freed after the linger time."""
+    monkeypatch.setattr("swarmavg.aio.rpc._LINGER", 0.3)
+    async with _peers(2) as (server, client):
+        _serve_arithmetic(server)
+        with anyio.fail_after(5):
+            stream = await client.open_stream(server.addresses[0])
+            await stream.send(_opening(CallHeader("double", "unary", 0.0), Num(21)))
+            answer = decode_message(await stream.receive())
+            assert isinstance(answer, Num)
+            assert answer.value == 42
+            with pytest.raises(anyio.EndOfStream):  # the answer carried the callee's EOF
+                await stream.receive()
+            assert server.rpc._slots  # the callee still waits for our close...
+            while server.rpc._slots:  # noqa: ASYNC110 (no event to wait on)
+                await anyio.sleep(0.05)  # ...until the linger time is up
+            await stream.aclose()
+
+
 async def test_bad_timeouts_are_refused() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
