@@ -76,6 +76,8 @@ _MAX_STREAM_ID: Final = (1 << 32) - 1
 #: Most control records queued (unwritten because the peer does not read) before the
 #: connection is dropped: bounds the memory a peer can make us spend on replies.
 _MAX_QUEUED_CONTROL = 1 << 13
+#: Plaintext bytes of one message written with one sendmsg while the connection is otherwise idle.
+_WRITE_BATCH = 2 << 20
 #: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
 _IOV_BATCH = 512
 
@@ -128,6 +130,11 @@ class _FifoLock:
             else:
                 self._waiters.remove(event)
             raise
+
+    @property
+    def contended(self) -> bool:
+        """Whether a task waits for the lock."""
+        return bool(self._waiters)
 
     def release(self) -> None:
         if self._waiters:
@@ -657,10 +664,8 @@ class TcpConnection(Connection):
         sent_first = False
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self._write_timeout) as timer:
-                for index, pieces in enumerate(records):
-                    flags = (fr.FIRST if index == 0 else 0) | (
-                        fr.LAST if index == len(records) - 1 else 0
-                    )
+                index, last = 0, len(records) - 1
+                while index <= last:
                     await self._write_lock.acquire()
                     try:
                         if self.is_closed:
@@ -670,7 +675,27 @@ class TcpConnection(Connection):
                         if self._control:
                             await self._flush_control()
                         sent_first = True
-                        left = self._write_now(self._compose(stream.id, flags, size, pieces))
+                        # Plaintext records go several to a sendmsg while nobody else waits to
+                        # write (the socket buffer, megabytes, is the real queue anyway); a
+                        # sealed record lives in the one write buffer until it is written.
+                        buffers = []
+                        batched = 0
+                        while True:
+                            pieces = records[index]
+                            flags = (fr.FIRST if index == 0 else 0) | (
+                                fr.LAST if index == last else 0
+                            )
+                            buffers += self._compose(stream.id, flags, size, pieces)
+                            batched += sum(len(p) for p in pieces)
+                            index += 1
+                            if (
+                                index > last
+                                or self._sealer is not None
+                                or batched >= _WRITE_BATCH
+                                or self._write_lock.contended
+                            ):
+                                break
+                        left = self._write_now(buffers)
                         if left:
                             await self._write_all(left)
                     except OSError as exc:
