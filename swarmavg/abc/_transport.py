@@ -119,6 +119,18 @@ class Stream(TypedAttributeProvider, ABC):
         await self.send(*parts)
         await self.send_eof()
 
+    def on_abandoned(self, callback: Callable[[], object]) -> bool:
+        """Call ``callback()`` once, from the event loop's thread, when the peer abandons the
+        stream: it reset it, closed it or stopped reading it (a transport may notice that
+        only once we send it something), or the connection was lost.
+
+        It may be called at once if that already happened. Returns ``False`` (and never calls
+        it) if this transport cannot tell; the caller must then watch the stream by reading it.
+        Users of this: the RPC layer cancels a handler whose caller went away without reading
+        the caller's side of the stream in a task of its own.
+        """
+        return False
+
     @abstractmethod
     async def aclose(self) -> None:
         """Close both directions gracefully. Idempotent; never raises transport errors."""

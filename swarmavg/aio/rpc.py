@@ -211,6 +211,8 @@ class StreamingCall(Generic[Req, Resp]):
         self._timeout = timeout
         self._finished = False
         self._done_sending = False
+        #: the request went in the opening with our EOF (see RPC._open_call)
+        self._half_closed = False
 
     def _scope(self) -> AbstractContextManager[object]:
         if math.isinf(self._deadline):
@@ -229,7 +231,10 @@ class StreamingCall(Generic[Req, Resp]):
             raise MessageTooLarge(f"the request needs {size} bytes; the peer takes {limit}")
         try:
             with self._scope():
-                await self._stream.send(prefix, *parts)
+                if self._half_closed:
+                    await self._stream.send_last(prefix, *parts)
+                else:
+                    await self._stream.send(prefix, *parts)
         except TimeoutError:
             raise self._timed_out() from None
         except (StreamReset, ConnectionLost) as exc:
@@ -443,6 +448,12 @@ class RPC:
             # the budget left once connected; positive (0 means "none"): if it is all spent,
             # sending the header times out right away
             left = max(deadline - anyio.current_time(), 1e-9) if math.isfinite(budget) else 0.0
+            if first is not None and _watchable(stream):
+                # The whole request is in the opening: end our direction with it (one write).
+                # The callee needs nothing more from us, and the transport tells it if we
+                # leave (abort resets the stream), so cancelling still reaches the handler;
+                # closing after the answer then costs no write at all.
+                call._half_closed = call._done_sending = True
             await call._send_opening(CallHeader(method, kind.value, left), first)
             yield call
         except BaseException:
@@ -451,10 +462,11 @@ class RPC:
             raise
         else:
             await stream.aclose()
-            # Let the close go out now, in a write of its own, rather than with the opening
-            # of the caller's next call: the callee then tears this call down while we prepare
-            # the next one, not on that call's critical path.
-            await anyio.lowlevel.checkpoint()
+            if not call._half_closed:
+                # Let the close go out now, in a write of its own, rather than with the
+                # opening of the caller's next call: the callee then tears this call down while
+                # we prepare the next one, not on that call's critical path.
+                await anyio.lowlevel.checkpoint()
 
     async def call(
         self,
@@ -639,6 +651,28 @@ class RPC:
                 return CallFailed("bad_request", "", str(exc))
             except _GONE:
                 return None
+        if not streaming and first is not None:
+            # The request came in the opening (as our callers send it); the caller sends
+            # nothing more but its close. Where the transport tells us when the caller abandons
+            # the stream, the handler runs right here, without a task reading the caller's side
+            # (which costs a third of a small call): anything more the caller sends is not read,
+            # and dropped with the stream.
+            finished = False
+            with anyio.CancelScope() as scope:
+
+                def abandoned() -> None:
+                    if not finished:
+                        scope.cancel()
+
+                if stream.on_abandoned(abandoned):
+                    try:
+                        await self._invoke_guarded(method, stream, ctx, request, fail)
+                    finally:
+                        finished = True
+                    return failures[0] if failures else None
+            if scope.cancelled_caught:  # the caller left: nobody to tell
+                logger.debug("call %r from %s: the caller left", ctx.method, ctx.peer_id)
+                return None
         send_requests: MemoryObjectSendStream[Message] | None = None
         receive_requests: MemoryObjectReceiveStream[Message] | None = None
         if streaming:
@@ -661,25 +695,13 @@ class RPC:
                 )
                 try:
                     arg = receive_requests if streaming else request
-                    await self._invoke(method, stream, ctx, arg)
-                    handler_done.set()
-                    # Done: end our direction where responses are streamed (the one response
-                    # of a unary or client-stream call carried our EOF), then let the reader
-                    # see the caller leave on its own (cheaper than cancelling it), in a bound.
-                    if method.kind in (RPCKind.SERVER_STREAM, RPCKind.BIDI):
-                        await stream.send_eof()
-                    # bounded by the group's own scope (one scope less than move_on_after)
-                    scope.deadline = min(scope.deadline, anyio.current_time() + _LINGER)
-                    await reader_done.wait()
-                except _CallerGone as exc:
-                    logger.debug(
-                        "call %r from %s: the caller left: %s", ctx.method, ctx.peer_id, exc
-                    )
-                except _ResponseTooLarge as exc:
-                    fail("response_too_large", "MessageTooLarge", str(exc))
-                except Exception as exc:
-                    logger.warning("handler of %r failed for %s: %r", ctx.method, ctx.peer_id, exc)
-                    fail("handler_error", type(exc).__name__, str(exc))
+                    if await self._invoke_guarded(method, stream, ctx, arg, fail):
+                        handler_done.set()
+                        # Answered: let the reader see the caller leave on its own (cheaper
+                        # than cancelling it), within a bound: the group's own scope (one
+                        # scope less than move_on_after).
+                        scope.deadline = min(scope.deadline, anyio.current_time() + _LINGER)
+                        await reader_done.wait()
                 finally:
                     if not reader_done.is_set():
                         tg.cancel_scope.cancel()  # stop reading the caller's side
@@ -688,6 +710,31 @@ class RPC:
                 send_requests.close()
                 receive_requests.close()
         return failures[0] if failures else None
+
+    async def _invoke_guarded(
+        self,
+        method: _Method,
+        stream: Stream,
+        ctx: CallContext,
+        arg: object,
+        fail: Callable[[str, str, str], None],
+    ) -> bool:
+        """:meth:`_invoke`, then our EOF where responses are streamed (the one response of a
+        unary or client-stream call carries it). Failures go to ``fail``; returns whether the
+        call was answered in full."""
+        try:
+            await self._invoke(method, stream, ctx, arg)
+            if method.kind in (RPCKind.SERVER_STREAM, RPCKind.BIDI):
+                await stream.send_eof()
+            return True
+        except _CallerGone as exc:
+            logger.debug("call %r from %s: the caller left: %s", ctx.method, ctx.peer_id, exc)
+        except _ResponseTooLarge as exc:
+            fail("response_too_large", "MessageTooLarge", str(exc))
+        except Exception as exc:
+            logger.warning("handler of %r failed for %s: %r", ctx.method, ctx.peer_id, exc)
+            fail("handler_error", type(exc).__name__, str(exc))
+        return False
 
     async def _invoke(self, method: _Method, stream: Stream, ctx: CallContext, arg: object) -> None:
         """Call the handler and send its response(s)."""
@@ -801,6 +848,12 @@ class RPC:
                 except (SwarmError, *_GONE):
                     pass
                 return
+
+
+def _watchable(stream: Stream) -> bool:
+    """Whether the stream's transport implements :meth:`Stream.on_abandoned` (both ends of a
+    call use the same transport, so this tells the caller what the callee can do)."""
+    return type(stream).on_abandoned is not Stream.on_abandoned
 
 
 _NO_SCOPE: Final = nullcontext()

@@ -297,6 +297,29 @@ async def _check_send_last(h: _Harness) -> None:
         await stream.aclose()
 
 
+async def _check_on_abandoned(h: _Harness) -> None:
+    a, b = await h.pair()
+    for how in ("abort", "aclose", "connection"):
+        sa, sb = await _open_pair(a, b)
+        called = anyio.Event()
+        if not sb.on_abandoned(called.set):
+            return  # allowed: this transport cannot tell (then it must never call back)
+        assert not called.is_set(), "on_abandoned called back before anything happened"
+        if how == "abort":
+            await sa.abort()
+        elif how == "aclose":
+            await sa.aclose()  # before reading what sb might still send
+            await sb.send(b"unwanted")  # a transport may wait for this to tell sb
+        else:
+            await a.aclose()
+        with anyio.fail_after(10):
+            await called.wait()
+        late = anyio.Event()
+        assert sb.on_abandoned(late.set)
+        assert late.is_set(), "on_abandoned of an abandoned stream must call back at once"
+        await sb.aclose()
+
+
 async def _check_aclose(h: _Harness) -> None:
     a, b = await h.pair()
     sa, sb = await _open_pair(a, b)
@@ -484,6 +507,7 @@ TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
     "backpressure": _check_backpressure,
     "send_eof": _check_send_eof,
     "send_last": _check_send_last,
+    "on_abandoned": _check_on_abandoned,
     "aclose": _check_aclose,
     "abort": _check_abort,
     "cancelled_receive": _check_cancelled_receive,

@@ -22,7 +22,7 @@ import itertools
 import logging
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
 import anyio
@@ -145,6 +145,7 @@ class _MemoryStream(Stream):
         self._closed = False  # we closed or aborted
         self._reset_by_peer = False
         self._discard = False  # we closed: drop whatever still arrives
+        self._abandon_callbacks: list[Callable[[], object]] | None = None
 
     @property
     def extra_attributes(self) -> dict[Any, Any]:
@@ -212,6 +213,21 @@ class _MemoryStream(Stream):
                 raise ConnectionLost("connection closed")
             await self._changed.wait()
 
+    def on_abandoned(self, callback: Callable[[], object]) -> bool:
+        peer = self._peer
+        if self._reset_by_peer or self._conn.is_closed or (peer is not None and peer._closed):
+            callback()
+        elif self._abandon_callbacks is None:
+            self._abandon_callbacks = [callback]
+        else:
+            self._abandon_callbacks.append(callback)
+        return True
+
+    def _abandoned(self) -> None:
+        callbacks, self._abandon_callbacks = self._abandon_callbacks, None
+        for callback in callbacks or ():
+            callback()
+
     async def send_eof(self) -> None:
         if self._eof_sent or self._closed or self._conn.is_closed:
             return
@@ -234,6 +250,8 @@ class _MemoryStream(Stream):
         self._buffered = 0
         self._changed.notify()
         self._conn._forget(self)
+        if self._peer is not None:
+            self._peer._abandoned()  # we read nothing more of what it sends
 
     async def abort(self) -> None:
         if self._closed:
@@ -250,6 +268,7 @@ class _MemoryStream(Stream):
             peer._inbox.clear()
             peer._buffered = 0
             peer._changed.notify()
+            peer._abandoned()
         self._conn._forget(self)
         await anyio.lowlevel.checkpoint()
 
@@ -329,6 +348,7 @@ class _MemoryConnection(Connection):
         self._incoming_changed.notify()
         for stream in list(self._streams.values()):
             stream._changed.notify()
+            stream._abandoned()
         self._transport._connections.discard(self)
 
     async def aclose(self) -> None:

@@ -13,10 +13,17 @@ from typing import Any
 import anyio
 import pytest
 
-from swarmavg.abc import Connection
+from swarmavg.abc import Connection, Stream
 from swarmavg.address import Address
 from swarmavg.aio.node import Node
-from swarmavg.aio.rpc import CallContext, CallFailed, CallHeader, RPCKind, StreamingCall
+from swarmavg.aio.rpc import (
+    CallContext,
+    CallFailed,
+    CallHeader,
+    EndOfRequests,
+    RPCKind,
+    StreamingCall,
+)
 from swarmavg.errors import (
     ConnectError,
     ConnectionLost,
@@ -30,9 +37,19 @@ from swarmavg.errors import (
 )
 from swarmavg.identity import Identity
 from swarmavg.proto import Message, decode_message, encode_message_bytes, message
-from swarmavg.testing import MemoryNetwork, MemoryTransport
+from swarmavg.testing import MemoryNetwork, MemoryTransport, _memory
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True, params=["watched", "read"])
+def abandon_watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: with the memory transport telling the RPC layer when a caller abandons
+    a stream (handlers of unary calls run without a reader task), and without, as a transport
+    that cannot tell (every call gets a task reading the caller's side)."""
+    if request.param == "read":
+        monkeypatch.setattr(_memory._MemoryStream, "on_abandoned", Stream.on_abandoned)
+    return str(request.param)
 
 
 def _opening(header: Message, *requests: Message) -> bytes:
@@ -516,14 +533,17 @@ async def test_callee_enforces_the_deadline_it_was_sent() -> None:
 async def test_callee_waits_a_bounded_time_for_a_caller_that_never_closes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """After answering, the callee waits for the caller's close (cheaper than cancelling its
-    read), but not forever: the call's slot is freed after the linger time."""
+    """After answering a call whose requests it reads in a task, the callee waits for the
+    caller's close (cheaper than cancelling that read), but not forever: the call's slot is
+    freed after the linger time."""
     monkeypatch.setattr("swarmavg.aio.rpc._LINGER", 0.3)
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
         with anyio.fail_after(5):
             stream = await client.open_stream(server.addresses[0])
-            await stream.send(_opening(CallHeader("double", "unary", 0.0), Num(21)))
+            await stream.send(_opening(CallHeader("total", "client_stream", 0.0), Num(20)))
+            await stream.send(encode_message_bytes(Num(22)))
+            await stream.send(encode_message_bytes(EndOfRequests()))
             answer = decode_message(await stream.receive())
             assert isinstance(answer, Num)
             assert answer.value == 42
@@ -533,6 +553,22 @@ async def test_callee_waits_a_bounded_time_for_a_caller_that_never_closes(
             while server.rpc._slots:  # noqa: ASYNC110 (no event to wait on)
                 await anyio.sleep(0.05)  # ...until the linger time is up
             await stream.aclose()
+
+
+async def test_a_unary_callee_ignores_what_follows_the_request() -> None:
+    """A unary call whose request came in the opening is answered without reading the
+    caller's side further: a stray message after it is dropped, not an error."""
+    async with _peers(2) as (server, client):
+        _serve_arithmetic(server)
+        with anyio.fail_after(5):
+            stream = await client.open_stream(server.addresses[0])
+            await stream.send(_opening(CallHeader("double", "unary", 0.0), Num(21)))
+            await stream.send(encode_message_bytes(Num(1)))
+            answer = decode_message(await stream.receive())
+            assert isinstance(answer, Num)
+            assert answer.value == 42
+            await stream.aclose()
+            assert await client.rpc.call(server.addresses[0], "double", Num(2)) == Num(4)
 
 
 async def test_bad_timeouts_are_refused() -> None:

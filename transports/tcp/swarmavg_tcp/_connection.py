@@ -178,6 +178,8 @@ class TcpStream(Stream):
         self._conn = conn
         self.id = stream_id
         self._announced = announced  # the peer knows this stream
+        self._abandon_callbacks: list[Callable[[], object]] | None = None
+        self._stop_on_data = False  # closed: send STOP if the peer sends another message
         self._inbox: deque[tuple[memoryview, int, bool]] = deque()  # (message, cost, large)
         self._changed = _Signal()
         self._send_lock = _FifoLock()
@@ -306,6 +308,7 @@ class TcpStream(Stream):
             return
         self._closed = True
         self._sent_eof = True
+        unread = bool(self._inbox) or self._partial is not None
         self._release_buffers()
         self._changed.notify()
         if not self._conn._error:
@@ -313,7 +316,13 @@ class TcpStream(Stream):
             try:
                 self._end_sending(announce=False)
                 if not self._recv_end and self._announced:
-                    self._conn._queue_control(fr.STOP, 0, self.id, 0)
+                    # Tell the peer to stop sending if it sent what we will not read; if not,
+                    # only once it does (most peers are done, and just owe us their EOF):
+                    # as TCP answers data for a closed socket with a reset.
+                    if unread:
+                        self._conn._queue_control(fr.STOP, 0, self.id, 0)
+                    else:
+                        self._stop_on_data = True
             finally:
                 self._send_lock.release()
         self._maybe_forget()
@@ -325,10 +334,12 @@ class TcpStream(Stream):
         self._sent_eof = True
         self._release_buffers()
         self._changed.notify()
-        if not self._sent_end:
-            self._sent_end = True
-            if self._announced and self._conn._error is None:
-                self._conn._queue_control(fr.RESET, 0, self.id, fr.CANCELLED)
+        # RESET unless both directions are over: also after our EOF, when the peer still
+        # sends (its sends then fail with StreamReset, and it learns we left)
+        alive = not self._sent_end or not self._recv_end
+        if alive and self._announced and self._conn._error is None:
+            self._conn._queue_control(fr.RESET, 0, self.id, fr.CANCELLED)
+        self._sent_end = True
         self._recv_end = True  # a RESET ends both directions at once
         self._maybe_forget()
 
@@ -368,14 +379,34 @@ class TcpStream(Stream):
         self._changed.notify()
         self._conn._credit_changed.notify()
         self._maybe_forget()
+        self._abandoned()
 
     def _on_stop(self) -> None:
         self._stopped = True
         self._end_sending(announce=True)
         self._conn._credit_changed.notify()
+        self._abandoned()
 
     def _on_connection_lost(self) -> None:
         self._changed.notify()
+        self._abandoned()
+
+    def on_abandoned(self, callback: Callable[[], object]) -> bool:
+        if self._reset_by_peer or self._stopped or self._conn._error is not None:
+            callback()
+        elif self._abandon_callbacks is None:
+            self._abandon_callbacks = [callback]
+        else:
+            self._abandon_callbacks.append(callback)
+        return True
+
+    def _abandoned(self) -> None:
+        callbacks, self._abandon_callbacks = self._abandon_callbacks, None
+        for callback in callbacks or ():
+            try:
+                callback()
+            except Exception:  # a bug in the callback: ours to log, not the reader's to die of
+                logger.exception("on_abandoned callback of %r failed", self)
 
 
 class TcpConnection(Connection):
@@ -1052,6 +1083,9 @@ class TcpConnection(Connection):
                 )
             cost = total + fr.MESSAGE_OVERHEAD
             large = settings.is_large(total)
+            if stream is not None and stream._stop_on_data:
+                stream._stop_on_data = False
+                self._queue_control(fr.STOP, 0, stream_id, 0)
             if stream is None or stream._discarding:
                 if large:
                     self._queue_control(fr.WINDOW, fr.LARGE_DONE, stream_id, 0)
