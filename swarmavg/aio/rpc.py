@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import anyio
@@ -71,7 +72,15 @@ from swarmavg.errors import (
     SwarmError,
 )
 from swarmavg.identity import PeerID
-from swarmavg.proto import Message, decode_message, encode_message, encoded_size, message
+from swarmavg.proto import (
+    Buffer,
+    Message,
+    decode_message,
+    encode_message,
+    encode_message_bytes,
+    encoded_size,
+    message,
+)
 
 if TYPE_CHECKING:
     from swarmavg.aio.node import Node
@@ -222,19 +231,19 @@ class StreamingCall(Generic[Req, Resp]):
     async def _send_opening(self, header: CallHeader, first: Message | None) -> None:
         """Send the opening message: ``u32 header size | CallHeader | [first request]``."""
         limit = self._stream.max_message_size
-        parts = encode_message(header, max_size=limit)
-        prefix = _OPENING_PREFIX.pack(encoded_size(parts))
+        head = _encode_header(header)
+        parts: list[Buffer] = [head]
         if first is not None:
             parts += encode_message(first, max_size=limit)
-        size = sum(len(memoryview(p)) for p in parts) + _OPENING_PREFIX.size
+        size = encoded_size(parts)
         if size > limit:
             raise MessageTooLarge(f"the request needs {size} bytes; the peer takes {limit}")
         try:
             with self._scope():
                 if self._half_closed:
-                    await self._stream.send_last(prefix, *parts)
+                    await self._stream.send_last(*parts)
                 else:
-                    await self._stream.send(prefix, *parts)
+                    await self._stream.send(*parts)
         except TimeoutError:
             raise self._timed_out() from None
         except (StreamReset, ConnectionLost) as exc:
@@ -872,10 +881,41 @@ def _decode_opening(data: memoryview, max_size: int) -> tuple[CallHeader, memory
     end = _OPENING_PREFIX.size + size
     if end > len(data):
         raise RemoteProtocolError("call header overruns the opening message")
-    header = decode_message(data[_OPENING_PREFIX.size : end], max_size=max_size)
-    if not isinstance(header, CallHeader):
-        raise RemoteProtocolError(f"a call must open with a header, not {type(header).__name__}")
+    raw = bytes(data[_OPENING_PREFIX.size : end])
+    header = _HEADERS.get(raw)
+    if header is None:
+        decoded = decode_message(raw, max_size=max_size)
+        if not isinstance(decoded, CallHeader):
+            kind = type(decoded).__name__
+            raise RemoteProtocolError(f"a call must open with a header, not {kind}")
+        header = decoded
+        if not header.timeout:  # no deadline: the same bytes open every such call
+            if len(_HEADERS) >= _MAX_CACHED_HEADERS:
+                _HEADERS.pop(next(iter(_HEADERS)))
+            _HEADERS[raw] = header
     return header, data[end:]
+
+
+@lru_cache(maxsize=256)
+def _encoded_header_without_deadline(method: str, kind: str) -> bytes:
+    return _prefixed(CallHeader(method, kind, 0.0))
+
+
+def _prefixed(header: CallHeader) -> bytes:
+    head = encode_message_bytes(header)
+    return _OPENING_PREFIX.pack(len(head)) + head
+
+
+def _encode_header(header: CallHeader) -> bytes:
+    """``u32 size | CallHeader``; the same bytes for every call of a method without a deadline."""
+    if not header.timeout:
+        return _encoded_header_without_deadline(header.method, header.kind)
+    return _prefixed(header)
+
+
+#: Decoded headers of calls without a deadline, by their encoding (the oldest dropped first).
+_HEADERS: dict[bytes, CallHeader] = {}
+_MAX_CACHED_HEADERS: Final = 256
 
 
 #: After answering, how long a callee waits for the caller to close the call before it stops
