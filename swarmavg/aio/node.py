@@ -269,13 +269,38 @@ class Node:
             self._adopt(conn)
 
     async def _serve_connection(self, conn: Connection) -> None:
-        assert self._tg is not None
+        """Serve the streams the peer opens, until the connection ends.
+
+        One task waits in ``accept_stream`` at any time. The task that gets a stream serves it
+        itself, after starting the next waiter, and ends when it is done if another waits:
+        the stream is served without waiting for a new task to start (a call's critical path
+        is an event-loop step shorter), and concurrent streams still each get a task.
+        """
+        waiting = 0
+        ended = anyio.Event()
+
+        async def acceptor(tg: anyio.abc.TaskGroup) -> None:
+            nonlocal waiting
+            while not ended.is_set():
+                waiting += 1
+                try:
+                    stream = await conn.accept_stream()
+                except SwarmError:
+                    ended.set()
+                    return
+                finally:
+                    waiting -= 1
+                if not waiting:
+                    tg.start_soon(acceptor, tg)
+                await self._serve_stream(stream, conn.peer_id)
+                if waiting:
+                    return
+
         try:
-            while True:
-                stream = await conn.accept_stream()
-                self._tg.start_soon(self._serve_stream, stream, conn.peer_id)
-        except SwarmError:
-            pass
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(acceptor, tg)
+                await ended.wait()
+                tg.cancel_scope.cancel()  # the waiting acceptor; streams being served end too
         finally:
             if self._pool.get(conn.peer_id) is conn:
                 del self._pool[conn.peer_id]
