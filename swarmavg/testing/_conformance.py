@@ -297,6 +297,31 @@ async def _check_send_last(h: _Harness) -> None:
         await stream.aclose()
 
 
+async def _check_concurrent_accept(h: _Harness) -> None:
+    """Several tasks may wait in accept_stream at once: each stream goes to exactly one."""
+    a, b = await h.pair()
+    got: list[bytes] = []
+
+    async def acceptor() -> None:
+        stream = await b.accept_stream()
+        got.append(bytes(await stream.receive()))
+        await stream.aclose()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(acceptor)
+            await anyio.sleep(0.01)  # all four wait
+            opened = []
+            for i in range(4):
+                stream = await a.open_stream()
+                await stream.send(b"%d" % i)
+                opened.append(stream)
+        for stream in opened:
+            await stream.aclose()
+    assert sorted(got) == [b"0", b"1", b"2", b"3"], got
+
+
 async def _check_on_abandoned(h: _Harness) -> None:
     a, b = await h.pair()
     for how in ("abort", "aclose", "connection"):
@@ -508,6 +533,7 @@ TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
     "send_eof": _check_send_eof,
     "send_last": _check_send_last,
     "on_abandoned": _check_on_abandoned,
+    "concurrent_accept": _check_concurrent_accept,
     "aclose": _check_aclose,
     "abort": _check_abort,
     "cancelled_receive": _check_cancelled_receive,

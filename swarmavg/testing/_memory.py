@@ -331,11 +331,12 @@ class _MemoryConnection(Connection):
         return local
 
     async def accept_stream(self) -> Stream:
-        while not self._incoming:
+        if self._incoming:
+            await anyio.lowlevel.checkpoint()  # ready at once: still let others run
+        while not self._incoming:  # (another task may take it while we wait: look again)
             if self.is_closed:
                 raise ConnectionLost("connection is closed")
             await self._incoming_changed.wait()
-        await anyio.lowlevel.checkpoint()
         return self._incoming.popleft()
 
     def _forget(self, stream: _MemoryStream) -> None:
