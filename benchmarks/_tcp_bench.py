@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -287,6 +287,44 @@ def _serve(mode: str, encryption: bool, lifetime: float) -> int:
 # -- client side: managing a server ----------------------------------------------------------
 
 
+@dataclass
+class _Placement:
+    """The CPUs of the client (this process) and the server during a measurement."""
+
+    server: set[int] | None = None
+    client: set[int] | None = None
+
+
+_PLACEMENT = _Placement()
+
+
+@contextlib.contextmanager
+def _pinned() -> Iterator[str]:
+    """Pin this process (the client) and the servers it starts to two different CPUs, where
+    Linux lets us: whether both processes share a core or not changes loopback throughput by
+    up to 2x on a small machine, and the kernel's choice varies from run to run. Yields a
+    description of the placement."""
+    getaff = getattr(os, "sched_getaffinity", None)
+    setaff = getattr(os, "sched_setaffinity", None)
+    allowed = sorted(getaff(0)) if getaff is not None else []
+    if setaff is None or len(allowed) < 2:
+        yield "not pinned (needs Linux and 2 CPUs)"
+        return
+    before = set(allowed)
+    client, server = {allowed[0]}, {allowed[1]}
+    try:
+        setaff(0, client)
+    except OSError as exc:
+        yield f"not pinned ({exc})"
+        return
+    _PLACEMENT.client, _PLACEMENT.server = client, server
+    try:
+        yield f"client on CPU {allowed[0]}, server on CPU {allowed[1]}"
+    finally:
+        _PLACEMENT.client = _PLACEMENT.server = None
+        setaff(0, before)
+
+
 class _Server:
     """A server subprocess: started on enter, its stdin closed and it reaped (or killed) on exit."""
 
@@ -311,6 +349,8 @@ class _Server:
             self._proc = subprocess.Popen(
                 self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr
             )
+            if _PLACEMENT.server is not None:
+                os.sched_setaffinity(self._proc.pid, _PLACEMENT.server)
             self.info = json.loads(self._read_line(START_TIMEOUT))
         except BaseException:
             self.__exit__()
@@ -718,9 +758,12 @@ def measure(quick: bool) -> list[dict[str, Any]]:
     """
     ours_error = tcp_transport_error()
     total = (256 if quick else 1024) * MiB
-    rows = _bulk_rows(total, repeats=2 if quick else 3, ours_error=ours_error)
-    # Our RPC samples are a quarter as many as the reference's: each is a whole call.
-    rows += _rtt_rows(4000 if quick else 20000, rounds=2, ours_error=ours_error)
+    with _pinned() as placement:
+        rows = _bulk_rows(total, repeats=2 if quick else 3, ours_error=ours_error)
+        # Our RPC samples are a quarter as many as the reference's: each is a whole call.
+        rows += _rtt_rows(4000 if quick else 20000, rounds=2, ours_error=ours_error)
+    for row in rows:
+        row["placement"] = placement
     return rows
 
 

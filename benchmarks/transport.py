@@ -13,7 +13,8 @@ Rows:
   1 MiB messages over raw asyncio sockets (reference A) and over our TCP transport, encrypted
   (target >= 0.6x A) and plain (>= 0.8x A), with CPU s/GB and peak RSS of each side as footnotes;
   a 64-byte raw asyncio ping-pong (reference B) and a unary RPC over our encrypted transport
-  (target <= 4x B and <= 250 µs). Rows that could not be measured carry an ``error``.
+  (target <= 4x B and <= 250 µs). Client and server are pinned to two different CPUs where
+  Linux allows. Rows that could not be measured carry an ``error``.
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         note = _footnote(row)
         if note:
             print(note)
+    placements = sorted({row["placement"] for row in rows if "placement" in row})
+    for placement in placements:
+        print(f"  tcp rows, both ours and the references: {placement}")
 
 
 def main() -> int:
