@@ -543,10 +543,11 @@ class TcpConnection(Connection):
         return stream
 
     async def accept_stream(self) -> TcpStream:
-        while not self._accept_queue:
+        if self._accept_queue:
+            await anyio.lowlevel.checkpoint()  # ready at once: still let others run
+        while not self._accept_queue:  # (waiting was a checkpoint: no second one)
             self._check_usable()
             await self._accept_changed.wait()
-        await anyio.lowlevel.checkpoint()
         return self._accept_queue.popleft()
 
     async def aclose(self) -> None:
