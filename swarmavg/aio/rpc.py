@@ -439,6 +439,24 @@ class RPC:
     ) -> AsyncIterator[StreamingCall[Message, Resp]]:
         """:meth:`open`, sending ``first`` (the request of a unary or server-stream call) in
         the opening message, with the header: one message, one write, one read."""
+        call = await self._start_call(peer, method, kind, response_type, timeout, first)
+        try:
+            yield call
+        except BaseException:
+            await _abort_call(call)
+            raise
+        await _end_call(call)
+
+    async def _start_call(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        kind: RPCKind | str,
+        response_type: type[Resp] | None,
+        timeout: float | None,
+        first: Message | None,
+    ) -> StreamingCall[Message, Resp]:
+        """Open the stream of a call and send its opening; on failure, nothing is left open."""
         budget = _timeout_budget(timeout)
         deadline = anyio.current_time() + budget
         kind = RPCKind(kind)
@@ -450,10 +468,10 @@ class RPC:
                     stream = await self._open_stream(peer)
         except TimeoutError:
             raise RPCTimeout(f"opening call {method!r} timed out after {timeout} s") from None
+        call: StreamingCall[Message, Resp] = StreamingCall(
+            stream, method, response_type, deadline, timeout
+        )
         try:
-            call: StreamingCall[Message, Resp] = StreamingCall(
-                stream, method, response_type, deadline, timeout
-            )
             # the budget left once connected; positive (0 means "none"): if it is all spent,
             # sending the header times out right away
             left = max(deadline - anyio.current_time(), 1e-9) if math.isfinite(budget) else 0.0
@@ -464,18 +482,10 @@ class RPC:
                 # closing after the answer then costs no write at all.
                 call._half_closed = call._done_sending = True
             await call._send_opening(CallHeader(method, kind.value, left), first)
-            yield call
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await stream.abort()
+            await _abort_call(call)
             raise
-        else:
-            await stream.aclose()
-            if not call._half_closed:
-                # Let the close go out now, in a write of its own, rather than with the
-                # opening of the caller's next call: the callee then tears this call down while
-                # we prepare the next one, not on that call's critical path.
-                await anyio.lowlevel.checkpoint()
+        return call
 
     async def call(
         self,
@@ -496,15 +506,21 @@ class RPC:
         :raises MessageTooLarge: if ``request`` is too large for one message (nothing is sent).
         :raises ConnectError: if the peer cannot be reached.
         """
-        async with self._open_call(
-            peer, method, RPCKind.UNARY, response_type, timeout, request
-        ) as call:
-            try:
-                return await call.receive()
-            except StopAsyncIteration:
-                raise RemoteError(
-                    f"call {method!r} ended without a response", code="no_response"
-                ) from None
+        # what ``async with self._open_call(...)`` does, without a generator: it is the most
+        # frequent call
+        call = await self._start_call(peer, method, RPCKind.UNARY, response_type, timeout, request)
+        try:
+            response = await call.receive()
+        except StopAsyncIteration:
+            await _abort_call(call)
+            raise RemoteError(
+                f"call {method!r} ended without a response", code="no_response"
+            ) from None
+        except BaseException:
+            await _abort_call(call)
+            raise
+        await _end_call(call)
+        return response
 
     @asynccontextmanager
     async def server_stream(
@@ -857,6 +873,22 @@ class RPC:
                 except (SwarmError, *_GONE):
                     pass
                 return
+
+
+async def _abort_call(call: StreamingCall[Any, Any]) -> None:
+    """Leave a call that failed or was cancelled: reset its stream."""
+    with anyio.CancelScope(shield=True):
+        await call._stream.abort()
+
+
+async def _end_call(call: StreamingCall[Any, Any]) -> None:
+    """Leave a call normally: close its stream."""
+    await call._stream.aclose()
+    if not call._half_closed:
+        # Let the close go out now, in a write of its own, rather than with the opening of the
+        # caller's next call: the callee then tears this call down while we prepare the next
+        # one, not on that call's critical path.
+        await anyio.lowlevel.checkpoint()
 
 
 def _watchable(stream: Stream) -> bool:
