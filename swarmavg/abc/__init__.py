@@ -1,6 +1,7 @@
 """The pluggable protocols of swarmavg. Each has a conformance suite in :mod:`swarmavg.testing`."""
 
 from swarmavg.abc._transport import (
+    AbandonCallbacks,
     Buffer,
     Connection,
     ConnectionAttribute,
@@ -11,6 +12,7 @@ from swarmavg.abc._transport import (
 )
 
 __all__ = [
+    "AbandonCallbacks",
     "Buffer",
     "Connection",
     "ConnectionAttribute",

@@ -27,6 +27,7 @@ Closing rules (the conformance suite in :mod:`swarmavg.testing` checks each of t
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -54,6 +55,9 @@ __all__ = [
 Buffer = bytes | bytearray | memoryview
 
 
+logger = logging.getLogger(__name__)
+
+
 class ConnectionAttribute(TypedAttributeSet):
     """Typed attributes of a :class:`Connection`: ``conn.extra(ConnectionAttribute.peer_id)``."""
 
@@ -76,6 +80,41 @@ class StreamAttribute(TypedAttributeSet):
 
     #: Transport-specific stream number, unique within its connection.
     stream_id: int = typed_attribute()
+
+
+class AbandonCallbacks:
+    """The callbacks of :meth:`Stream.on_abandoned`, for a transport that implements it: the
+    stream ``add``-s them and ``fire``-s them once, when the peer abandons it. A callback added
+    after that, or while ``abandoned`` is true, is called at once. A callback that raises is
+    logged, not propagated (it runs in the transport's machinery)."""
+
+    __slots__ = ("_callbacks", "_fired")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], object]] | None = None
+        self._fired = False
+
+    def add(self, callback: Callable[[], object], *, abandoned: bool = False) -> bool:
+        if abandoned or self._fired:
+            self._call(callback)
+        elif self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
+        return True
+
+    def fire(self) -> None:
+        self._fired = True
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            self._call(callback)
+
+    @staticmethod
+    def _call(callback: Callable[[], object]) -> None:
+        try:
+            callback()
+        except Exception:
+            logger.exception("an on_abandoned callback failed")
 
 
 class Stream(TypedAttributeProvider, ABC):

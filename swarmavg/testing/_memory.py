@@ -27,7 +27,15 @@ from typing import Any, ClassVar, Final
 
 import anyio
 
-from swarmavg.abc import Buffer, Connection, ConnectionAttribute, Listener, Stream, Transport
+from swarmavg.abc import (
+    AbandonCallbacks,
+    Buffer,
+    Connection,
+    ConnectionAttribute,
+    Listener,
+    Stream,
+    Transport,
+)
 from swarmavg.abc._transport import StreamAttribute
 from swarmavg.address import Address
 from swarmavg.errors import (
@@ -145,7 +153,7 @@ class _MemoryStream(Stream):
         self._closed = False  # we closed or aborted
         self._reset_by_peer = False
         self._discard = False  # we closed: drop whatever still arrives
-        self._abandon_callbacks: list[Callable[[], object]] | None = None
+        self._abandon = AbandonCallbacks()
 
     @property
     def extra_attributes(self) -> dict[Any, Any]:
@@ -215,18 +223,11 @@ class _MemoryStream(Stream):
 
     def on_abandoned(self, callback: Callable[[], object]) -> bool:
         peer = self._peer
-        if self._reset_by_peer or self._conn.is_closed or (peer is not None and peer._closed):
-            callback()
-        elif self._abandon_callbacks is None:
-            self._abandon_callbacks = [callback]
-        else:
-            self._abandon_callbacks.append(callback)
-        return True
+        gone = self._reset_by_peer or self._conn.is_closed or (peer is not None and peer._closed)
+        return self._abandon.add(callback, abandoned=gone)
 
     def _abandoned(self) -> None:
-        callbacks, self._abandon_callbacks = self._abandon_callbacks, None
-        for callback in callbacks or ():
-            callback()
+        self._abandon.fire()
 
     async def send_eof(self) -> None:
         if self._eof_sent or self._closed or self._conn.is_closed:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.abc
 
-from swarmavg.abc import Connection, ConnectionAttribute, Stream, StreamAttribute
+from swarmavg.abc import AbandonCallbacks, Connection, ConnectionAttribute, Stream, StreamAttribute
 from swarmavg.errors import (
     ConnectionLost,
     MessageTooLarge,
@@ -178,7 +178,7 @@ class TcpStream(Stream):
         self._conn = conn
         self.id = stream_id
         self._announced = announced  # the peer knows this stream
-        self._abandon_callbacks: list[Callable[[], object]] | None = None
+        self._abandon = AbandonCallbacks()
         self._stop_on_data = False  # closed: send STOP if the peer sends another message
         self._inbox: deque[tuple[memoryview, int, bool]] = deque()  # (message, cost, large)
         self._changed = _Signal()
@@ -392,21 +392,11 @@ class TcpStream(Stream):
         self._abandoned()
 
     def on_abandoned(self, callback: Callable[[], object]) -> bool:
-        if self._reset_by_peer or self._stopped or self._conn._error is not None:
-            callback()
-        elif self._abandon_callbacks is None:
-            self._abandon_callbacks = [callback]
-        else:
-            self._abandon_callbacks.append(callback)
-        return True
+        gone = self._reset_by_peer or self._stopped or self._conn._error is not None
+        return self._abandon.add(callback, abandoned=gone)
 
     def _abandoned(self) -> None:
-        callbacks, self._abandon_callbacks = self._abandon_callbacks, None
-        for callback in callbacks or ():
-            try:
-                callback()
-            except Exception:  # a bug in the callback: ours to log, not the reader's to die of
-                logger.exception("on_abandoned callback of %r failed", self)
+        self._abandon.fire()
 
 
 class TcpConnection(Connection):
