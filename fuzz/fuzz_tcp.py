@@ -422,7 +422,11 @@ def _header_ok(length: int, ftype: int, flags: int, reserved: int, max_record: i
     if ftype > fr.MAX_TYPE or reserved:
         return False
     if ftype == DATA:
-        return length <= max_record and not flags & ~(FIRST | LAST)
+        return (
+            length <= max_record
+            and not flags & ~(FIRST | LAST | fr.FIN)
+            and (not flags & fr.FIN or bool(flags & LAST))
+        )
     if ftype == AUTH:
         return length <= 1024
     return length == 0

@@ -397,7 +397,8 @@ ATTACKS: dict[str, Callable[[RawPeer], Awaitable[None]]] = {
     "unknown_type": lambda raw: raw.send(fr.MAX_TYPE + 1),
     "type_255": lambda raw: raw.send(255, 0, 3),
     "reserved_bits": lambda raw: raw.send(fr.DATA, fr.FIRST | fr.LAST, 3, 1, b"x", reserved=1),
-    "unknown_data_flags": lambda raw: raw.send(fr.DATA, fr.FIRST | fr.LAST | 4, 3, 1, b"x"),
+    "unknown_data_flags": lambda raw: raw.send(fr.DATA, fr.FIRST | fr.LAST | 8, 3, 1, b"x"),
+    "fin_before_the_last_record": lambda raw: raw.send(fr.DATA, fr.FIRST | fr.FIN, 3, 2, b"x"),
     "unknown_window_flags": lambda raw: raw.send(fr.WINDOW, 2, 0, 0),
     "control_with_payload": lambda raw: raw.send(fr.PING, payload=b"surprise"),
     "oversized_record": lambda raw: raw.send(
@@ -893,6 +894,25 @@ async def test_a_peer_that_resets_its_socket_is_harmless() -> None:
                     await stream.receive()
         assert not transport._connections
         await assert_serves(listener)
+
+
+@ENCRYPTION
+async def test_a_message_can_carry_the_streams_eof(encryption: bool) -> None:
+    """DATA with FIN: the message, then the end of the stream, from one record."""
+    async with (
+        serving(encryption=encryption, **STRICT) as (_, listener),
+        raw_session(listener, encryption=encryption) as (raw, conn, _stream),
+    ):
+        await raw.send(fr.DATA, fr.FIRST | fr.LAST | fr.FIN, 3, 4, b"last")
+        with anyio.fail_after(BOUND):
+            stream = await conn.accept_stream()
+            assert bytes(await stream.receive()) == b"last"
+            with pytest.raises(anyio.EndOfStream):
+                await stream.receive()
+            await stream.send(b"the other way is open")
+            ftype, flags, stream_id, _, payload, _ = await raw.receive_record()
+            assert (ftype, stream_id, payload) == (fr.DATA, 3, b"the other way is open")
+            assert not flags & fr.FIN
 
 
 # -- memory bounds found by fuzz/fuzz_tcp.py ------------------------------------------------------

@@ -665,11 +665,10 @@ class TcpConnection(Connection):
             # fast path (small messages): write at once, no cancel scopes, no task switch
             try:
                 buffers = [self._compose_control()] if self._control else []
-                buffers += self._compose(stream.id, fr.FIRST | fr.LAST, size, records[0])
-                if eof:  # sealed after the message: the records go out in nonce order
+                flags = fr.FIRST | fr.LAST | (fr.FIN if eof else 0)  # FIN: the EOF rides along
+                buffers += self._compose(stream.id, flags, size, records[0])
+                if eof:
                     stream._sent_eof = stream._sent_end = True
-                    self._control.append((fr.EOF, 0, stream.id, 0))
-                    buffers.append(self._compose_control())
                     stream._maybe_forget()
                 left = self._write_now(buffers)
                 if left:  # the socket is full: the rest must go out, even if we are cancelled
@@ -1124,14 +1123,18 @@ class TcpConnection(Connection):
         """The payload of the current DATA record is in place."""
         record, stream = self._record, self._data_stream
         self._record = self._out = self._data_stream = None
-        if stream is None or stream._is_discarding() or record is None:
+        if record is None:
             return
-        if record[3] & fr.LAST:
+        if stream is not None and not stream._is_discarding() and record[3] & fr.LAST:
             view = stream._partial_view
             assert view is not None
             stream._inbox.append((view, stream._partial_cost, stream._partial_large))
             stream._partial = stream._partial_view = None
             stream._changed.notify()
+        if record[3] & fr.FIN:  # the stream's EOF, also for a stream we are discarding
+            eof_stream = self._lookup(record[4], create=False)
+            if eof_stream is not None:
+                eof_stream._on_eof()
 
     def _lookup(self, stream_id: int, *, create: bool) -> TcpStream | None:
         """The stream a record is for; None for a stream already forgotten."""

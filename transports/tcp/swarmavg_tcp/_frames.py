@@ -58,6 +58,8 @@ MAX_TYPE: Final = AUTH
 # DATA flags
 FIRST: Final = 1
 LAST: Final = 2
+#: The message this record ends is the stream's last: the EOF rides with it (only with LAST).
+FIN: Final = 4
 # WINDOW flags
 LARGE_DONE: Final = 1
 
@@ -177,8 +179,10 @@ def check_header(length: int, ftype: int, flags: int, reserved: int, max_record_
     if ftype == DATA:
         if length > max_record_size:
             raise RemoteProtocolError(f"record of {length} bytes exceeds {max_record_size}")
-        if flags & ~(FIRST | LAST):
+        if flags & ~(FIRST | LAST | FIN):
             raise RemoteProtocolError("unknown DATA flags")
+        if flags & FIN and not flags & LAST:
+            raise RemoteProtocolError("FIN on a record that does not end its message")
     elif ftype == AUTH:
         if length > 1024:
             raise RemoteProtocolError("oversized AUTH record")
