@@ -26,6 +26,8 @@ PACKAGES = [
 #: Distributions released in lockstep with swarmavg (it pins them to its own version), so they
 #: are installed from this tree together with it.
 LOCKSTEP = ["-e", "transports/tcp"]
+#: Transport plug-ins developed in this tree that swarmavg does not depend on.
+PLUGINS = ["-e", "transports/quic"]
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:
@@ -33,7 +35,7 @@ def _install(session: nox.Session, extras: str = "test") -> None:
     # ``-e .`` before ``-e .[extras]``: pip 23's resolver does not let an editable requirement
     # *with extras* satisfy the plain ``swarmavg==X`` that swarmavg-tcp pins, and fails with
     # "No matching distribution found for swarmavg" unless the plain one is named too.
-    session.install(*LOCKSTEP, "-e", ".", "-e", f".[{extras}]")
+    session.install(*LOCKSTEP, *PLUGINS, "-e", ".", "-e", f".[{extras}]")
 
 
 @nox.session(python=PYTHON)

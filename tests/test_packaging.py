@@ -26,6 +26,9 @@ def test_lockstep_versions() -> None:
     assert f"swarmavg-tcp=={version}" in core["dependencies"]  # type: ignore[operator]
     assert f"swarmavg=={version}" in tcp["dependencies"]  # type: ignore[operator]
     assert swarmavg_tcp.__version__ == version
+    quic = _project(ROOT / "transports" / "quic" / "pyproject.toml")
+    assert quic["version"] == version
+    assert f"swarmavg=={version}" in quic["dependencies"]  # type: ignore[operator]
 
 
 def test_tcp_entry_point_is_registered() -> None:
