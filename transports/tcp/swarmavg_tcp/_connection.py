@@ -683,48 +683,45 @@ class TcpConnection(Connection):
                 await anyio.lowlevel.checkpoint()
             return
         sent_first = False
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self._write_timeout) as timer:
-                index, last = 0, len(records) - 1
-                while index <= last:
-                    await self._write_lock.acquire()
-                    try:
-                        if self.is_closed:
+        with self._write_deadline_scope() as timer:
+            index, last = 0, len(records) - 1
+            while index <= last:
+                await self._write_lock.acquire()
+                try:
+                    if self.is_closed:
+                        break
+                    if stream._peer_discards():
+                        break  # the peer discards the rest of this message
+                    if self._control:
+                        await self._flush_control()
+                    sent_first = True
+                    # Plaintext records go several to a sendmsg while nobody else waits to
+                    # write (the socket buffer, megabytes, is the real queue anyway); a
+                    # sealed record lives in the one write buffer until it is written.
+                    buffers = []
+                    batched = 0
+                    while True:
+                        pieces = records[index]
+                        flags = (fr.FIRST if index == 0 else 0) | (fr.LAST if index == last else 0)
+                        buffers += self._compose(stream.id, flags, size, pieces)
+                        batched += sum(len(p) for p in pieces)
+                        index += 1
+                        if (
+                            index > last
+                            or self._sealer is not None
+                            or batched >= _WRITE_BATCH
+                            or self._write_lock.contended
+                        ):
                             break
-                        if stream._peer_discards():
-                            break  # the peer discards the rest of this message
-                        if self._control:
-                            await self._flush_control()
-                        sent_first = True
-                        # Plaintext records go several to a sendmsg while nobody else waits to
-                        # write (the socket buffer, megabytes, is the real queue anyway); a
-                        # sealed record lives in the one write buffer until it is written.
-                        buffers = []
-                        batched = 0
-                        while True:
-                            pieces = records[index]
-                            flags = (fr.FIRST if index == 0 else 0) | (
-                                fr.LAST if index == last else 0
-                            )
-                            buffers += self._compose(stream.id, flags, size, pieces)
-                            batched += sum(len(p) for p in pieces)
-                            index += 1
-                            if (
-                                index > last
-                                or self._sealer is not None
-                                or batched >= _WRITE_BATCH
-                                or self._write_lock.contended
-                            ):
-                                break
-                        left = self._write_now(buffers)
-                        if left:
-                            await self._write_all(left)
-                    except OSError as exc:
-                        self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
-                    finally:
-                        self._write_lock.release()
-            if timer.cancelled_caught:
-                self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+                    left = self._write_now(buffers)
+                    if left:
+                        await self._write_all(left, timer)
+                except OSError as exc:
+                    self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+                finally:
+                    self._write_lock.release()
+        if timer.cancelled_caught and self._error is None:
+            self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
         if not sent_first:  # the peer never heard of this message: take the reservation back
             if large:
                 self._large_in_flight = False
@@ -787,28 +784,37 @@ class TcpConnection(Connection):
         left.extend(memoryview(b) for b in buffers[start:])
         return left
 
-    async def _write_all(self, buffers: list[memoryview]) -> None:
+    async def _write_all(
+        self, buffers: list[memoryview], scope: anyio.CancelScope | None = None
+    ) -> None:
         """Write everything, waiting for the socket (the caller holds the write lock). Callers
-        shield this from their own cancellation; the connection's teardown still ends it, since
-        a closed socket never becomes writable."""
-        with anyio.CancelScope() as scope:
-            self._write_scope = scope
-            try:
-                if self._error is None:
-                    for view in buffers:
-                        await self._loop.sock_sendall(self._sock, view)
-                    self._last_send = time.monotonic()
-            finally:
-                self._write_scope = None
+        shield this from their own cancellation; the connection's teardown still ends it (a
+        closed socket never becomes writable) by cancelling ``scope``, the caller's scope
+        around the write, or one of its own."""
+        if scope is None:
+            with anyio.CancelScope() as own:
+                await self._write_all(buffers, own)
+            return
+        self._write_scope = scope
+        try:
+            if self._error is None:
+                for view in buffers:
+                    await self._loop.sock_sendall(self._sock, view)
+                self._last_send = time.monotonic()
+        finally:
+            self._write_scope = None
         if self._error is not None:
             raise ConnectionResetError("the connection closed while writing")
 
+    def _write_deadline_scope(self) -> anyio.CancelScope:
+        """A shielded scope that ends a write the peer does not read within write_timeout."""
+        return anyio.CancelScope(shield=True, deadline=anyio.current_time() + self._write_timeout)
+
     async def _finish_write(self, buffers: list[memoryview]) -> None:
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self._write_timeout) as timer:
-                await self._write_all(buffers)
-            if timer.cancelled_caught:
-                self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+        with self._write_deadline_scope() as scope:
+            await self._write_all(buffers, scope)
+        if scope.cancelled_caught and self._error is None:
+            self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
 
     def _queue_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
         """Send a control record soon: with the next message written in this turn of the event
