@@ -82,6 +82,26 @@ class StreamAttribute(TypedAttributeSet):
     stream_id: int = typed_attribute()
 
 
+class Signal:
+    """A re-armable broadcast for transport implementations: ``wait()`` returns at the next
+    ``notify()`` (every waiter wakes; waiters re-check their condition in a loop)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None  # made only when someone waits
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+
 class AbandonCallbacks:
     """The callbacks of :meth:`Stream.on_abandoned`, for a transport that implements it: the
     stream ``add``-s them and ``fire``-s them once, when the peer abandons it. A callback added

@@ -33,6 +33,7 @@ from swarmavg.abc import (
     Connection,
     ConnectionAttribute,
     Listener,
+    Signal,
     Stream,
     Transport,
 )
@@ -56,25 +57,6 @@ _EOF: Final = object()
 DEFAULT_WINDOW: Final = 4 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_SIZE: Final = 256 * 1024 * 1024
 _BACKLOG: Final = 256
-
-
-class _Signal:
-    """A re-armable broadcast: ``wait()`` returns at the next ``notify()``."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None  # made only when someone waits
-
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
 
 
 class MemoryNetwork:
@@ -148,7 +130,7 @@ class _MemoryStream(Stream):
         self._peer: _MemoryStream | None = None
         self._inbox: deque[tuple[float, Any]] = deque()
         self._buffered = 0  # bytes sent to us and not yet read
-        self._changed = _Signal()  # inbox, credit or state changed
+        self._changed = Signal()  # inbox, credit or state changed
         self._eof_sent = False
         self._closed = False  # we closed or aborted
         self._reset_by_peer = False
@@ -293,7 +275,7 @@ class _MemoryConnection(Connection):
         self._peer: _MemoryConnection | None = None
         self._streams: dict[int, _MemoryStream] = {}
         self._incoming: deque[_MemoryStream] = deque()
-        self._incoming_changed = _Signal()
+        self._incoming_changed = Signal()
         self._closed_event = anyio.Event()
         self._next_id = 1 if initiator else 2
 
@@ -367,7 +349,7 @@ class _MemoryListener(Listener):
         self._transport = transport
         self._address: Address | None = None
         self._pending: deque[_MemoryConnection] = deque()
-        self._changed = _Signal()
+        self._changed = Signal()
         self._closed = False
 
     @property

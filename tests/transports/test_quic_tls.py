@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("aioquic", reason="swarmavg-quic is not installed")
-
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection

@@ -49,7 +49,14 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.abc
 
-from swarmavg.abc import AbandonCallbacks, Connection, ConnectionAttribute, Stream, StreamAttribute
+from swarmavg.abc import (
+    AbandonCallbacks,
+    Connection,
+    ConnectionAttribute,
+    Signal,
+    Stream,
+    StreamAttribute,
+)
 from swarmavg.errors import (
     ConnectionLost,
     MessageTooLarge,
@@ -80,25 +87,6 @@ _MAX_QUEUED_CONTROL = 1 << 13
 _WRITE_BATCH = 2 << 20
 #: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
 _IOV_BATCH = 512
-
-
-class _Signal:
-    """A re-armable broadcast: ``wait()`` returns at the next ``notify()``."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None  # made only when someone waits
-
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
 
 
 class _FifoLock:
@@ -181,7 +169,7 @@ class TcpStream(Stream):
         self._abandon = AbandonCallbacks()
         self._stop_on_data = False  # closed: send STOP if the peer sends another message
         self._inbox: deque[tuple[memoryview, int, bool]] = deque()  # (message, cost, large)
-        self._changed = _Signal()
+        self._changed = Signal()
         self._send_lock = _FifoLock()
         # receiving
         self._partial: object | None = None  # the buffer of the message being received
@@ -442,15 +430,15 @@ class TcpConnection(Connection):
         self._opened_count = 0  # streams we opened, not yet forgotten
         self._accepted_count = 0  # streams the peer opened, not yet forgotten
         self._accept_queue: deque[TcpStream] = deque()
-        self._accept_changed = _Signal()
-        self._streams_changed = _Signal()
+        self._accept_changed = Signal()
+        self._streams_changed = Signal()
         # sending
         self._write_lock = _FifoLock()
         self._credit = peer_settings.connection_window
         self._large_in_flight = False
-        self._credit_changed = _Signal()
+        self._credit_changed = Signal()
         self._control: list[tuple[int, int, int, int]] = []
-        self._control_changed = _Signal()
+        self._control_changed = Signal()
         tag = fr.TAG_SIZE if sealer is not None else 0
         self._wbuf = bytearray(fr.HEADER_SIZE + peer_settings.max_record_size + tag)
         self._wview = memoryview(self._wbuf)
