@@ -427,6 +427,9 @@ def _header_ok(length: int, ftype: int, flags: int, reserved: int, max_record: i
             and not flags & ~(FIRST | LAST | fr.FIN)
             and (not flags & fr.FIN or bool(flags & LAST))
         )
+    allowed_flags = fr.LARGE_DONE if ftype == fr.WINDOW else 0
+    if flags & ~allowed_flags:
+        return False
     if ftype == AUTH:
         return length <= 1024
     return length == 0

@@ -400,6 +400,8 @@ ATTACKS: dict[str, Callable[[RawPeer], Awaitable[None]]] = {
     "unknown_data_flags": lambda raw: raw.send(fr.DATA, fr.FIRST | fr.LAST | 8, 3, 1, b"x"),
     "fin_before_the_last_record": lambda raw: raw.send(fr.DATA, fr.FIRST | fr.FIN, 3, 2, b"x"),
     "unknown_window_flags": lambda raw: raw.send(fr.WINDOW, 2, 0, 0),
+    "flags_on_an_eof": lambda raw: raw.send(fr.EOF, 1, 1, 0),
+    "flags_on_a_ping": lambda raw: raw.send(fr.PING, 4, 0, 0),
     "control_with_payload": lambda raw: raw.send(fr.PING, payload=b"surprise"),
     "oversized_record": lambda raw: raw.send(
         fr.DATA, fr.FIRST, 3, 1 << 20, length=STRICT["max_record_size"] + 1

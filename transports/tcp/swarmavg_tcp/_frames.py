@@ -183,8 +183,11 @@ def check_header(length: int, ftype: int, flags: int, reserved: int, max_record_
             raise RemoteProtocolError("unknown DATA flags")
         if flags & FIN and not flags & LAST:
             raise RemoteProtocolError("FIN on a record that does not end its message")
-    elif ftype == AUTH:
-        if length > 1024:
-            raise RemoteProtocolError("oversized AUTH record")
-    elif length:
-        raise RemoteProtocolError("control records carry no payload")
+    else:
+        if ftype == AUTH:
+            if length > 1024:
+                raise RemoteProtocolError("oversized AUTH record")
+        elif length:
+            raise RemoteProtocolError("control records carry no payload")
+        if flags & ~(LARGE_DONE if ftype == WINDOW else 0):
+            raise RemoteProtocolError(f"unknown flags {flags:#x} on a record of type {ftype}")
