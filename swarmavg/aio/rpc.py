@@ -222,9 +222,11 @@ class StreamingCall(Generic[Req, Resp]):
         self._done_sending = False
         #: the request went in the opening with our EOF (see RPC._open_call)
         self._half_closed = False
+        #: the caller enforces the deadline around the whole call (see RPC.call)
+        self._scoped_outside = False
 
     def _scope(self) -> AbstractContextManager[object]:
-        if math.isinf(self._deadline):
+        if self._scoped_outside or math.isinf(self._deadline):
             return _NO_SCOPE
         return anyio.fail_after(self._deadline - anyio.current_time())
 
@@ -455,13 +457,19 @@ class RPC:
         response_type: type[Resp] | None,
         timeout: float | None,
         first: Message | None,
+        *,
+        scoped_outside: bool = False,
     ) -> StreamingCall[Message, Resp]:
-        """Open the stream of a call and send its opening; on failure, nothing is left open."""
+        """Open the stream of a call and send its opening; on failure, nothing is left open.
+
+        ``scoped_outside``: the caller runs the whole call in one scope with its deadline, so
+        the steps need none of their own.
+        """
         budget = _timeout_budget(timeout)
         deadline = anyio.current_time() + budget
         kind = RPCKind(kind)
         try:
-            if math.isinf(budget):
+            if math.isinf(budget) or scoped_outside:
                 stream = await self._open_stream(peer)
             else:
                 with anyio.fail_after(budget):
@@ -471,6 +479,7 @@ class RPC:
         call: StreamingCall[Message, Resp] = StreamingCall(
             stream, method, response_type, deadline, timeout
         )
+        call._scoped_outside = scoped_outside
         try:
             # the budget left once connected; positive (0 means "none"): if it is all spent,
             # sending the header times out right away
@@ -506,9 +515,33 @@ class RPC:
         :raises MessageTooLarge: if ``request`` is too large for one message (nothing is sent).
         :raises ConnectError: if the peer cannot be reached.
         """
+        if timeout is None:
+            return await self._unary(peer, method, request, response_type, None)
+        try:
+            with anyio.fail_after(_timeout_budget(timeout)):  # one scope for the whole call
+                return await self._unary(peer, method, request, response_type, timeout)
+        except TimeoutError:
+            raise RPCTimeout(f"call {method!r} timed out after {timeout} s") from None
+
+    async def _unary(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        request: Message,
+        response_type: type[Resp] | None,
+        timeout: float | None,
+    ) -> Resp:
         # what ``async with self._open_call(...)`` does, without a generator: it is the most
         # frequent call
-        call = await self._start_call(peer, method, RPCKind.UNARY, response_type, timeout, request)
+        call = await self._start_call(
+            peer,
+            method,
+            RPCKind.UNARY,
+            response_type,
+            timeout,
+            request,
+            scoped_outside=timeout is not None,
+        )
         try:
             response = await call.receive()
         except StopAsyncIteration:
