@@ -34,3 +34,11 @@ def test_lockstep_versions() -> None:
 def test_tcp_entry_point_is_registered() -> None:
     points = importlib.metadata.entry_points(group="swarmavg.transports")
     assert {p.name: p.value for p in points}["tcp"] == "swarmavg_tcp:TcpTransport"
+
+
+def test_quic_entry_point_and_extra() -> None:
+    points = importlib.metadata.entry_points(group="swarmavg.transports")
+    assert {p.name: p.value for p in points}["quic"] == "swarmavg_quic:QuicTransport"
+    version = _project(ROOT / "pyproject.toml")["version"]
+    extras = _project(ROOT / "pyproject.toml")["optional-dependencies"]
+    assert extras["quic"] == [f"swarmavg-quic=={version}"]  # type: ignore[index]

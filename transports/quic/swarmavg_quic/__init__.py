@@ -1,9 +1,14 @@
-"""swarmavg-quic: the QUIC transport for swarmavg (in progress; see README.md).
+"""swarmavg-quic: the QUIC transport for swarmavg, on aioquic.
 
-For now it holds the TLS identity layer (:mod:`swarmavg_quic._tls`), which the transport will use.
+Install it beside swarmavg (``pip install swarmavg[quic]``) and pick it by name
+(``transport="quic"``) or by address (``quic://host:port/p/<peer-id>``); a node can listen on
+TCP and QUIC at once. See README.md for what it does and how it is measured.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from swarmavg_quic._connection import QuicConnection, QuicStream
+from swarmavg_quic._transport import QuicListener, QuicTransport
+
+__all__ = ["QuicConnection", "QuicListener", "QuicStream", "QuicTransport"]
 __version__ = "0.1.0.dev0"

@@ -1,0 +1,120 @@
+"""The aioquic connection we drive, and the private parts of aioquic it relies on.
+
+Besides the certificate hooks of :mod:`swarmavg_quic._tls`, swarmavg needs two things aioquic
+1.7 has no public API for, so they live here, next to :func:`check_private_api`:
+
+* **Receive flow control that follows the application.** aioquic raises a stream's (and the
+  connection's) receive window by doubling it whenever half of it was *received*, whether or not
+  anybody read the data, so a fast sender could fill our memory. :class:`FlowControlledQuic`
+  grants credit from what the application consumed instead: the transport sets
+  ``stream_credit[stream_id]`` and ``data_credit`` (absolute offsets the peer may send up to),
+  and the overridden ``_write_stream_limits`` / ``_write_connection_limits`` announce them and
+  never double anything on their own.
+* **Send-side buffering.** ``send_stream_data`` appends to an unbounded buffer; the transport
+  waits while :func:`unacked` bytes of a stream (written, not yet acknowledged) are above its
+  send buffer size.
+
+Whether a connection is closing is read from ``_close_event``: aioquic reports
+``ConnectionTerminated`` only at the end of the closing period (three PTOs later), but a peer that
+sent CONNECTION_CLOSE is gone at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import ConnectionTerminated
+
+from swarmavg_quic._tls import AuthenticatingConnection
+
+__all__ = ["FlowControlledQuic", "check_private_api", "closing_event", "unacked"]
+
+
+class FlowControlledQuic(AuthenticatingConnection):
+    """An authenticating ``QuicConnection`` whose receive windows follow consumption."""
+
+    def __init__(self, *, configuration: QuicConfiguration, **kwargs: Any) -> None:
+        super().__init__(configuration=configuration, **kwargs)
+        #: stream id -> the highest offset the peer may send up to on it (never lowered).
+        self.stream_credit: dict[int, int] = {}
+        #: the highest total of stream bytes the peer may send on the connection.
+        self.data_credit = configuration.max_data
+
+    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
+        target = self.stream_credit.get(stream.stream_id)
+        if (
+            target is not None
+            and stream.max_stream_data_local
+            and target > stream.max_stream_data_local
+        ):
+            stream.max_stream_data_local = target
+        receiver = stream.receiver
+        highest = receiver.highest_offset
+        receiver.highest_offset = 0  # aioquic doubles the window when this passes half of it
+        try:
+            super()._write_stream_limits(builder, space, stream)
+        finally:  # also when the packet is full (QuicPacketBuilderStop)
+            receiver.highest_offset = highest
+
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        limit = self._local_max_data
+        if self.data_credit > limit.value:
+            limit.value = self.data_credit
+        used = limit.used
+        limit.used = 0  # the same doubling, for the connection
+        try:
+            super()._write_connection_limits(builder, space)
+        finally:
+            limit.used = used
+
+
+def unacked(quic: QuicConnection, stream_id: int) -> int:
+    """Bytes written to a stream and not yet acknowledged by the peer (sent or not)."""
+    stream = quic._streams.get(stream_id)
+    if stream is None:
+        return 0
+    sender = stream.sender
+    return int(sender._buffer_stop - sender._buffer_start)
+
+
+def closing_event(quic: QuicConnection) -> ConnectionTerminated | None:
+    """Why the connection is closing or closed, as soon as that is known; else ``None``."""
+    event: ConnectionTerminated | None = quic._close_event
+    return event
+
+
+def check_private_api() -> None:
+    """Fail loudly if the private parts of aioquic used here have changed.
+
+    :raises RuntimeError: naming what is missing.
+    """
+    from aioquic.quic.stream import QuicStreamReceiver, QuicStreamSender
+
+    from swarmavg_quic._tls import check_aioquic
+
+    check_aioquic()
+    missing = [
+        f"{owner.__name__}.{name}"
+        for owner, name in (
+            (QuicConnection, "_write_stream_limits"),
+            (QuicConnection, "_write_connection_limits"),
+        )
+        if not callable(getattr(owner, name, None))
+    ]
+    sender = QuicStreamSender(stream_id=0, writable=True)
+    missing += [
+        f"QuicStreamSender.{name}"
+        for name in ("_buffer_start", "_buffer_stop")
+        if not hasattr(sender, name)
+    ]
+    if not hasattr(QuicStreamReceiver(stream_id=0, readable=True), "highest_offset"):
+        missing.append("QuicStreamReceiver.highest_offset")
+    if missing:
+        import aioquic
+
+        raise RuntimeError(
+            f"aioquic {aioquic.__version__} lacks {', '.join(missing)}, which swarmavg-quic "
+            "needs for flow control; install the aioquic version it pins"
+        )

@@ -1,0 +1,255 @@
+"""One UDP socket shared by every QUIC connection it carries, dialed and accepted alike.
+
+The socket task waits until the socket is readable, then reads up to :data:`BATCH` datagrams
+without waiting, routes each to its connection by the destination connection ID (all our
+connection IDs are :data:`CID_LENGTH` bytes, so short headers can be parsed), and pumps each
+connection that got datagrams once, after the batch: a burst of datagrams costs one pass over
+aioquic's events and output, not one per datagram.
+
+A datagram for an unknown connection ID starts a connection only if it is a full-size Initial
+packet and a listener is attached; without a listener the dialer gets an immediate refusal
+(CONNECTION_CLOSE) instead of waiting out its handshake timeout. Anything that does not parse is
+dropped: datagrams are unauthenticated until a handshake has completed, so garbage costs a
+header parse and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.abc
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]
+from aioquic.quic.connection import QuicConnection as _AioQuicConnection
+from aioquic.quic.packet import (
+    QuicPacketType,
+    encode_quic_version_negotiation,
+    pull_quic_header,
+)
+
+if TYPE_CHECKING:
+    from swarmavg_quic._connection import QuicConnection
+    from swarmavg_quic._transport import QuicListener, QuicTransport
+
+logger = logging.getLogger("swarmavg_quic")
+
+#: Length of every connection ID we issue (short headers do not carry it).
+CID_LENGTH: Final = 8
+#: Datagrams read per wake-up of the socket task before the connections are pumped.
+BATCH: Final = 256
+#: The largest UDP payload we read.
+MAX_UDP_PAYLOAD: Final = 65535
+#: Socket buffers we ask for (the kernel caps them at net.core.[rw]mem_max).
+SOCKET_BUFFER: Final = 4 << 20
+#: QUIC versions we speak (1 and 2, as aioquic does).
+SUPPORTED_VERSIONS: Final = (0x00000001, 0x6B3343CF)
+_MIN_INITIAL: Final = 1200
+
+# Linux values (<linux/in.h>, <linux/in6.h>): don't fragment; a datagram too large for the
+# route fails locally with EMSGSIZE.
+_IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2
+_IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO = 23, 2
+
+
+def bind_socket(family: int, sockaddr: Any) -> socket.socket:
+    """A non-blocking UDP socket bound to ``sockaddr``, with large buffers and no fragmentation.
+
+    :raises OSError: if it cannot be bound.
+    """
+    sock = socket.socket(family, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with contextlib.suppress(OSError):  # some platforms refuse large buffers
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        with contextlib.suppress(OSError):  # not Linux
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO)
+            else:
+                sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+        sock.bind(sockaddr)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Endpoint:
+    """A UDP socket and the QUIC connections it carries."""
+
+    def __init__(self, transport: QuicTransport, sock: socket.socket) -> None:
+        self._transport = transport
+        self.sock = sock
+        self.family = sock.family
+        name = sock.getsockname()
+        self.host: str = name[0]
+        self.port: int = name[1]
+        self.listener: QuicListener | None = None
+        self.dial_only = False  # made for dialing; closes when it carries nothing
+        self._by_cid: dict[bytes, QuicConnection] = {}
+        self._connections: set[QuicConnection] = set()
+        self._scope: anyio.CancelScope | None = None
+        self.closed = False
+        self.dropped_sends = 0
+
+    def __repr__(self) -> str:
+        return f"<Endpoint udp {self.host}:{self.port}>"
+
+    # -- which connections are ours ------------------------------------------------------------
+
+    def can_reach(self, host: str) -> bool:
+        """Whether datagrams from this socket can go to ``host`` (a numeric address)."""
+        try:
+            bound = ipaddress.ip_address(self.host)
+            target = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        if bound.is_unspecified:
+            return True
+        if bound.is_loopback:
+            return target.is_loopback
+        return True
+
+    def add(self, conn: QuicConnection, *cids: bytes) -> None:
+        self._connections.add(conn)
+        for cid in cids:
+            self._by_cid[cid] = conn
+
+    def register(self, cid: bytes, conn: QuicConnection) -> None:
+        if conn in self._connections:
+            self._by_cid[cid] = conn
+
+    def unregister(self, cid: bytes, conn: QuicConnection) -> None:
+        if self._by_cid.get(cid) is conn:
+            del self._by_cid[cid]
+
+    def forget(self, conn: QuicConnection) -> None:
+        """``conn`` has terminated: drop its connection IDs; close the socket if unused."""
+        if conn not in self._connections:
+            return
+        self._connections.discard(conn)
+        for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
+            del self._by_cid[cid]
+        self.maybe_close()
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    # -- the socket task ---------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            task_status.started()
+            sock = self.sock
+            while not self.closed:
+                try:
+                    await anyio.wait_readable(sock)
+                except (anyio.ClosedResourceError, OSError):
+                    break
+                self._read_batch()
+
+    def _read_batch(self) -> None:
+        sock = self.sock
+        now = anyio.current_time()
+        touched: dict[int, QuicConnection] = {}
+        for _ in range(BATCH):
+            try:
+                data, addr = sock.recvfrom(MAX_UDP_PAYLOAD)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:  # e.g. an ICMP error reported for an earlier send
+                logger.debug("%r: recvfrom: %s", self, exc)
+                if self.closed:
+                    break
+                continue
+            conn = self._route(data, addr, now)
+            if conn is not None:
+                touched[id(conn)] = conn
+        for conn in touched.values():
+            conn._pump()
+
+    def _route(self, data: bytes, addr: Any, now: float) -> QuicConnection | None:
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
+        except ValueError:
+            return None
+        conn = self._by_cid.get(header.destination_cid)
+        if conn is None:
+            if header.packet_type != QuicPacketType.INITIAL or len(data) < _MIN_INITIAL:
+                return None
+            if header.version not in SUPPORTED_VERSIONS:
+                self.send_datagrams(
+                    [
+                        (
+                            encode_quic_version_negotiation(
+                                source_cid=header.destination_cid,
+                                destination_cid=header.source_cid,
+                                supported_versions=list(SUPPORTED_VERSIONS),
+                            ),
+                            addr,
+                        )
+                    ]
+                )
+                return None
+            if self.listener is None or self.listener.is_closed:
+                self._refuse(data, addr, header.destination_cid, now)
+                return None
+            conn = self._transport._incoming(self, header.destination_cid, addr)
+            if conn is None:
+                return None
+        try:
+            conn._quic.receive_datagram(data, addr, now)
+        except Exception:  # aioquic closes on protocol errors itself; anything else is a bug
+            logger.exception("%r: aioquic failed on a datagram from %s", conn, addr)
+            conn._close(0x1, "internal error")
+        return conn
+
+    def _refuse(self, data: bytes, addr: Any, original_cid: bytes, now: float) -> None:
+        """Answer an Initial nobody listens for with CONNECTION_CLOSE, keeping no state."""
+        quic = _AioQuicConnection(
+            configuration=self._transport._configuration(is_client=False, addr=addr),
+            original_destination_connection_id=original_cid,
+        )
+        try:
+            quic.receive_datagram(data, addr, now)
+            quic.close(error_code=0x2, reason_phrase="not listening")
+            self.send_datagrams(quic.datagrams_to_send(now))
+        except Exception:  # pragma: no cover - a refusal is best effort
+            logger.debug("%r: could not refuse %s", self, addr, exc_info=True)
+
+    def send_datagrams(self, datagrams: Iterable[tuple[bytes, Any]]) -> None:
+        sock = self.sock
+        for data, addr in datagrams:
+            try:
+                sock.sendto(data, addr)
+            except (BlockingIOError, InterruptedError):
+                self.dropped_sends += 1  # the socket buffer is full: QUIC retransmits
+            except OSError as exc:
+                if self.closed:
+                    return
+                logger.debug("%r: sendto %s: %s", self, addr, exc)
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def maybe_close(self) -> None:
+        if not self._connections and (self.listener is None or self.listener.is_closed):
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._transport._endpoints.discard(self)
+        if self._scope is not None:
+            self._scope.cancel()
+        anyio.notify_closing(self.sock)
+        self.sock.close()

@@ -1,0 +1,486 @@
+"""QuicTransport and its listener: endpoints, handshakes, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import math
+import socket
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+import anyio
+import anyio.abc
+from aioquic.quic.configuration import QuicConfiguration
+
+from swarmavg.abc import Listener, Transport
+from swarmavg.address import Address
+from swarmavg.errors import ConnectError, PeerIdentityMismatch, TransportError
+from swarmavg_quic import _tls
+from swarmavg_quic._aioquic import FlowControlledQuic, check_private_api
+from swarmavg_quic._connection import CLOSE_REFUSED, QuicConnection
+from swarmavg_quic._endpoint import CID_LENGTH, Endpoint, bind_socket
+from swarmavg_quic._mtu import datagram_size_for
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from swarmavg.identity import Identity, PeerID
+
+__all__ = ["QuicListener", "QuicTransport"]
+
+logger = logging.getLogger("swarmavg_quic")
+
+_CONGESTION_CONTROL = ("reno", "cubic")
+
+
+def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or math.isnan(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def _count(name: str, value: int, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int of at least {minimum}, not {value!r}")
+
+
+class QuicTransport(Transport):
+    """Authenticated, encrypted QUIC on aioquic (``quic://host:port/p/<peer-id>``).
+
+    Each peer presents a self-signed TLS 1.3 certificate of its Ed25519 identity key and checks
+    that the other's key is the PeerID it dialed; there is no CA and nothing to configure. One
+    UDP socket per listening address carries both the connections it accepts and those this
+    transport dials, so a peer keeps one port.
+
+    :param identity: our key pair; peers see its PeerID.
+    :param max_message_size: largest message, in bytes (both ends should agree).
+    :param stream_window: bytes one stream may have in flight to us, unread.
+    :param connection_window: the same for a whole connection.
+    :param send_buffer: bytes one stream may have written and not yet acknowledged; ``send()``
+        waits above it.
+    :param max_datagram_size: UDP payload size; ``None`` (the default) picks it per peer from
+        the route's MTU, between 1200 and 16383 bytes.
+    :param handshake_timeout: seconds a connection may take to authenticate.
+    :param keepalive_interval: we ping a connection this often, and drop a peer silent for
+        three times as long (QUIC's idle timeout).
+    :param idle_timeout: close a connection that had no streams for this long (None: never).
+    :param write_timeout: reset a stream whose message the peer takes no data of for this long.
+    :param max_connections_per_peer: incoming connections one PeerID may hold at once.
+    :param max_incoming_connections: incoming connections in all.
+    :param max_pending_handshakes: incoming handshakes in progress at once; more are dropped.
+    :param congestion_control: ``"reno"`` (aioquic's default) or ``"cubic"``.
+    """
+
+    name: ClassVar[str] = "quic"
+    schemes: ClassVar[Sequence[str]] = ("quic",)
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        max_message_size: int = 128 << 20,
+        stream_window: int = 16 << 20,
+        connection_window: int = 64 << 20,
+        send_buffer: int = 4 << 20,
+        max_datagram_size: int | None = None,
+        handshake_timeout: float = 10.0,
+        keepalive_interval: float = 15.0,
+        idle_timeout: float | None = 300.0,
+        write_timeout: float = 60.0,
+        max_connections_per_peer: int = 8,
+        max_incoming_connections: int = 1024,
+        max_pending_handshakes: int = 64,
+        congestion_control: str = "reno",
+    ) -> None:
+        super().__init__(identity)
+        check_private_api()
+        _count("max_message_size", max_message_size, 1 << 20)
+        if max_message_size > 2**32 - 1:
+            raise ValueError(f"max_message_size must fit in 32 bits, not {max_message_size}")
+        _count("stream_window", stream_window, 64 << 10)
+        _count("connection_window", connection_window, stream_window)
+        _count("send_buffer", send_buffer, 64 << 10)
+        if max_datagram_size is not None:
+            if not isinstance(max_datagram_size, int) or isinstance(max_datagram_size, bool):
+                raise TypeError(f"max_datagram_size must be an int, not {max_datagram_size!r}")
+            datagram_size_for("127.0.0.1", 0, max_datagram_size)  # range check
+        for name, value in (
+            ("handshake_timeout", handshake_timeout),
+            ("keepalive_interval", keepalive_interval),
+            ("write_timeout", write_timeout),
+        ):
+            _positive(name, value)
+        _positive("idle_timeout", idle_timeout, allow_none=True)
+        _count("max_connections_per_peer", max_connections_per_peer)
+        _count("max_incoming_connections", max_incoming_connections)
+        _count("max_pending_handshakes", max_pending_handshakes)
+        if congestion_control not in _CONGESTION_CONTROL:
+            raise ValueError(
+                f"congestion_control must be one of {_CONGESTION_CONTROL}, "
+                f"not {congestion_control!r}"
+            )
+        self.max_message_size = max_message_size
+        self.stream_window = stream_window
+        self.connection_window = connection_window
+        self.send_buffer = send_buffer
+        self.max_datagram_size = max_datagram_size
+        self.handshake_timeout = handshake_timeout
+        self.keepalive_interval = keepalive_interval
+        self.idle_timeout = idle_timeout
+        self.write_timeout = write_timeout
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_incoming_connections = max_incoming_connections
+        self.max_pending_handshakes = max_pending_handshakes
+        self.congestion_control = congestion_control
+        self._certificate = _tls.certificate_for(identity)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._endpoints: set[Endpoint] = set()
+        self._listeners: set[QuicListener] = set()
+        self._connections: set[QuicConnection] = set()
+        self._incoming_counts: Counter[PeerID] = Counter()
+        self._incoming_total = 0
+        self._pending_handshakes = 0
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._tg is not None:
+            raise RuntimeError("a QuicTransport can be entered only once")
+        if self._closed:
+            raise RuntimeError("this QuicTransport was closed")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for listener in list(self._listeners):
+            await listener.aclose()
+        for conn in list(self._connections):
+            conn._close(0x0, "the peer shut down")
+        for endpoint in list(self._endpoints):
+            endpoint.close()
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        await anyio.lowlevel.checkpoint()
+
+    def _task_group(self) -> anyio.abc.TaskGroup:
+        if self._closed:
+            raise TransportError("the transport is closed")
+        if self._tg is None:
+            raise RuntimeError("use the transport inside `async with transport:`")
+        return self._tg
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def _configuration(self, *, is_client: bool, addr: Any) -> QuicConfiguration:
+        config = _tls.configuration(
+            self.identity,
+            is_client=is_client,
+            certificate=self._certificate,
+            max_datagram_size=datagram_size_for(addr[0], addr[1], self.max_datagram_size),
+            idle_timeout=3 * self.keepalive_interval,
+        )
+        config.max_data = self.connection_window
+        config.max_stream_data = self.stream_window
+        config.connection_id_length = CID_LENGTH
+        config.congestion_control_algorithm = self.congestion_control
+        return config
+
+    def _connection(
+        self,
+        endpoint: Endpoint,
+        quic: FlowControlledQuic,
+        *,
+        is_initiator: bool,
+        addr: Any,
+        expected: PeerID | None,
+    ) -> QuicConnection:
+        return QuicConnection(
+            endpoint,
+            quic,
+            transport_name=self.name,
+            is_initiator=is_initiator,
+            local_address=Address("quic", endpoint.host, endpoint.port, self.identity.peer_id),
+            remote_address=Address("quic", addr[0], addr[1], expected),
+            expected_peer=expected,
+            max_message_size=self.max_message_size,
+            stream_window=self.stream_window,
+            connection_window=self.connection_window,
+            send_buffer=self.send_buffer,
+            keepalive_interval=self.keepalive_interval,
+            idle_timeout=self.idle_timeout,
+            write_timeout=self.write_timeout,
+            on_close=self._forget,
+        )
+
+    # -- endpoints -------------------------------------------------------------------------------
+
+    async def _endpoint_at(self, family: int, sockaddr: Any) -> Endpoint:
+        try:
+            sock = bind_socket(family, sockaddr)
+        except OSError as exc:
+            raise TransportError(f"cannot bind a UDP socket to {sockaddr[:2]}: {exc}") from exc
+        endpoint = Endpoint(self, sock)
+        self._endpoints.add(endpoint)
+        await self._task_group().start(endpoint.run)
+        return endpoint
+
+    async def _dial_endpoint(self, family: int, host: str) -> Endpoint:
+        """The socket to dial ``host`` from: a listening one if one can reach it (one port per
+        peer), else a shared one made for dialing."""
+        candidates = [
+            e for e in self._endpoints if e.family == family and not e.closed and e.can_reach(host)
+        ]
+        candidates.sort(key=lambda e: (e.dial_only, e.listener is None))
+        if candidates:
+            return candidates[0]
+        wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"  # noqa: S104
+        endpoint = await self._endpoint_at(family, (wildcard, 0))
+        endpoint.dial_only = True
+        return endpoint
+
+    # -- dialing ---------------------------------------------------------------------------------
+
+    async def connect(
+        self, address: Address, *, allow_unknown_peer: bool = False
+    ) -> QuicConnection:
+        address = Address.parse(address)
+        self._check_dial_address(address, allow_unknown_peer)
+        tg = self._task_group()
+        loop = asyncio.get_running_loop()
+        try:
+            with anyio.fail_after(self.handshake_timeout):
+                infos = await loop.getaddrinfo(
+                    address.host, address.port, type=socket.SOCK_DGRAM, proto=socket.IPPROTO_UDP
+                )
+        except TimeoutError:
+            raise ConnectError(f"resolving {address.host!r} timed out") from None
+        except OSError as exc:
+            raise ConnectError(f"cannot resolve {address.host!r}: {exc}") from exc
+        if not infos:
+            raise ConnectError(f"cannot resolve {address.host!r}")
+        family, _, _, _, sockaddr = infos[0]
+        endpoint = await self._dial_endpoint(family, str(sockaddr[0]))
+        quic = FlowControlledQuic(configuration=self._configuration(is_client=True, addr=sockaddr))
+        conn = self._connection(
+            endpoint, quic, is_initiator=True, addr=sockaddr, expected=address.peer_id
+        )
+        endpoint.add(conn, quic.host_cid)
+        self._connections.add(conn)
+        quic.connect(sockaddr, anyio.current_time())
+        await tg.start(conn.run)
+        conn._pump()
+        try:
+            with anyio.fail_after(self.handshake_timeout):
+                await conn.handshake_done.wait()
+        except TimeoutError:
+            conn._close(CLOSE_REFUSED, "handshake timeout")
+            raise ConnectError(
+                f"no QUIC handshake with {address} within {self.handshake_timeout} s"
+            ) from None
+        except BaseException:
+            conn._close(CLOSE_REFUSED, "dial cancelled")
+            raise
+        error = conn._handshake_error
+        if error is not None:
+            if isinstance(error, PeerIdentityMismatch):
+                raise error
+            raise ConnectError(f"cannot connect to {address}: {error}") from error
+        if conn._expected is None:
+            conn._remote_address = conn._remote_address.with_peer_id(conn.peer_id)
+        return conn
+
+    # -- accepting -------------------------------------------------------------------------------
+
+    def _incoming(
+        self, endpoint: Endpoint, original_cid: bytes, addr: Any
+    ) -> QuicConnection | None:
+        """A new connection for an Initial packet that arrived at ``endpoint`` (called
+        synchronously by its socket task); ``None`` to drop it."""
+        if self._closed or self._tg is None:
+            return None
+        if self._pending_handshakes >= self.max_pending_handshakes:
+            logger.debug("dropping an Initial from %s: too many handshakes in progress", addr)
+            return None
+        quic = FlowControlledQuic(
+            configuration=self._configuration(is_client=False, addr=addr),
+            original_destination_connection_id=original_cid,
+        )
+        conn = self._connection(endpoint, quic, is_initiator=False, addr=addr, expected=None)
+        endpoint.add(conn, original_cid, quic.host_cid)
+        self._connections.add(conn)
+        self._pending_handshakes += 1
+        self._tg.start_soon(conn.run)
+        self._tg.start_soon(self._finish_incoming, conn, endpoint)
+        return conn
+
+    async def _finish_incoming(self, conn: QuicConnection, endpoint: Endpoint) -> None:
+        try:
+            with anyio.move_on_after(self.handshake_timeout):
+                await conn.handshake_done.wait()
+        finally:
+            self._pending_handshakes -= 1
+        if not conn.handshake_done.is_set():
+            logger.info("incoming QUIC handshake from %s timed out", conn._remote_address)
+            conn._close(CLOSE_REFUSED, "handshake timeout")
+            return
+        if conn._handshake_error is not None:
+            logger.info("incoming QUIC handshake failed: %s", conn._handshake_error)
+            return
+        if conn.is_closed:
+            return
+        peer = conn.peer_id
+        listener = endpoint.listener
+        refusal = None
+        if listener is None or listener.is_closed:
+            refusal = "the listener was closed"
+        elif self._incoming_total >= self.max_incoming_connections:
+            refusal = f"{self.max_incoming_connections} incoming connections already"
+        elif self._incoming_counts[peer] >= self.max_connections_per_peer:
+            refusal = f"{peer.short()} already holds {self.max_connections_per_peer} connections"
+        if refusal is not None or listener is None:
+            logger.info("refusing a QUIC connection: %s", refusal)
+            conn._close(CLOSE_REFUSED, refusal or "refused")
+            return
+        conn._counted_incoming = True
+        self._incoming_counts[peer] += 1
+        self._incoming_total += 1
+        listener._deliver(conn)
+
+    def _forget(self, conn: QuicConnection) -> None:
+        self._connections.discard(conn)
+        if conn._counted_incoming:
+            conn._counted_incoming = False
+            self._incoming_counts[conn.peer_id] -= 1
+            if self._incoming_counts[conn.peer_id] <= 0:
+                del self._incoming_counts[conn.peer_id]
+            self._incoming_total -= 1
+
+    # -- listening -------------------------------------------------------------------------------
+
+    async def listen(self, address: Address) -> QuicListener:
+        address = Address.parse(address)
+        if address.scheme not in self.schemes:
+            raise ValueError(f"the quic transport cannot listen on {address}")
+        self._task_group()
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(
+                address.host,
+                address.port,
+                type=socket.SOCK_DGRAM,
+                proto=socket.IPPROTO_UDP,
+                flags=socket.AI_PASSIVE,
+            )
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+        family, _, _, _, sockaddr = infos[0]
+        endpoint = next(
+            (
+                e
+                for e in self._endpoints
+                if e.listener is None
+                and not e.closed
+                and e.family == family
+                and e.port == sockaddr[1]
+                and _same_host(e.host, sockaddr[0])
+            ),
+            None,
+        )
+        if endpoint is None:
+            endpoint = await self._endpoint_at(family, sockaddr)
+        endpoint.dial_only = False
+        listener = QuicListener(
+            self,
+            endpoint,
+            address.with_port(endpoint.port).with_peer_id(self.identity.peer_id),
+        )
+        endpoint.listener = listener
+        self._listeners.add(listener)
+        return listener
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+
+
+class QuicListener(Listener):
+    """Accepts swarmavg-quic connections arriving at one UDP socket."""
+
+    def __init__(self, transport: QuicTransport, endpoint: Endpoint, address: Address) -> None:
+        self._transport = transport
+        self._endpoint = endpoint
+        self._address = address
+        self._send, self._receive = anyio.create_memory_object_stream[QuicConnection](64)
+        self._closed = False
+
+    @property
+    def address(self) -> Address:
+        return self._address
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<QuicListener {self._address}>"
+
+    async def accept(self) -> QuicConnection:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise anyio.ClosedResourceError from None
+
+    def _deliver(self, conn: QuicConnection) -> None:
+        try:
+            self._send.send_nowait(conn)
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            logger.warning("dropping an incoming connection: nobody accepts on %s", self)
+            conn._close(CLOSE_REFUSED, "overloaded")
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._transport._listeners.discard(self)
+        if self._endpoint.listener is self:
+            self._endpoint.listener = None
+        self._send.close()
+        while True:
+            try:
+                conn = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            await conn.aclose()
+        self._receive.close()
+        self._endpoint.maybe_close()
+        await anyio.lowlevel.checkpoint()
