@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import Any
 
 import anyio
 import pytest
+from swarmavg_quic import QuicStream
+from swarmavg_tcp._connection import TcpStream
 
 from swarmavg.abc import Connection, Stream
 from swarmavg.address import Address
@@ -44,12 +47,29 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(autouse=True, params=["watched", "read"])
 def abandon_watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test twice: with the memory transport telling the RPC layer when a caller abandons
-    a stream (handlers of unary calls run without a reader task), and without, as a transport
+    """Every test twice: with the transport telling the RPC layer when a caller abandons a
+    stream (handlers of unary calls run without a reader task), and without, as a transport
     that cannot tell (every call gets a task reading the caller's side)."""
     if request.param == "read":
         monkeypatch.setattr(_memory._MemoryStream, "on_abandoned", Stream.on_abandoned)
+        monkeypatch.setattr(TcpStream, "on_abandoned", Stream.on_abandoned)
+        monkeypatch.setattr(QuicStream, "on_abandoned", Stream.on_abandoned)
     return str(request.param)
+
+
+#: The transport ``_peers`` builds nodes on; tests marked ``@over_transports`` run on each.
+_KIND = "memory"
+TRANSPORT_KINDS = ["memory", "tcp", "quic"]
+
+
+@pytest.fixture(params=TRANSPORT_KINDS)
+def transport_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(sys.modules[__name__], "_KIND", request.param)
+    return str(request.param)
+
+
+#: Runs a test over the in-process memory transport and over real TCP and QUIC on loopback.
+over_transports = pytest.mark.usefixtures("transport_kind")
 
 
 def _opening(header: Message, *requests: Message) -> bytes:
@@ -107,9 +127,17 @@ def _transport(node: Node) -> CountingTransport:
 
 @asynccontextmanager
 async def _peers(n: int, network: MemoryNetwork | None = None) -> AsyncIterator[list[Node]]:
+    """``n`` nodes on the memory transport, or on loopback TCP or QUIC in tests marked
+    ``@over_transports``."""
     network = network if network is not None else MemoryNetwork()
     async with AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(_node(network)) for _ in range(n)]
+        if _KIND == "memory":
+            yield [await stack.enter_async_context(_node(network)) for _ in range(n)]
+        else:
+            yield [
+                await stack.enter_async_context(Node(listen=[f"{_KIND}://127.0.0.1:0"]))
+                for _ in range(n)
+            ]
 
 
 # -- handlers shared by several tests --------------------------------------------------------
@@ -223,6 +251,7 @@ async def _bidi(
 # -- the four kinds of calls --------------------------------------------------------------------
 
 
+@over_transports
 async def test_unary_calls_between_several_peers() -> None:
     seen: list[tuple[object, str]] = []
 
@@ -246,6 +275,7 @@ async def test_unary_calls_between_several_peers() -> None:
         assert seen == [(a.peer_id, "whoami")]
 
 
+@over_transports
 async def test_server_stream_delivers_every_response_in_order() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -259,6 +289,7 @@ async def test_server_stream_delivers_every_response_in_order() -> None:
                 assert [r async for r in empty] == []
 
 
+@over_transports
 async def test_client_stream_takes_sync_and_async_iterables() -> None:
     async def numbers() -> AsyncIterator[Num]:
         for i in range(10):
@@ -273,6 +304,7 @@ async def test_client_stream_takes_sync_and_async_iterables() -> None:
             assert await client.rpc.client_stream(address, "total", []) == Num(0)
 
 
+@over_transports
 async def test_bidi_call_interleaves_requests_and_responses() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -292,6 +324,7 @@ async def test_bidi_call_interleaves_requests_and_responses() -> None:
                     await call.receive()
 
 
+@over_transports
 async def test_bidi_handler_can_answer_before_reading_everything() -> None:
     async def greet_then_echo(
         requests: AsyncIterator[Text], ctx: CallContext
@@ -314,6 +347,7 @@ async def test_bidi_handler_can_answer_before_reading_everything() -> None:
 # -- failures of one call -----------------------------------------------------------------------
 
 
+@over_transports
 async def test_handler_error_fails_only_that_call() -> None:
     async def picky(request: Num, ctx: CallContext) -> Num:
         if request.value == 7:
@@ -351,6 +385,7 @@ async def test_handler_error_fails_only_that_call() -> None:
             assert client.connection_to(server.peer_id) is conn is not None
 
 
+@over_transports
 async def test_handler_returning_a_non_message_is_a_handler_error() -> None:
     async def sloppy(request: Message, ctx: CallContext) -> Any:
         return {"value": 1}
@@ -362,6 +397,7 @@ async def test_handler_returning_a_non_message_is_a_handler_error() -> None:
         assert (info.value.code, info.value.remote_type) == ("handler_error", "TypeError")
 
 
+@over_transports
 async def test_stream_handler_that_is_no_generator_is_a_handler_error() -> None:
     async def not_a_generator(request: Message, ctx: CallContext) -> Num:
         return Num(1)
@@ -373,6 +409,7 @@ async def test_stream_handler_that_is_no_generator_is_a_handler_error() -> None:
         assert info.value.remote_type == "TypeError"
 
 
+@over_transports
 async def test_unknown_method_raises_method_not_found() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -389,6 +426,7 @@ async def test_unknown_method_raises_method_not_found() -> None:
             assert await client.rpc.client_stream(address, "total", [Num(1)]) == Num(1)
 
 
+@over_transports
 async def test_wrong_request_type_is_bad_request_and_handler_never_sees_it() -> None:
     seen: list[Message] = []
 
@@ -418,6 +456,7 @@ async def test_wrong_request_type_is_bad_request_and_handler_never_sees_it() -> 
             assert await client.rpc.call(address, "double", Num(3)) == Num(6)
 
 
+@over_transports
 async def test_calling_a_method_with_the_wrong_kind_is_bad_request() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -435,6 +474,7 @@ async def test_calling_a_method_with_the_wrong_kind_is_bad_request() -> None:
             assert await client.rpc.call(address, "double", Num(1)) == Num(2)
 
 
+@over_transports
 async def test_a_unary_call_without_a_request_is_bad_request() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -443,6 +483,7 @@ async def test_a_unary_call_without_a_request_is_bad_request() -> None:
         assert info.value.code == "bad_request"
 
 
+@over_transports
 async def test_unexpected_response_type_raises_remote_protocol_error() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -453,6 +494,7 @@ async def test_unexpected_response_type_raises_remote_protocol_error() -> None:
 # -- deadlines and cancellation -----------------------------------------------------------------
 
 
+@over_transports
 async def test_timeout_cancels_the_remote_handler() -> None:
     async with _peers(2) as (server, client):
         blocker = _serve_blocker(server)
@@ -496,6 +538,7 @@ async def test_the_callee_gets_the_budget_left_after_connecting() -> None:
         assert start + 1.0 <= deadline < start + 1.0 + 0.05 + 0.04
 
 
+@over_transports
 @pytest.mark.parametrize("method", ["block_stream", "block_client", "block_bidi"])
 async def test_timeout_applies_to_streaming_calls(method: str) -> None:
     kind = _KINDS[method]
@@ -508,6 +551,7 @@ async def test_timeout_applies_to_streaming_calls(method: str) -> None:
             await blocker.cancelled.wait()
 
 
+@over_transports
 async def test_callee_enforces_the_deadline_it_was_sent() -> None:
     async with _peers(2) as (server, client):
         blocker = _serve_blocker(server)
@@ -530,6 +574,7 @@ async def test_callee_enforces_the_deadline_it_was_sent() -> None:
             await stream.aclose()
 
 
+@over_transports
 async def test_callee_waits_a_bounded_time_for_a_caller_that_never_closes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -555,9 +600,15 @@ async def test_callee_waits_a_bounded_time_for_a_caller_that_never_closes(
             await stream.aclose()
 
 
-async def test_a_unary_callee_ignores_what_follows_the_request() -> None:
+@over_transports
+async def test_a_unary_callee_ignores_what_follows_the_request(abandon_watch: str) -> None:
     """A unary call whose request came in the opening is answered without reading the
     caller's side further: a stray message after it is dropped, not an error."""
+    if abandon_watch == "read":
+        pytest.skip(
+            "a transport without on_abandoned makes the callee read the caller's side, where a "
+            "message after the request is a breach (test_a_caller_breaking_the_protocol...)"
+        )
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
         with anyio.fail_after(5):
@@ -588,6 +639,7 @@ async def test_bad_timeouts_are_refused() -> None:
             assert await client.rpc.call(address, "double", Num(2), timeout=math.inf) == Num(4)
 
 
+@over_transports
 @pytest.mark.parametrize("method", ["block", "block_stream", "block_client", "block_bidi"])
 async def test_caller_cancellation_reaches_the_remote_handler(method: str) -> None:
     kind = _KINDS[method]
@@ -616,6 +668,7 @@ async def test_caller_cancellation_reaches_the_remote_handler(method: str) -> No
             assert await client.rpc.call(server.addresses[0], "block", Num(0)) == Num(1)
 
 
+@over_transports
 async def test_leaving_a_server_stream_early_stops_the_handler() -> None:
     produced = 0
     stopped = anyio.Event()
@@ -667,6 +720,7 @@ async def test_calls_reuse_one_pooled_connection_per_peer() -> None:
         assert server.connection_to(a.peer_id) is not None
 
 
+@over_transports
 async def test_calling_a_peer_id_without_a_connection_is_a_connect_error() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -843,6 +897,53 @@ async def test_peer_killed_mid_call_interrupts_the_call(how: str) -> None:
             assert _transport(client).dials == 2
 
 
+@over_transports
+async def test_callee_shutting_down_mid_call_interrupts_the_call() -> None:
+    async with _peers(2) as (server, client):
+        blocker = _serve_blocker(server)
+        address = server.addresses[0]
+
+        async def kill() -> None:
+            await blocker.started.wait()
+            await server.aclose()
+
+        start = anyio.current_time()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill)
+                with pytest.raises(RemoteError, match="interrupted") as info:
+                    await client.rpc.call(address, "block", Num(0))
+            await blocker.cancelled.wait()
+        assert info.value.code == "interrupted"
+        assert anyio.current_time() - start < 2
+        with anyio.fail_after(5), pytest.raises(ConnectError):  # nobody there any more
+            await client.rpc.call(address, "block", Num(0))
+
+
+@over_transports
+async def test_hundreds_of_concurrent_calls_on_one_connection() -> None:
+    """More calls at once than the per-peer limit (64) and than QUIC's 128 open streams."""
+
+    async def square(request: Num, ctx: CallContext) -> Num:
+        await anyio.sleep(0.001 * (request.value % 3))
+        return Num(request.value * request.value)
+
+    async with _peers(2) as (server, client):
+        server.rpc.register("square", square, request_type=Num)
+        results: dict[int, int] = {}
+
+        async def call(i: int) -> None:
+            reply = await client.rpc.call(server.addresses[0], "square", Num(i), timeout=20)
+            results[i] = reply.value
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for i in range(400):
+                    tg.start_soon(call, i)
+        assert results == {i: i * i for i in range(400)}
+        assert len(client._pool) == 1  # one connection carried them all
+
+
 async def test_peer_killed_while_the_caller_sends_interrupts_the_call() -> None:
     async with _peers(2) as (server, client):
         _serve_arithmetic(server)
@@ -884,6 +985,7 @@ async def test_peer_killed_during_a_server_stream() -> None:
 # -- garbage on the wire --------------------------------------------------------------------
 
 
+@over_transports
 async def test_garbage_streams_are_aborted_and_the_node_keeps_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -910,9 +1012,10 @@ async def test_garbage_streams_are_aborted_and_the_node_keeps_serving(
             await stream.send_eof()
             with pytest.raises(StreamReset):
                 await stream.receive()
-            stream = await client.open_stream(address)
-            with pytest.raises(StreamReset):
-                await stream.receive()
+            if _KIND == "memory":  # TCP and QUIC show a peer a stream only once data arrives
+                stream = await client.open_stream(address)
+                with pytest.raises(StreamReset):
+                    await stream.receive()
             # a valid header followed by garbage fails that call as a bad request, whether the
             # garbage comes in the opening message or after it
             stream = await client.open_stream(address)
@@ -938,6 +1041,7 @@ async def test_garbage_streams_are_aborted_and_the_node_keeps_serving(
             assert client.connection_to(server.peer_id) is conn
 
 
+@over_transports
 async def test_a_caller_breaking_the_protocol_fails_its_call() -> None:
     async with _peers(2) as (server, client):
         blocker = _serve_blocker(server)

@@ -156,6 +156,9 @@ class QuicStream(Stream):
         return not self._stopped
 
     async def _send(self, parts: tuple[Buffer, ...], *, eof: bool) -> None:
+        # a checkpoint, even when the message goes out at once or is dropped: a task that only
+        # sends must still let others run and be cancellable
+        await anyio.lowlevel.checkpoint()
         if not self._check_send():
             if eof:
                 self._sent_eof = True
@@ -446,6 +449,7 @@ class QuicConnection(Connection):
         self,
         endpoint: Endpoint,
         quic: FlowControlledQuic,
+        sockaddr: tuple[Any, ...],
         *,
         transport_name: str,
         is_initiator: bool,
@@ -463,6 +467,7 @@ class QuicConnection(Connection):
     ) -> None:
         self._endpoint = endpoint
         self._quic = quic
+        self._sockaddr: tuple[Any, ...] = sockaddr
         self._transport_name = transport_name
         self._is_initiator = is_initiator
         self._local_address = local_address
@@ -722,6 +727,12 @@ class QuicConnection(Connection):
         self._progress.notify()
         self._closed_event.set()
         self._on_close(self)
+
+    def _unreachable(self, reason: str) -> None:
+        """The peer's address answered with an ICMP error while we were handshaking."""
+        if self._handshake_error is None:
+            self._handshake_error = ConnectionLost(reason)
+        self._close(CLOSE_REFUSED, "unreachable")
 
     def _close(self, code: int, reason: str) -> None:
         if self._error is None:

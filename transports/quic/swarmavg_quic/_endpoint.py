@@ -50,10 +50,12 @@ SOCKET_BUFFER: Final = 4 << 20
 SUPPORTED_VERSIONS: Final = (0x00000001, 0x6B3343CF)
 _MIN_INITIAL: Final = 1200
 
-# Linux values (<linux/in.h>, <linux/in6.h>): don't fragment; a datagram too large for the
-# route fails locally with EMSGSIZE.
-_IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2
-_IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO = 23, 2
+# Linux values (<linux/in.h>, <linux/in6.h>): don't fragment (a datagram too large for the
+# route fails locally with EMSGSIZE); queue ICMP errors, so that dialing a port nobody listens
+# on fails at once ("port unreachable") instead of at the handshake timeout.
+_IP_MTU_DISCOVER, _IP_PMTUDISC_DO, _IP_RECVERR = 10, 2, 11
+_IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO, _IPV6_RECVERR = 23, 2, 25
+_MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
 
 
 def bind_socket(family: int, sockaddr: Any) -> socket.socket:
@@ -71,8 +73,10 @@ def bind_socket(family: int, sockaddr: Any) -> socket.socket:
         with contextlib.suppress(OSError):  # not Linux
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO)
+                sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_RECVERR, 1)
             else:
                 sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+                sock.setsockopt(socket.IPPROTO_IP, _IP_RECVERR, 1)
         sock.bind(sockaddr)
         sock.setblocking(False)
     except BaseException:
@@ -166,16 +170,32 @@ class Endpoint:
                 data, addr = sock.recvfrom(MAX_UDP_PAYLOAD)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError as exc:  # e.g. an ICMP error reported for an earlier send
-                logger.debug("%r: recvfrom: %s", self, exc)
+            except OSError as exc:  # an ICMP error reported for an earlier send
                 if self.closed:
                     break
+                logger.debug("%r: recvfrom: %s", self, exc)
+                self._read_errors()
                 continue
             conn = self._route(data, addr, now)
             if conn is not None:
                 touched[id(conn)] = conn
         for conn in touched.values():
             conn._pump()
+
+    def _read_errors(self) -> None:
+        """Drain the socket's error queue (Linux ``IP_RECVERR``): each entry names the address a
+        datagram of ours could not reach. Handshakes to that address fail at once; established
+        connections ignore it (ICMP is unauthenticated; QUIC's own timeouts decide for them)."""
+        for _ in range(BATCH):
+            try:
+                _, _, _, addr = self.sock.recvmsg(1, 512, _MSG_ERRQUEUE)
+            except OSError:
+                return
+            if not isinstance(addr, tuple):
+                continue
+            for conn in list(self._connections):
+                if not conn.handshake_done.is_set() and conn._sockaddr[:2] == addr[:2]:
+                    conn._unreachable(f"{addr[0]} port {addr[1]} is unreachable")
 
     def _route(self, data: bytes, addr: Any, now: float) -> QuicConnection | None:
         try:
@@ -203,9 +223,7 @@ class Endpoint:
             if self.listener is None or self.listener.is_closed:
                 self._refuse(data, addr, header.destination_cid, now)
                 return None
-            conn = self._transport._incoming(self, header.destination_cid, addr)
-            if conn is None:
-                return None
+            return self._transport._incoming(self, header.destination_cid, data, addr, now)
         try:
             conn._quic.receive_datagram(data, addr, now)
         except Exception:  # aioquic closes on protocol errors itself; anything else is a bug

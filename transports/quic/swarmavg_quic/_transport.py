@@ -224,6 +224,7 @@ class QuicTransport(Transport):
         return QuicConnection(
             endpoint,
             quic,
+            tuple(addr),
             transport_name=self.name,
             is_initiator=is_initiator,
             local_address=Address("quic", endpoint.host, endpoint.port, self.identity.peer_id),
@@ -319,10 +320,13 @@ class QuicTransport(Transport):
     # -- accepting -------------------------------------------------------------------------------
 
     def _incoming(
-        self, endpoint: Endpoint, original_cid: bytes, addr: Any
+        self, endpoint: Endpoint, original_cid: bytes, data: bytes, addr: Any, now: float
     ) -> QuicConnection | None:
         """A new connection for an Initial packet that arrived at ``endpoint`` (called
-        synchronously by its socket task); ``None`` to drop it."""
+        synchronously by its socket task), fed with it; ``None`` if it was dropped.
+
+        A datagram that aioquic cannot make a handshake of (it answers nothing) leaves no
+        state behind, so garbage shaped like an Initial cannot fill the handshake slots."""
         if self._closed or self._tg is None:
             return None
         if self._pending_handshakes >= self.max_pending_handshakes:
@@ -332,6 +336,15 @@ class QuicTransport(Transport):
             configuration=self._configuration(is_client=False, addr=addr),
             original_destination_connection_id=original_cid,
         )
+        try:
+            quic.receive_datagram(data, addr, now)
+            first_flight = quic.datagrams_to_send(now)
+        except Exception:  # pragma: no cover - aioquic handles bad input itself
+            logger.debug("an Initial from %s broke aioquic", addr, exc_info=True)
+            return None
+        if not first_flight:
+            return None
+        endpoint.send_datagrams(first_flight)
         conn = self._connection(endpoint, quic, is_initiator=False, addr=addr, expected=None)
         endpoint.add(conn, original_cid, quic.host_cid)
         self._connections.add(conn)

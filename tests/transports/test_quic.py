@@ -1,0 +1,337 @@
+"""swarmavg-quic beyond the conformance suite: flow control, limits, refusals, garbage, timers."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from swarmavg_quic import QuicConnection, QuicTransport
+from swarmavg_quic._aioquic import unacked
+from swarmavg_quic._endpoint import CID_LENGTH
+
+from swarmavg.address import Address
+from swarmavg.errors import ConnectError, ConnectionLost, MessageTooLarge, StreamReset
+from swarmavg.identity import Identity
+
+pytestmark = pytest.mark.anyio
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@asynccontextmanager
+async def _pair(
+    server_options: dict[str, Any] | None = None, **options: Any
+) -> AsyncIterator[tuple[QuicTransport, QuicTransport, QuicConnection, QuicConnection]]:
+    """A dialer and a listener (``server_options`` override ``options`` for it), connected."""
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(QuicTransport(Identity.generate(), **options))
+        b = await stack.enter_async_context(
+            QuicTransport(Identity.generate(), **{**options, **(server_options or {})})
+        )
+        listener = await b.listen("quic://127.0.0.1:0")
+        with anyio.fail_after(10):
+            dialed = await a.connect(listener.address)
+            accepted = await listener.accept()
+        yield a, b, dialed, accepted
+
+
+def _udp(host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((host, 0))
+    sock.settimeout(2)
+    return sock
+
+
+# -- flow control and memory ------------------------------------------------------------------
+
+
+async def test_a_receiver_that_reads_nothing_holds_bounded_memory() -> None:
+    window, conn_window, send_buffer = 256 * KiB, 1 * MiB, 256 * KiB
+    async with _pair(
+        stream_window=window, connection_window=conn_window, send_buffer=send_buffer
+    ) as (_, _, dialed, accepted):
+        streams = []
+        for _ in range(8):  # eight bulk streams, none read: together past the connection window
+            s = await dialed.open_stream()
+            await s.send(b"hi")
+            streams.append(s)
+        chunk = bytes(64 * KiB)
+        sent = 0
+
+        async def push(s: Any) -> None:
+            nonlocal sent
+            while True:
+                await s.send(chunk)
+                sent += len(chunk)
+
+        with anyio.move_on_after(1.5):
+            async with anyio.create_task_group() as tg:
+                for s in streams:
+                    tg.start_soon(push, s)
+        # the receiver holds at most its connection window plus the incomplete messages (one
+        # per stream here, each smaller than a chunk; the documented bound is the window plus
+        # one max_message_size), and each sender stream at most its send buffer
+        held = accepted._unread + accepted._partial
+        assert accepted._partial <= 8 * len(chunk)
+        assert held <= conn_window + 8 * len(chunk), held
+        assert sent < 4 * conn_window, f"senders were not held back ({sent} bytes sent)"
+        for s in streams:
+            assert unacked(dialed._quic, s.id) <= send_buffer + 64 * KiB
+        # once read, everything arrives, in order and whole
+        got = 0
+        for _ in range(8):
+            r = await accepted.accept_stream()
+            assert bytes(await r.receive()) == b"hi"
+            while accepted._streams[r.id]._inbox:
+                got += (await r.receive()).nbytes
+        assert got <= sent
+
+
+async def test_messages_larger_than_the_windows_arrive_and_do_not_stall_each_other() -> None:
+    """Two 3 MiB messages at once over 256 KiB stream / 1 MiB connection windows: the receiver
+    lets a message grow past the windows (bounded by max_message_size), and senders keep large
+    messages one at a time per connection, so neither starves the other of credit."""
+    async with _pair(stream_window=256 * KiB, connection_window=1 * MiB, send_buffer=256 * KiB) as (
+        _,
+        _,
+        dialed,
+        accepted,
+    ):
+        payloads = [os.urandom(3 * MiB), os.urandom(3 * MiB)]
+        received: dict[bytes, bytes] = {}
+
+        async def send(payload: bytes) -> None:
+            s = await dialed.open_stream()
+            await s.send(payload[:8])
+            await s.send_last(payload)
+
+        async def receive() -> None:
+            r = await accepted.accept_stream()
+            key = bytes(await r.receive())
+            received[key] = bytes(await r.receive())
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for p in payloads:
+                    tg.start_soon(send, p)
+                    tg.start_soon(receive)
+        assert received == {p[:8]: p for p in payloads}
+        assert accepted._unread == accepted._partial == 0
+
+
+async def test_a_message_over_the_limit_is_refused_by_both_ends() -> None:
+    async with _pair(server_options={"max_message_size": 1 * MiB}, max_message_size=2 * MiB) as (
+        _,
+        _,
+        dialed,
+        accepted,
+    ):
+        s = await dialed.open_stream()
+        with pytest.raises(MessageTooLarge):
+            await s.send(bytes(2 * MiB + 1))  # our own limit
+        await s.send(bytes(MiB + 1))  # within ours, over the receiver's: it resets the stream
+        r = await accepted.accept_stream()
+        with anyio.fail_after(10), pytest.raises(StreamReset):
+            await r.receive()
+        # the connection keeps working
+        t = await dialed.open_stream()
+        await t.send(b"fine")
+        u = await accepted.accept_stream()
+        assert bytes(await u.receive()) == b"fine"
+
+
+# -- refusals and reachability ----------------------------------------------------------------
+
+
+async def test_dialing_a_port_nobody_listens_on_fails_fast() -> None:
+    sock = _udp()
+    port = sock.getsockname()[1]
+    sock.close()  # nothing there: the kernel answers with ICMP port unreachable
+    async with QuicTransport(Identity.generate(), handshake_timeout=30) as a:
+        address = Address("quic", "127.0.0.1", port, Identity.generate().peer_id)
+        start = anyio.current_time()
+        with anyio.fail_after(10), pytest.raises(ConnectError, match="unreachable"):
+            await a.connect(address)
+        assert anyio.current_time() - start < 5
+
+
+async def test_a_socket_whose_listener_closed_refuses_new_connections_at_once() -> None:
+    async with _pair(handshake_timeout=30) as (_a, b, dialed, _accepted):
+        listener = next(iter(b._listeners))
+        address = listener.address
+        await listener.aclose()  # its socket stays open for the connection it accepted
+        async with QuicTransport(Identity.generate(), handshake_timeout=30) as c:
+            start = anyio.current_time()
+            with anyio.fail_after(10), pytest.raises(ConnectError):
+                await c.connect(address)
+            assert anyio.current_time() - start < 5
+        assert not dialed.is_closed
+
+
+async def test_connections_per_peer_are_limited() -> None:
+    async with _pair(server_options={"max_connections_per_peer": 1}) as (a, b, dialed, _):
+        listener = next(iter(b._listeners))
+        with anyio.fail_after(10):
+            second = await a.connect(listener.address)  # the handshake completes, then...
+            await second.wait_closed()  # ...the listener refuses it
+        assert not dialed.is_closed
+
+
+async def test_one_socket_serves_listening_and_dialing() -> None:
+    """A peer that listens dials from its listening port, so others see one port per peer."""
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(QuicTransport(Identity.generate()))
+        b = await stack.enter_async_context(QuicTransport(Identity.generate()))
+        la = await a.listen("quic://127.0.0.1:0")
+        lb = await b.listen("quic://127.0.0.1:0")
+        with anyio.fail_after(10):
+            conn = await a.connect(lb.address)
+            accepted = await lb.accept()
+        assert accepted.extra_attributes is not None
+        seen_from = accepted._remote_address
+        assert seen_from.port == la.address.port
+        assert conn._local_address.port == la.address.port
+        assert len(a._endpoints) == 1
+
+
+async def test_datagram_size_follows_the_route() -> None:
+    async with _pair() as (_, _, dialed, accepted):
+        # loopback carries 64 KiB datagrams: we use the most aioquic writes correctly
+        assert dialed._quic._configuration.max_datagram_size == 16383
+        assert accepted._quic._configuration.max_datagram_size == 16383
+    async with _pair(max_datagram_size=1200) as (_, _, dialed, accepted):
+        assert dialed._quic._configuration.max_datagram_size == 1200
+        s = await dialed.open_stream()
+        payload = os.urandom(300 * KiB)
+        await s.send(payload)
+        r = await accepted.accept_stream()
+        assert bytes(await r.receive()) == payload
+
+
+# -- garbage ----------------------------------------------------------------------------------
+
+
+async def test_garbage_datagrams_are_dropped_and_leave_no_state() -> None:
+    async with _pair(server_options={"max_pending_handshakes": 4}) as (a, b, dialed, accepted):
+        listener = next(iter(b._listeners))
+        port = listener.address.port
+        junk = _udp()
+        try:
+            rng = os.urandom
+            samples = [b"", b"\x00", rng(20), rng(1199), rng(1500), rng(65000)]
+            # shaped like a QUIC v1 Initial (long header, type 0), full size, random inside
+            for _ in range(64):
+                samples.append(b"\xc0\x00\x00\x00\x01\x08" + rng(8) + b"\x08" + rng(8) + rng(1200))
+            # short headers naming the live connection's IDs, random inside
+            for _ in range(16):
+                samples.append(b"\x40" + accepted._quic.host_cid + rng(200))
+            for data in samples:
+                junk.sendto(data, ("127.0.0.1", port))
+            await anyio.sleep(0.3)
+        finally:
+            junk.close()
+        endpoint = next(iter(b._endpoints))
+        assert endpoint.connection_count == 1, "garbage must not leave connections behind"
+        assert b._pending_handshakes == 0
+        # the live connection and the listener keep working
+        s = await dialed.open_stream()
+        await s.send(b"still here")
+        r = await accepted.accept_stream()
+        assert bytes(await r.receive()) == b"still here"
+        c = await a.connect(listener.address)
+        assert not c.is_closed
+        assert len(accepted._quic.host_cid) == CID_LENGTH
+
+
+async def test_unknown_quic_versions_get_a_version_negotiation() -> None:
+    async with QuicTransport(Identity.generate()) as b:
+        listener = await b.listen("quic://127.0.0.1:0")
+        probe = _udp()
+        try:
+            initial = b"\xc0\x0a\x0a\x0a\x0a\x08" + bytes(8) + b"\x08" + bytes(8) + bytes(1200)
+            probe.sendto(initial, ("127.0.0.1", listener.address.port))
+            with anyio.fail_after(5):
+                answer = await anyio.to_thread.run_sync(probe.recv, 2048)
+        finally:
+            probe.close()
+        assert answer[1:5] == b"\x00\x00\x00\x00"  # version 0: version negotiation
+        assert b"\x00\x00\x00\x01" in answer[5:]  # offers QUIC v1
+
+
+# -- timers -------------------------------------------------------------------------------------
+
+
+async def test_keepalives_hold_a_quiet_connection_and_a_vanished_peer_is_noticed() -> None:
+    async with _pair(keepalive_interval=0.2, idle_timeout=None) as (_, b, dialed, accepted):
+        await anyio.sleep(1.5)  # more than QUIC's idle timeout (3 x 0.2 s), no traffic
+        assert not dialed.is_closed
+        assert not accepted.is_closed
+        for endpoint in list(b._endpoints):  # b vanishes without a word
+            endpoint.close()
+        with anyio.fail_after(5):
+            await dialed.wait_closed()
+        with pytest.raises(ConnectionLost):
+            await dialed.open_stream()
+
+
+async def test_a_connection_without_streams_closes_after_idle_timeout() -> None:
+    async with _pair(idle_timeout=0.3) as (_, _, dialed, accepted):
+        s = await dialed.open_stream()
+        await s.send(b"x")
+        r = await accepted.accept_stream()
+        await r.receive()
+        await anyio.sleep(0.6)
+        assert not dialed.is_closed  # a stream is open
+        await s.aclose()
+        await r.aclose()
+        with anyio.fail_after(5):
+            await dialed.wait_closed()
+            await accepted.wait_closed()
+
+
+def _open_fds() -> int | None:
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+
+
+async def test_closing_the_transport_leaves_no_socket_behind() -> None:
+    before = _open_fds()
+    async with _pair() as (a, b, dialed, _):
+        s = await dialed.open_stream()
+        await s.send(b"x")
+    assert not a._endpoints
+    assert not b._endpoints
+    if before is not None:
+        assert (_open_fds() or 0) <= before
+
+
+def test_options_are_checked() -> None:
+    ident = Identity.generate()
+    with pytest.raises(ValueError, match="max_datagram_size"):
+        QuicTransport(ident, max_datagram_size=1000)
+    with pytest.raises(TypeError, match="max_datagram_size"):
+        QuicTransport(ident, max_datagram_size="big")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stream_window"):
+        QuicTransport(ident, stream_window=10)
+    with pytest.raises(ValueError, match="connection_window"):
+        QuicTransport(ident, stream_window=1 * MiB, connection_window=64 * KiB)
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        QuicTransport(ident, keepalive_interval=0)
+    with pytest.raises(ValueError, match="congestion_control"):
+        QuicTransport(ident, congestion_control="bbr")
+
+
+def test_the_private_aioquic_hooks_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioquic.quic.connection import QuicConnection as AioQuicConnection
+    from swarmavg_quic._aioquic import check_private_api
+
+    check_private_api()  # the pinned aioquic has them
+    monkeypatch.delattr(AioQuicConnection, "_write_stream_limits")
+    with pytest.raises(RuntimeError, match="_write_stream_limits"):
+        check_private_api()
+    with pytest.raises(RuntimeError, match="aioquic"):
+        QuicTransport(Identity.generate())
