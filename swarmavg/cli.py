@@ -100,7 +100,8 @@ async def _ping(address: str, calls: int, megabytes: int, encryption: bool) -> N
         connect_ms = (time.perf_counter() - start) * 1e3
         peer = conn.extra(ConnectionAttribute.peer_id)
         how = "encrypted" if conn.extra(ConnectionAttribute.encrypted, False) else "NOT encrypted"
-        print(f"connected to {peer} in {connect_ms:.1f} ms: its key is proven, {how}")
+        kind = conn.extra(ConnectionAttribute.transport_name, "?")
+        print(f"connected to {peer} over {kind} in {connect_ms:.1f} ms: its key is proven, {how}")
 
         samples = []
         for nonce in range(calls + max(calls // 10, 1)):  # the first tenth warms up
@@ -128,9 +129,10 @@ async def _ping(address: str, calls: int, megabytes: int, encryption: bool) -> N
             elapsed = time.perf_counter() - start
             if reply.nonce != megabytes * CHUNK_BYTES:
                 raise SwarmError(f"sent {megabytes} MiB, the peer got {reply.nonce} bytes")
-            rate = megabytes * CHUNK_BYTES / elapsed / 1e9
+            rate = megabytes * CHUNK_BYTES / elapsed
+            rate_text = f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:.0f} MB/s"
             print(
-                f"bulk upload: {megabytes} MiB in {elapsed:.2f} s = {rate:.2f} GB/s "
+                f"bulk upload: {megabytes} MiB in {elapsed:.2f} s = {rate_text} "
                 f"(client-stream call of 1 MiB tensor chunks, acknowledged by the peer)"
             )
 
@@ -139,9 +141,10 @@ async def _ping(address: str, calls: int, megabytes: int, encryption: bool) -> N
 
 
 @contextlib.contextmanager
-def _server_process(encryption: bool) -> Iterator[str]:
+def _server_process(encryption: bool, transport: str) -> Iterator[str]:
     """``swarmavg serve`` on loopback in a child process; yields its address."""
-    command = [sys.executable, "-m", "swarmavg.cli", "serve", "--listen", "tcp://127.0.0.1:0"]
+    listen = f"{transport}://127.0.0.1:0"
+    command = [sys.executable, "-m", "swarmavg.cli", "serve", "--listen", listen]
     command += ["--until-stdin-closes"] + ([] if encryption else ["--no-encryption"])
     child = subprocess.Popen(  # noqa: S603 (this interpreter, constant arguments)
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -164,8 +167,10 @@ def _server_process(encryption: bool) -> Iterator[str]:
             child.stdout.close()
 
 
-def _demo(calls: int, megabytes: int, encryption: bool) -> None:
-    with _server_process(encryption) as address:
+def _demo(calls: int, megabytes: int, encryption: bool, transport: str) -> None:
+    if transport != "tcp" and not encryption:
+        raise SwarmError(f"--no-encryption applies to tcp only; {transport} always encrypts")
+    with _server_process(encryption, transport) as address:
         print(f"started `swarmavg serve` in process 2, listening at {address}")
         anyio.run(_ping, address, calls, megabytes, encryption)
 
@@ -211,11 +216,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="serve in a second process on loopback and ping it")
     measured(demo)
     encrypted(demo)
+    demo.add_argument(
+        "--transport",
+        choices=("tcp", "quic"),
+        default="tcp",
+        help="transport of the two nodes (quic needs `pip install swarmavg[quic]`)",
+    )
     serve = sub.add_parser("serve", help="start a node that answers `swarmavg ping`")
     serve.add_argument(
         "--listen",
         action="append",
-        help="address to listen on (repeatable; default tcp://0.0.0.0:7000)",
+        help="address to listen on, tcp://… or quic://… (repeatable; default tcp://0.0.0.0:7000)",
     )
     serve.add_argument(
         "--identity", metavar="KEY_FILE", help="key file to keep the same PeerID across runs"
@@ -234,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "demo":
-            _demo(args.calls, args.megabytes, args.encryption)
+            _demo(args.calls, args.megabytes, args.encryption, args.transport)
         elif args.command == "serve":
             listen = args.listen or ["tcp://0.0.0.0:7000"]
             anyio.run(_serve, listen, args.identity, args.encryption, args.until_stdin_closes)

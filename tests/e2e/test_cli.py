@@ -26,11 +26,46 @@ def test_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
     peer_id = address.group(2)
     # the caller checked the key behind the PeerID it dialed, and says whether data is secret
     how = "encrypted" if encryption else "NOT encrypted"
-    assert f"connected to {peer_id} in " in out.stdout
+    assert f"connected to {peer_id} over tcp in " in out.stdout
     assert f"its key is proven, {how}\n" in out.stdout
     assert re.search(r"rpc round trip \(50 unary calls\): median \d+ µs, p90 \d+ µs", out.stdout)
-    assert re.search(r"bulk upload: 32 MiB in [0-9.]+ s = [0-9.]+ GB/s", out.stdout), out.stdout
+    assert re.search(r"bulk upload: 32 MiB in [0-9.]+ s = [0-9.]+ [GM]B/s", out.stdout), out.stdout
     assert out.stderr == ""
+
+
+def test_demo_runs_two_processes_over_quic() -> None:
+    out = _run("demo", "--transport", "quic", "--calls", "50", "--megabytes", "32")
+    assert out.returncode == 0, out.stderr
+    address = re.search(r"listening at (quic://127\.0\.0\.1:\d+/p/(\S+))", out.stdout)
+    assert address, out.stdout
+    assert f"connected to {address.group(2)} over quic in " in out.stdout
+    assert "its key is proven, encrypted\n" in out.stdout
+    assert re.search(r"bulk upload: 32 MiB in [0-9.]+ s = [0-9.]+ [GM]B/s", out.stdout), out.stdout
+    assert out.stderr == ""
+
+
+def test_one_server_on_tcp_and_quic_at_once() -> None:
+    """A node listens on both transports; callers dial whichever scheme their address names."""
+    with subprocess.Popen(
+        [*CLI, "serve", "--listen", "tcp://127.0.0.1:0", "--listen", "quic://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as server:
+        try:
+            assert server.stdout is not None
+            assert server.stdout.readline().startswith("serving as ")
+            addresses = [server.stdout.readline().split("dial me at: ")[1].strip() for _ in "ab"]
+            assert sorted(a.split(":")[0] for a in addresses) == ["quic", "tcp"]
+            for address in addresses:
+                out = _run("ping", address, "--calls", "10", "--megabytes", "2")
+                assert out.returncode == 0, out.stderr
+                assert f"over {address.split(':')[0]} in " in out.stdout
+            server.send_signal(signal.SIGINT)
+            assert server.wait(30) == 130
+        finally:
+            if server.poll() is None:
+                server.kill()
 
 
 def test_serve_and_ping() -> None:

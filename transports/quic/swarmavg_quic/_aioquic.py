@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated
@@ -57,6 +58,20 @@ class FlowControlledQuic(AuthenticatingConnection):
             super()._write_stream_limits(builder, space, stream)
         finally:  # also when the packet is full (QuicPacketBuilderStop)
             receiver.highest_offset = highest
+
+    def ack_with_next_packet(self, now: float) -> None:
+        """Let the next packet carry the ACK aioquic holds back for up to 1 ms: called before
+        we send data, so that a reply acknowledges the request it answers instead of both
+        sides sending an ACK-only packet a millisecond later (which costs more CPU here than
+        the reply itself)."""
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        if space is not None and space.ack_at is not None and space.ack_at > now:
+            space.ack_at = now
+
+    def ack_due(self, now: float) -> bool:
+        """Whether aioquic has an acknowledgement to send now."""
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        return space is not None and space.ack_at is not None and space.ack_at <= now
 
     def _write_connection_limits(self, builder: Any, space: Any) -> None:
         limit = self._local_max_data

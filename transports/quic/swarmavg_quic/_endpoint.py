@@ -180,7 +180,7 @@ class Endpoint:
             if conn is not None:
                 touched[id(conn)] = conn
         for conn in touched.values():
-            conn._pump()
+            conn._after_receive()
 
     def _read_errors(self) -> None:
         """Drain the socket's error queue (Linux ``IP_RECVERR``): each entry names the address a
