@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -326,16 +326,28 @@ def _pinned() -> Iterator[str]:
 
 
 class _Server:
-    """A server subprocess: started on enter, its stdin closed and it reaped (or killed) on exit."""
+    """A server subprocess: started on enter, its stdin closed and it reaped (or killed) on exit.
 
-    def __init__(self, mode: str, *, encryption: bool = True) -> None:
+    ``script`` is the benchmark file the server runs (this one by default), ``args`` more
+    arguments for it after ``--serve MODE --lifetime S``.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        *,
+        encryption: bool = True,
+        script: Path | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
         self.argv = [
             sys.executable,
-            str(Path(__file__).resolve()),
+            str(script if script is not None else Path(__file__).resolve()),
             "--serve",
             mode,
             "--lifetime",
             str(SERVER_LIFETIME),
+            *args,
         ]
         if not encryption:
             self.argv.append("--plain")
