@@ -620,7 +620,13 @@ class QuicConnection(Connection):
         """Datagrams for us were fed to aioquic: hand their data on now; transmit only if
         something is waiting for it (the handshake, data held back by congestion control or
         flow control). Acknowledgements wait for aioquic's ACK timer or our next write."""
-        self._process()
+        try:
+            self._process()
+        except Exception as exc:  # a bug must cost this connection, never the transport
+            logger.exception("%r failed", self)
+            self._fail(ConnectionLost(f"internal error: {exc!r}"))
+            self._wake.set()
+            return
         quic = self._quic
         if (
             self._sending
