@@ -6,7 +6,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from swarmavg.abc import Stream
+from swarmavg.abc import ConnectionAttribute, Stream
 from swarmavg.aio.node import Node
 from swarmavg.errors import ConnectError, PeerIdentityMismatch, StreamReset
 from swarmavg.identity import Identity
@@ -156,3 +156,31 @@ async def test_errors_in_the_body_come_out_unwrapped() -> None:
     with pytest.raises(KeyError):
         async with _node(network):
             raise KeyError("mine")
+
+
+async def test_a_mixed_swarm_over_tcp_and_quic() -> None:
+    """A node listening on TCP and QUIC at once serves peers that speak only one of them, and
+    calls each back over the connection that peer opened (by PeerID)."""
+
+    async def pong(request: Ping, ctx: object) -> Pong:
+        return Pong(request.nonce)
+
+    async with (
+        Node(listen=["tcp://127.0.0.1:0", "quic://127.0.0.1:0"]) as hub,
+        Node(listen=["quic://127.0.0.1:0"]) as quic_only,
+        Node(listen=["tcp://127.0.0.1:0"]) as tcp_only,
+    ):
+        for node in (hub, quic_only, tcp_only):
+            node.rpc.register("ping", pong, request_type=Ping)
+        tcp_address, quic_address = hub.addresses
+        assert (tcp_address.scheme, quic_address.scheme) == ("tcp", "quic")
+        with anyio.fail_after(10):
+            assert await quic_only.rpc.call(quic_address, "ping", Ping(1)) == Pong(1)
+            assert await tcp_only.rpc.call(tcp_address, "ping", Ping(2)) == Pong(2)
+            assert await hub.rpc.call(quic_only.peer_id, "ping", Ping(3)) == Pong(3)
+            assert await hub.rpc.call(tcp_only.peer_id, "ping", Ping(4)) == Pong(4)
+        kinds = {
+            peer: hub.connection_to(peer).extra(ConnectionAttribute.transport_name)  # type: ignore[union-attr]
+            for peer in (quic_only.peer_id, tcp_only.peer_id)
+        }
+        assert kinds == {quic_only.peer_id: "quic", tcp_only.peer_id: "tcp"}
