@@ -9,6 +9,7 @@ from swarmavg.abc._transport import (
     Signal,
     Stream,
     StreamAttribute,
+    TaskGroupTransport,
     Transport,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "Signal",
     "Stream",
     "StreamAttribute",
+    "TaskGroupTransport",
     "Transport",
 ]

@@ -28,11 +28,13 @@ Closing rules (the conformance suite in :mod:`swarmavg.testing` checks each of t
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import anyio
+import anyio.abc
 from anyio import TypedAttributeProvider, TypedAttributeSet, typed_attribute
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ __all__ = [
     "Listener",
     "Stream",
     "StreamAttribute",
+    "TaskGroupTransport",
     "Transport",
 ]
 
@@ -386,3 +389,79 @@ class Transport(ABC):
                 f"address {address} names no peer (/p/<peer-id>): pass an address that includes "
                 "the PeerID, or allow_unknown_peer=True to trust whoever answers"
             )
+
+
+class TaskGroupTransport(Transport):
+    """A :class:`Transport` whose background tasks (readers, timers, keep-alives) run in a task
+    group that ``async with transport:`` opens; leaving the block closes the transport and
+    cancels them.
+
+    Subclasses start their tasks in :meth:`_task_group`, and their :meth:`aclose` sets
+    ``self._closed`` and ends with :meth:`_cancel_tasks`. Also here: the argument checks that
+    transport options share.
+    """
+
+    def __init__(self, identity: Identity) -> None:
+        super().__init__(identity)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> Self:
+        name = type(self).__name__
+        if self._tg is not None:
+            raise RuntimeError(f"a {name} can be entered only once")
+        if self._closed:
+            raise RuntimeError(f"this {name} was closed")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    def _task_group(self) -> anyio.abc.TaskGroup:
+        """Where background tasks go.
+
+        :raises TransportError: once the transport is closed.
+        :raises RuntimeError: outside ``async with transport:``.
+        """
+        from swarmavg.errors import TransportError
+
+        if self._closed:
+            raise TransportError("the transport is closed")
+        if self._tg is None:
+            raise RuntimeError("use the transport inside `async with transport:`")
+        return self._tg
+
+    def _cancel_tasks(self) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    @staticmethod
+    def _check_seconds(name: str, value: float | None, *, allow_none: bool = False) -> None:
+        """:raises ValueError: unless ``value`` is a positive number (or ``None`` if allowed)."""
+        if value is None and allow_none:
+            return
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or math.isnan(value)
+            or value <= 0
+        ):
+            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+
+    @staticmethod
+    def _check_count(name: str, value: int, minimum: int = 1) -> None:
+        """:raises ValueError: unless ``value`` is an int of at least ``minimum``."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{name} must be an int of at least {minimum}, not {value!r}")

@@ -15,7 +15,13 @@ from swarmavg_quic._aioquic import unacked
 from swarmavg_quic._endpoint import CID_LENGTH
 
 from swarmavg.address import Address
-from swarmavg.errors import ConnectError, ConnectionLost, MessageTooLarge, StreamReset
+from swarmavg.errors import (
+    ConnectError,
+    ConnectionLost,
+    MessageTooLarge,
+    StreamReset,
+    TransportError,
+)
 from swarmavg.identity import Identity
 
 pytestmark = pytest.mark.anyio
@@ -335,3 +341,18 @@ def test_the_private_aioquic_hooks_are_checked(monkeypatch: pytest.MonkeyPatch) 
         check_private_api()
     with pytest.raises(RuntimeError, match="aioquic"):
         QuicTransport(Identity.generate())
+
+
+async def test_use_outside_async_with() -> None:
+    transport = QuicTransport(Identity.generate())
+    with pytest.raises(RuntimeError, match="async with"):
+        await transport.listen("quic://127.0.0.1:0")
+    with pytest.raises(RuntimeError, match="async with"):
+        await transport.connect(Address("quic", "127.0.0.1", 1, Identity.generate().peer_id))
+    async with transport:
+        pass
+    with pytest.raises(TransportError, match="closed"):
+        await transport.listen("quic://127.0.0.1:0")
+    with pytest.raises(RuntimeError, match="only once"):
+        async with transport:
+            pass

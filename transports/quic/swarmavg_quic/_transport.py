@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import math
 import socket
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import anyio.abc
 from aioquic.quic.configuration import QuicConfiguration
 
-from swarmavg.abc import Listener, Transport
+from swarmavg.abc import Listener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import ConnectError, PeerIdentityMismatch, TransportError
 from swarmavg_quic import _tls
@@ -25,8 +24,6 @@ from swarmavg_quic._endpoint import CID_LENGTH, Endpoint, bind_socket
 from swarmavg_quic._mtu import datagram_size_for
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from swarmavg.identity import Identity, PeerID
 
 __all__ = ["QuicListener", "QuicTransport"]
@@ -36,24 +33,7 @@ logger = logging.getLogger("swarmavg_quic")
 _CONGESTION_CONTROL = ("reno", "cubic")
 
 
-def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or math.isnan(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-
-
-def _count(name: str, value: int, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int of at least {minimum}, not {value!r}")
-
-
-class QuicTransport(Transport):
+class QuicTransport(TaskGroupTransport):
     """Authenticated, encrypted QUIC on aioquic (``quic://host:port/p/<peer-id>``).
 
     Each peer presents a self-signed TLS 1.3 certificate of its Ed25519 identity key and checks
@@ -103,12 +83,12 @@ class QuicTransport(Transport):
     ) -> None:
         super().__init__(identity)
         check_private_api()
-        _count("max_message_size", max_message_size, 1 << 20)
+        self._check_count("max_message_size", max_message_size, 1 << 20)
         if max_message_size > 2**32 - 1:
             raise ValueError(f"max_message_size must fit in 32 bits, not {max_message_size}")
-        _count("stream_window", stream_window, 64 << 10)
-        _count("connection_window", connection_window, stream_window)
-        _count("send_buffer", send_buffer, 64 << 10)
+        self._check_count("stream_window", stream_window, 64 << 10)
+        self._check_count("connection_window", connection_window, stream_window)
+        self._check_count("send_buffer", send_buffer, 64 << 10)
         if max_datagram_size is not None:
             if not isinstance(max_datagram_size, int) or isinstance(max_datagram_size, bool):
                 raise TypeError(f"max_datagram_size must be an int, not {max_datagram_size!r}")
@@ -118,11 +98,11 @@ class QuicTransport(Transport):
             ("keepalive_interval", keepalive_interval),
             ("write_timeout", write_timeout),
         ):
-            _positive(name, value)
-        _positive("idle_timeout", idle_timeout, allow_none=True)
-        _count("max_connections_per_peer", max_connections_per_peer)
-        _count("max_incoming_connections", max_incoming_connections)
-        _count("max_pending_handshakes", max_pending_handshakes)
+            self._check_seconds(name, value)
+        self._check_seconds("idle_timeout", idle_timeout, allow_none=True)
+        self._check_count("max_connections_per_peer", max_connections_per_peer)
+        self._check_count("max_incoming_connections", max_incoming_connections)
+        self._check_count("max_pending_handshakes", max_pending_handshakes)
         if congestion_control not in _CONGESTION_CONTROL:
             raise ValueError(
                 f"congestion_control must be one of {_CONGESTION_CONTROL}, "
@@ -142,38 +122,14 @@ class QuicTransport(Transport):
         self.max_pending_handshakes = max_pending_handshakes
         self.congestion_control = congestion_control
         self._certificate = _tls.certificate_for(identity)
-        self._tg: anyio.abc.TaskGroup | None = None
         self._endpoints: set[Endpoint] = set()
         self._listeners: set[QuicListener] = set()
         self._connections: set[QuicConnection] = set()
         self._incoming_counts: Counter[PeerID] = Counter()
         self._incoming_total = 0
         self._pending_handshakes = 0
-        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        if self._tg is not None:
-            raise RuntimeError("a QuicTransport can be entered only once")
-        if self._closed:
-            raise RuntimeError("this QuicTransport was closed")
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        with anyio.CancelScope(shield=True):
-            await self.aclose()
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        return await self._tg.__aexit__(exc_type, exc, tb)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -185,16 +141,8 @@ class QuicTransport(Transport):
             conn._close(0x0, "the peer shut down")
         for endpoint in list(self._endpoints):
             endpoint.close()
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        self._cancel_tasks()
         await anyio.lowlevel.checkpoint()
-
-    def _task_group(self) -> anyio.abc.TaskGroup:
-        if self._closed:
-            raise TransportError("the transport is closed")
-        if self._tg is None:
-            raise RuntimeError("use the transport inside `async with transport:`")
-        return self._tg
 
     # -- configuration ---------------------------------------------------------------------------
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import socket
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 import anyio.abc
 
-from swarmavg.abc import Listener, Transport
+from swarmavg.abc import Listener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import (
     ConnectError,
@@ -28,31 +27,12 @@ from swarmavg_tcp._connection import TcpConnection
 from swarmavg_tcp._handshake import AUTH_SIZE, HELLO_SIZE, Handshake
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from swarmavg.identity import Identity, PeerID
 
 logger = logging.getLogger("swarmavg_tcp")
 
 
-def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or math.isnan(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-
-
-def _count(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, not {value!r}")
-
-
-class TcpTransport(Transport):
+class TcpTransport(TaskGroupTransport):
     """Authenticated, encrypted, multiplexed TCP (``tcp://host:port/p/<peer-id>``).
 
     :param identity: our key pair; peers see its PeerID.
@@ -114,11 +94,11 @@ class TcpTransport(Transport):
             ("keepalive_interval", keepalive_interval),
             ("write_timeout", write_timeout),
         ):
-            _positive(name, value)
-        _positive("idle_timeout", idle_timeout, allow_none=True)
-        _count("max_connections_per_peer", max_connections_per_peer)
-        _count("max_incoming_connections", max_incoming_connections)
-        _count("max_pending_handshakes", max_pending_handshakes)
+            self._check_seconds(name, value)
+        self._check_seconds("idle_timeout", idle_timeout, allow_none=True)
+        self._check_count("max_connections_per_peer", max_connections_per_peer)
+        self._check_count("max_incoming_connections", max_incoming_connections)
+        self._check_count("max_pending_handshakes", max_pending_handshakes)
         self.handshake_timeout = handshake_timeout
         self.connect_timeout = connect_timeout
         self.keepalive_interval = keepalive_interval
@@ -127,36 +107,12 @@ class TcpTransport(Transport):
         self.max_connections_per_peer = max_connections_per_peer
         self.max_incoming_connections = max_incoming_connections
         self._handshake_slots = anyio.Semaphore(max_pending_handshakes)
-        self._tg: anyio.abc.TaskGroup | None = None
         self._listeners: set[TcpListener] = set()
         self._connections: set[TcpConnection] = set()
         self._incoming: Counter[PeerID] = Counter()
         self._incoming_total = 0
-        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        if self._tg is not None:
-            raise RuntimeError("a TcpTransport can be entered only once")
-        if self._closed:
-            raise RuntimeError("this TcpTransport was closed")
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        with anyio.CancelScope(shield=True):
-            await self.aclose()
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        return await self._tg.__aexit__(exc_type, exc, tb)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -169,15 +125,7 @@ class TcpTransport(Transport):
                 async with anyio.create_task_group() as tg:
                     for conn in list(self._connections):
                         tg.start_soon(conn.aclose)
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
-
-    def _task_group(self) -> anyio.abc.TaskGroup:
-        if self._closed:
-            raise TransportError("the transport is closed")
-        if self._tg is None:
-            raise RuntimeError("use the transport inside `async with transport:`")
-        return self._tg
+        self._cancel_tasks()
 
     # -- dialing ---------------------------------------------------------------------------------
 
