@@ -30,7 +30,13 @@ from aioquic.quic.events import ConnectionTerminated
 
 from swarmavg_quic._tls import AuthenticatingConnection
 
-__all__ = ["FlowControlledQuic", "check_private_api", "closing_event", "unacked"]
+__all__ = [
+    "FlowControlledQuic",
+    "aioquic_buffered",
+    "check_private_api",
+    "closing_event",
+    "unacked",
+]
 
 
 class FlowControlledQuic(AuthenticatingConnection):
@@ -94,6 +100,16 @@ def unacked(quic: QuicConnection, stream_id: int) -> int:
     return int(sender._buffer_stop - sender._buffer_start)
 
 
+def aioquic_buffered(quic: QuicConnection) -> int:
+    """Stream bytes aioquic holds for us and has not delivered: data that arrived out of order
+    (behind a gap), and the gap itself, which aioquic allocates."""
+    total = 0
+    for stream in quic._streams.values():
+        receiver = stream.receiver
+        total += receiver.highest_offset - receiver._buffer_start
+    return total
+
+
 def closing_event(quic: QuicConnection) -> ConnectionTerminated | None:
     """Why the connection is closing or closed, as soon as that is known; else ``None``."""
     event: ConnectionTerminated | None = quic._close_event
@@ -124,8 +140,12 @@ def check_private_api() -> None:
         for name in ("_buffer_start", "_buffer_stop")
         if not hasattr(sender, name)
     ]
-    if not hasattr(QuicStreamReceiver(stream_id=0, readable=True), "highest_offset"):
-        missing.append("QuicStreamReceiver.highest_offset")
+    receiver = QuicStreamReceiver(stream_id=0, readable=True)
+    missing += [
+        f"QuicStreamReceiver.{name}"
+        for name in ("highest_offset", "_buffer_start")
+        if not hasattr(receiver, name)
+    ]
     if missing:
         import aioquic
 

@@ -39,6 +39,7 @@ RESET_STREAM and STOP_SENDING (code ``ABORTED``: the peer's operations raise
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from collections import deque
@@ -65,7 +66,7 @@ from swarmavg.errors import (
     StreamReset,
 )
 from swarmavg.proto.wire import FRAME_HEADER_SIZE, FrameDecoder
-from swarmavg_quic._aioquic import FlowControlledQuic, closing_event, unacked
+from swarmavg_quic._aioquic import FlowControlledQuic, aioquic_buffered, closing_event, unacked
 from swarmavg_quic._tls import BAD_CERTIFICATE, authenticated_peer
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ logger = logging.getLogger("swarmavg_quic")
 CLOSED: Final = 0x0  # we read nothing more: drop what you send
 ABORTED: Final = 0x1  # the stream was aborted
 PROTOCOL: Final = 0x2  # the peer broke the framing
+REFUSED: Final = 0x3  # a stream we do not take (unidirectional, or too many unaccepted)
+#: Streams the peer opened that the application has not accepted yet; more are refused.
+MAX_UNACCEPTED: Final = 256
 #: Application error codes on connections (CONNECTION_CLOSE).
 CLOSE_NORMAL: Final = 0x0
 CLOSE_REFUSED: Final = 0x2  # not listening, or over a connection limit
@@ -191,6 +195,9 @@ class QuicStream(Stream):
             conn._large_sender = self
         try:
             await self._write([memoryview(_HEADER.pack(size)), *views], eof)
+        except (ValueError, RuntimeError) as exc:  # aioquic finished or reset the stream
+            self._send_done = True
+            raise StreamReset(f"{self!r}: {exc}") from exc
         finally:
             if conn._large_sender is self:
                 conn._large_sender = None
@@ -252,9 +259,12 @@ class QuicStream(Stream):
         self._sent_eof = True
         if self._send_done or not self._writable_now():
             return
-        self._conn._quic.send_stream_data(self.id, b"", end_stream=True)
-        self._conn._sending.add(self.id)
         self._send_done = True
+        try:
+            self._conn._quic.send_stream_data(self.id, b"", end_stream=True)
+        except (ValueError, RuntimeError) as exc:  # aioquic finished or reset it already
+            raise StreamReset(f"{self!r}: {exc}") from exc
+        self._conn._sending.add(self.id)
         self._conn._flush()
         self._maybe_forget()
         await anyio.lowlevel.checkpoint()
@@ -394,9 +404,11 @@ class QuicStream(Stream):
         quic = self._conn._quic
         if not self._send_done:
             self._send_done = True
-            quic.reset_stream(self.id, code)
+            with contextlib.suppress(ValueError, RuntimeError):
+                quic.reset_stream(self.id, code)
         if not self._recv_done and self.id in quic._streams:
-            quic.stop_stream(self.id, code)
+            with contextlib.suppress(ValueError, RuntimeError):
+                quic.stop_stream(self.id, code)
         self._conn._flush()
 
     def _discard_inbox(self) -> None:
@@ -420,12 +432,15 @@ class QuicStream(Stream):
             if not self._send_done:
                 self._send_done = True
                 if self._writable_now():
-                    quic.send_stream_data(self.id, b"", end_stream=True)
-                    conn._sending.add(self.id)
-                    wrote = True
+                    # aioquic refuses if it finished or reset the stream without telling us
+                    with contextlib.suppress(ValueError, RuntimeError):
+                        quic.send_stream_data(self.id, b"", end_stream=True)
+                        conn._sending.add(self.id)
+                        wrote = True
             if not self._recv_done and self.id in quic._streams:
-                quic.stop_stream(self.id, CLOSED)
-                wrote = True
+                with contextlib.suppress(ValueError, RuntimeError):
+                    quic.stop_stream(self.id, CLOSED)
+                    wrote = True
             if conn._update_data_credit() or wrote:
                 conn._flush()
         self._maybe_forget()
@@ -493,6 +508,7 @@ class QuicConnection(Connection):
         self._streams: dict[int, QuicStream] = {}
         self._closing_streams: set[QuicStream] = set()
         self._accept_queue: deque[QuicStream] = deque()
+        self._refused: set[int] = set()
         self._accepting = Signal()
         self._progress = Signal()  # ACKs, credit, resets: blocked writers re-check
         self._large_sender: QuicStream | None = None
@@ -567,21 +583,48 @@ class QuicConnection(Connection):
             await self._accepting.wait()
 
     def _peer_stream(self, stream_id: int) -> QuicStream | None:
+        """Our stream for an event about ``stream_id``, made (and queued for accept_stream)
+        the first time the peer's stream shows up; ``None`` for a stream we do not take."""
         stream = self._streams.get(stream_id)
         if stream is not None:
             return stream
-        if (stream_id & 1) == (0 if self._quic._is_client else 1) or stream_id & 2:
-            return None  # ours and forgotten, or unidirectional (we open none, accept none)
+        if (stream_id & 1) == (0 if self._quic._is_client else 1):
+            return None  # ours, and forgotten: aioquic had finished it
+        if stream_id in self._refused:
+            return None
+        if stream_id & 2 or len(self._accept_queue) >= MAX_UNACCEPTED:
+            # unidirectional (we open none, take none), or the application is not keeping up
+            # with the streams the peer opens: a peer could otherwise end streams as fast as
+            # aioquic lets it open new ones and have us queue them without limit
+            self._refuse(stream_id)
+            return None
         stream = QuicStream(self, stream_id)
         self._streams[stream_id] = stream
         self._accept_queue.append(stream)
         self._accepting.notify()
         return stream
 
+    def _refuse(self, stream_id: int) -> None:
+        quic = self._quic
+        if len(self._refused) >= MAX_UNACCEPTED:
+            self._refused = {i for i in self._refused if i in quic._streams}
+        self._refused.add(stream_id)
+        with contextlib.suppress(ValueError, RuntimeError):  # already finished or discarded
+            quic.stop_stream(stream_id, REFUSED)
+        if not stream_id & 2:
+            with contextlib.suppress(ValueError, RuntimeError):
+                quic.reset_stream(stream_id, REFUSED)
+        self._schedule()
+
     # -- the pump --------------------------------------------------------------------------------
 
     def _update_data_credit(self) -> bool:
-        """Recompute the connection's credit; ``True`` if an update is worth sending."""
+        """Recompute the connection's credit; ``True`` if an update is worth sending.
+
+        Bytes count as held while they wait to be read (``_unread``), belong to an incomplete
+        message (``_partial``, of which up to one ``max_message_size`` is granted on top of the
+        window), or sit in aioquic's receive buffers out of order, behind a gap (counted only
+        when an update looks due, since it means a pass over the streams)."""
         quic = self._quic
         used = quic._local_max_data.used
         partial = self._partial
@@ -592,10 +635,14 @@ class QuicConnection(Connection):
             + self._connection_window
             + min(partial, self._max_message_size)
         )
-        if target - quic.data_credit >= self._connection_window // 4:
-            quic.data_credit = target
-            return True
-        return False
+        step = self._connection_window // 4
+        if target - quic.data_credit < step:
+            return False
+        target -= aioquic_buffered(quic)
+        if target - quic.data_credit < step:
+            return False
+        quic.data_credit = target
+        return True
 
     def _flush(self) -> None:
         """The application wrote something: transmit it soon, with the acknowledgement aioquic
@@ -717,7 +764,8 @@ class QuicConnection(Connection):
             if stream is not None:
                 stream._on_reset(event.error_code)
         elif isinstance(event, events.StopSendingReceived):
-            stream = self._streams.get(event.stream_id)
+            # it may come before the stream's first data (in the same packet, ahead of it)
+            stream = self._peer_stream(event.stream_id)
             if stream is not None:
                 stream._on_stop_sending(event.error_code)
         elif isinstance(event, events.HandshakeCompleted):
