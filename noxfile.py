@@ -74,6 +74,7 @@ def fuzz(session: nox.Session) -> None:
     args = session.posargs or ["--seconds", "20"]
     session.run("python", "fuzz/fuzz_wire.py", *args)
     session.run("python", "fuzz/fuzz_tcp.py", *args)
+    session.run("python", "fuzz/fuzz_quic.py", *args)
 
 
 @nox.session(python=PYTHON)
