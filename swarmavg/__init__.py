@@ -8,6 +8,7 @@ conformance suites).
 
 from __future__ import annotations
 
+from swarmavg._time import get_dht_time
 from swarmavg.address import Address
 from swarmavg.aio.node import Node
 from swarmavg.errors import (
@@ -46,5 +47,6 @@ __all__ = [
     "TransportNotFound",
     "__version__",
     "available_transports",
+    "get_dht_time",
     "resolve_transport",
 ]
