@@ -1,0 +1,167 @@
+"""The iterative Kademlia lookup as a sans-IO state machine (a beam search over node ids).
+
+To find the peers nearest to a target id (or a value stored there), a node asks the ``alpha``
+nearest peers it knows for *their* nearest peers, merges the answers into a beam of the ``k``
+nearest candidates seen so far, and keeps asking the nearest candidates it has not asked yet.
+It stops when the ``k`` nearest candidates have all answered (or failed and been replaced), or,
+for a value lookup, as soon as a value is found, unless the caller wants the *latest* value, in
+which case the lookup finishes the beam and the caller keeps the newest value seen.
+
+The machine does no I/O and reads no clock. The caller drives it::
+
+    lookup = Lookup(target, k=20, alpha=3)
+    lookup.add_candidates(routing_table.nearest(target, k))
+    while not lookup.finished:
+        for peer in lookup.next_queries():
+            ...send a find request to peer (at most alpha in flight)...
+        ...on an answer:  lookup.on_response(peer, nearest=[(peer, node_id), ...], found=...)
+        ...on a failure:  lookup.on_failure(peer)
+    lookup.nearest_responded()   # the k nearest peers that answered: where to store
+
+Answers can only add candidates, never remove them, so a lying peer can waste queries but
+not hide honest peers that another answer names.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from enum import Enum
+from typing import Final
+
+from swarmavg.identity import PeerID
+
+__all__ = ["Lookup", "PeerState"]
+
+_MAX_CANDIDATES_PER_ANSWER: Final = 64
+
+
+class PeerState(Enum):
+    """Where a candidate is in the lookup."""
+
+    NEW = "new"
+    IN_FLIGHT = "in flight"
+    RESPONDED = "responded"
+    FAILED = "failed"
+
+
+class Lookup:
+    """One iterative lookup of ``target``.
+
+    :param target: the node id (or key id) looked up.
+    :param k: beam width: how many nearest peers must answer before the lookup ends.
+    :param alpha: queries in flight at once.
+    :param stop_on_value: end as soon as some peer reports a value (``False``: finish the beam
+        to find the latest).
+    :param exclude: peers never to query (ourselves).
+    """
+
+    def __init__(
+        self,
+        target: int,
+        *,
+        k: int = 20,
+        alpha: int = 3,
+        stop_on_value: bool = True,
+        exclude: Iterable[PeerID] = (),
+    ) -> None:
+        for name, value in (("k", k), ("alpha", alpha)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, not {value!r}")
+        self.target = target
+        self.k = k
+        self.alpha = alpha
+        self.stop_on_value = stop_on_value
+        self._excluded = set(exclude)
+        self._state: dict[PeerID, PeerState] = {}
+        self._distance: dict[PeerID, int] = {}
+        self._new: list[tuple[int, PeerID]] = []  # heap of candidates not queried yet
+        self.value_found = False
+        self.queries = 0  # requests handed out so far
+
+    # -- input -----------------------------------------------------------------------------------
+
+    def add_candidates(self, peers: Iterable[tuple[PeerID, int]]) -> None:
+        """Peers (with their node ids) that might be near the target."""
+        for count, (peer, nid) in enumerate(peers):
+            if count >= _MAX_CANDIDATES_PER_ANSWER:
+                break  # an answer naming thousands of peers costs us no more than 64
+            if peer in self._state or peer in self._excluded:
+                continue
+            dist = nid ^ self.target
+            self._state[peer] = PeerState.NEW
+            self._distance[peer] = dist
+            heapq.heappush(self._new, (dist, peer))
+
+    def on_response(
+        self, peer: PeerID, nearest: Iterable[tuple[PeerID, int]] = (), *, found: bool = False
+    ) -> None:
+        """``peer`` answered, naming the peers it knows nearest to the target, and whether it
+        holds a value for it."""
+        if self._state.get(peer) is not PeerState.IN_FLIGHT:
+            return  # not asked, or already settled: ignore
+        self._state[peer] = PeerState.RESPONDED
+        if found:
+            self.value_found = True
+        self.add_candidates(nearest)
+
+    def on_failure(self, peer: PeerID) -> None:
+        """``peer`` did not answer (timeout, refusal, bad answer): the beam moves past it."""
+        if self._state.get(peer) is PeerState.IN_FLIGHT:
+            self._state[peer] = PeerState.FAILED
+
+    # -- output ----------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for s in self._state.values() if s is PeerState.IN_FLIGHT)
+
+    def _beam(self) -> list[tuple[int, PeerID]]:
+        """The k nearest candidates that have not failed, nearest first."""
+        alive = (
+            (dist, peer)
+            for peer, dist in self._distance.items()
+            if self._state[peer] is not PeerState.FAILED
+        )
+        return heapq.nsmallest(self.k, alive)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the lookup is over: a value was found (if that is enough), or every peer of
+        the beam answered, or nothing is left to ask."""
+        if self.value_found and self.stop_on_value:
+            return True
+        beam = self._beam()
+        if all(self._state[peer] is PeerState.RESPONDED for _, peer in beam):
+            return True
+        return self.in_flight == 0 and not self._askable(beam)
+
+    def _askable(self, beam: list[tuple[int, PeerID]]) -> list[PeerID]:
+        return [peer for _, peer in beam if self._state[peer] is PeerState.NEW]
+
+    def next_queries(self) -> list[PeerID]:
+        """The peers to ask now (marked in flight): the nearest new candidates of the beam, so
+        that at most ``alpha`` requests are in flight."""
+        if self.value_found and self.stop_on_value:
+            return []
+        room = self.alpha - self.in_flight
+        if room <= 0:
+            return []
+        chosen = self._askable(self._beam())[:room]
+        for peer in chosen:
+            self._state[peer] = PeerState.IN_FLIGHT
+        self.queries += len(chosen)
+        return chosen
+
+    def nearest_responded(self, count: int | None = None) -> list[PeerID]:
+        """Up to ``count`` (default ``k``) peers that answered, nearest to the target first."""
+        count = self.k if count is None else count
+        answered = (
+            (dist, peer)
+            for peer, dist in self._distance.items()
+            if self._state[peer] is PeerState.RESPONDED
+        )
+        return [peer for _, peer in heapq.nsmallest(count, answered)]
+
+    def state(self, peer: PeerID) -> PeerState | None:
+        return self._state.get(peer)
