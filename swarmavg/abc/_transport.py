@@ -31,7 +31,7 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -313,6 +313,61 @@ class Listener(ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+_C = TypeVar("_C", bound=Connection)
+
+
+class QueueListener(Listener, Generic[_C]):
+    """A :class:`Listener` that its transport hands authenticated connections to
+    (:meth:`_deliver`), and :meth:`accept` takes them from a bounded queue.
+
+    Subclasses' :meth:`aclose` sets ``_closed``, releases their socket, then awaits
+    :meth:`_close_queue` (which closes the connections nobody accepted).
+    """
+
+    def __init__(self, address: Address, backlog: int = 64) -> None:
+        self._address = address
+        self._send, self._receive = anyio.create_memory_object_stream[_C](backlog)
+        self._closed = False
+
+    @property
+    def address(self) -> Address:
+        return self._address
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._address}>"
+
+    async def accept(self) -> _C:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise anyio.ClosedResourceError from None
+
+    def _deliver(self, conn: _C) -> bool:
+        """Queue ``conn`` for :meth:`accept`; ``False`` (the caller drops it) if the queue is
+        full or the listener closed."""
+        try:
+            self._send.send_nowait(conn)
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            logger.warning("dropping an incoming connection: nobody accepts on %s", self)
+            return False
+        return True
+
+    async def _close_queue(self) -> None:
+        self._send.close()
+        while True:
+            try:
+                conn = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            await conn.aclose()
+        self._receive.close()
+        await anyio.lowlevel.checkpoint()
 
 
 class Transport(ABC):

@@ -14,7 +14,7 @@ import anyio
 import anyio.abc
 from aioquic.quic.configuration import QuicConfiguration
 
-from swarmavg.abc import Listener, TaskGroupTransport
+from swarmavg.abc import QueueListener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import ConnectError, PeerIdentityMismatch, TransportError
 from swarmavg_quic import _tls
@@ -332,7 +332,8 @@ class QuicTransport(TaskGroupTransport):
         conn._counted_incoming = True
         self._incoming_counts[peer] += 1
         self._incoming_total += 1
-        listener._deliver(conn)
+        if not listener._deliver(conn):
+            conn._close(CLOSE_REFUSED, "overloaded")
 
     def _forget(self, conn: QuicConnection) -> None:
         self._connections.discard(conn)
@@ -394,39 +395,13 @@ def _same_host(a: str, b: str) -> bool:
         return a == b
 
 
-class QuicListener(Listener):
+class QuicListener(QueueListener[QuicConnection]):
     """Accepts swarmavg-quic connections arriving at one UDP socket."""
 
     def __init__(self, transport: QuicTransport, endpoint: Endpoint, address: Address) -> None:
+        super().__init__(address)
         self._transport = transport
         self._endpoint = endpoint
-        self._address = address
-        self._send, self._receive = anyio.create_memory_object_stream[QuicConnection](64)
-        self._closed = False
-
-    @property
-    def address(self) -> Address:
-        return self._address
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def __repr__(self) -> str:
-        return f"<QuicListener {self._address}>"
-
-    async def accept(self) -> QuicConnection:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise anyio.ClosedResourceError from None
-
-    def _deliver(self, conn: QuicConnection) -> None:
-        try:
-            self._send.send_nowait(conn)
-        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            logger.warning("dropping an incoming connection: nobody accepts on %s", self)
-            conn._close(CLOSE_REFUSED, "overloaded")
 
     async def aclose(self) -> None:
         if self._closed:
@@ -435,13 +410,5 @@ class QuicListener(Listener):
         self._transport._listeners.discard(self)
         if self._endpoint.listener is self:
             self._endpoint.listener = None
-        self._send.close()
-        while True:
-            try:
-                conn = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-            await conn.aclose()
-        self._receive.close()
+        await self._close_queue()
         self._endpoint.maybe_close()
-        await anyio.lowlevel.checkpoint()

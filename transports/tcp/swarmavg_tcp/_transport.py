@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import anyio
 import anyio.abc
 
-from swarmavg.abc import Listener, TaskGroupTransport
+from swarmavg.abc import QueueListener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import (
     ConnectError,
@@ -322,43 +322,18 @@ class TcpTransport(TaskGroupTransport):
         self._incoming[peer] += 1
         self._incoming_total += 1
         await self._task_group().start(conn.run)
-        listener._deliver(conn)
+        if not listener._deliver(conn):
+            conn._fail(ConnectionLost("the listener is overloaded or closed"))
 
 
-class TcpListener(Listener):
+class TcpListener(QueueListener[TcpConnection]):
     """Accepts swarmavg-tcp connections on one socket."""
 
     def __init__(self, transport: TcpTransport, sock: socket.socket, address: Address) -> None:
+        super().__init__(address)
         self._transport = transport
         self._sock = sock
-        self._address = address
-        self._send, self._receive = anyio.create_memory_object_stream[TcpConnection](64)
-        self._closed = False
         self._scope: anyio.CancelScope | None = None
-
-    @property
-    def address(self) -> Address:
-        return self._address
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def __repr__(self) -> str:
-        return f"<TcpListener {self._address}>"
-
-    async def accept(self) -> TcpConnection:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise anyio.ClosedResourceError from None
-
-    def _deliver(self, conn: TcpConnection) -> None:
-        try:
-            self._send.send_nowait(conn)
-        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            logger.warning("dropping an incoming connection: nobody accepts on %s", self)
-            conn._fail(ConnectionLost("the listener is overloaded or closed"))
 
     async def _accept_loop(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         loop = asyncio.get_running_loop()
@@ -388,12 +363,4 @@ class TcpListener(Listener):
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
         self._sock.close()
-        self._send.close()
-        while True:
-            try:
-                conn = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-            await conn.aclose()
-        self._receive.close()
-        await anyio.lowlevel.checkpoint()
+        await self._close_queue()
