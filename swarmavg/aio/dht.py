@@ -10,14 +10,20 @@ routing table. The asking half (iterative lookups, replication, bootstrap) build
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import msgpack
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
+from swarmavg.errors import ConnectError, SwarmError
 from swarmavg.proto.dht_messages import (
+    ID_BYTES,
     MAX_ADDRESSES,
     MAX_KEYS_PER_REQUEST,
     DHTFindRequest,
@@ -30,13 +36,14 @@ from swarmavg.proto.dht_messages import (
     DHTStoreResponse,
     key_id,
 )
-from swarmavg.proto.dht_storage import DictionaryValue, LocalStorage
+from swarmavg.proto.dht_storage import DictionaryValue, LocalStorage, ValueWithExpiration
 from swarmavg.proto.dht_validation import (
     CompositeValidator,
     DHTRecord,
     RecordValidator,
     SignatureValidator,
 )
+from swarmavg.proto.lookup import Lookup
 from swarmavg.proto.routing import RoutingTable, node_id
 
 if TYPE_CHECKING:
@@ -44,12 +51,19 @@ if TYPE_CHECKING:
     from swarmavg.aio.rpc import CallContext
     from swarmavg.identity import PeerID
 
-__all__ = ["DHTProtocol"]
+__all__ = ["DHTNode", "DHTProtocol"]
 
 logger = logging.getLogger(__name__)
 
 #: Least recently seen peers of full buckets waiting for a liveness ping.
 _MAX_PING_QUEUE: Final = 256
+#: A peer whose clock is further off than this gets a warning at bootstrap (seconds).
+_MAX_CLOCK_SKEW: Final = 5.0
+#: Dictionary entries taken from one peer's answer.
+_MAX_ENTRIES: Final = 4096
+
+
+_Answer = tuple["PeerID", DHTFindResponse | None]
 
 
 class _BadRequest(ValueError):
@@ -169,11 +183,21 @@ class DHTProtocol:
         return DHTStoreResponse(accepted)
 
     async def _find(self, request: DHTFindRequest, ctx: CallContext) -> DHTFindResponse:
-        if len(request.keys) > MAX_KEYS_PER_REQUEST:
+        if len(request.keys) + len(request.targets) > MAX_KEYS_PER_REQUEST:
             raise _BadRequest(f"a find asks for at most {MAX_KEYS_PER_REQUEST} keys")
+        if any(len(t) != ID_BYTES for t in request.targets):
+            raise _BadRequest(f"a target is a {ID_BYTES}-byte node id")
         self.learn(request.sender, ctx.peer_id)
         now = self.clock()
         results = []
+        for target in request.targets:
+            nearest = [
+                self.peer_info(peer)
+                for peer, _ in self.routing.nearest(
+                    int.from_bytes(target, "big"), self.k, exclude=ctx.peer_id
+                )
+            ]
+            results.append(DHTFound(None, 0.0, [], nearest))
         for key in request.keys:
             nearest = [
                 self.peer_info(peer)
@@ -188,3 +212,305 @@ class DHTProtocol:
             else:
                 results.append(DHTFound(None, 0.0, [], nearest))
         return DHTFindResponse(results)
+
+
+def _pack(value: Any) -> bytes:
+    try:
+        packed: bytes = msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"DHT keys and values must be msgpack-serializable: {exc}") from exc
+    return packed
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class DHTNode:
+    """A DHT peer on ``node``: serves requests (:class:`DHTProtocol`) and asks other peers
+    (iterative lookups, replicated stores, gets that merge what replicas hold).
+
+    In progress: no caching, refresh, LRS pinging, blacklist or per-peer limits yet.
+
+    :param node: the node to run on (already started).
+    :param initial_peers: addresses (with PeerIDs) to bootstrap from.
+    :param client_mode: ask and store, but serve nothing and stay out of routing tables.
+    :param k: bucket size and lookup beam width.
+    :param alpha: lookup requests in flight at once.
+    :param num_replicas: how many of the nearest peers a store goes to.
+    :param request_timeout: seconds one request to one peer may take.
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        *,
+        initial_peers: Iterable[str | Address] = (),
+        client_mode: bool = False,
+        k: int = 20,
+        alpha: int = 3,
+        num_replicas: int = 5,
+        request_timeout: float = 3.0,
+        validators: list[RecordValidator] | None = None,
+        clock: Callable[[], float] = get_dht_time,
+    ) -> None:
+        self.node = node
+        self.protocol = DHTProtocol(
+            node, k=k, client_mode=client_mode, validators=validators, clock=clock
+        )
+        self.initial_peers = [Address.parse(a) for a in initial_peers]
+        self.k = k
+        self.alpha = alpha
+        self.num_replicas = num_replicas
+        self.request_timeout = request_timeout
+        self.clock = clock
+        self._hints: dict[PeerID, list[Address]] = {}  # addresses answers named (unproven)
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.node.peer_id
+
+    # -- starting ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve the DHT's methods and bootstrap from ``initial_peers``.
+
+        :raises ConnectError: if initial peers were given and none answered; the message
+            names each and why.
+        """
+        self.protocol.register()
+        if not self.initial_peers:
+            return
+        failures: list[str] = []
+
+        async def ping(address: Address) -> None:
+            try:
+                await self._ping(address)
+            except (SwarmError, OSError, TimeoutError) as exc:
+                failures.append(f"{address}: {type(exc).__name__}: {exc}")
+
+        async with anyio.create_task_group() as tg:
+            for address in self.initial_peers:
+                tg.start_soon(ping, address)
+        if len(failures) == len(self.initial_peers):
+            raise ConnectError("no initial peer answered: " + "; ".join(failures))
+        for failure in failures:
+            logger.warning("initial peer unreachable: %s", failure)
+        await self._lookup(node_id(self.peer_id), keys=[])  # fill our neighbourhood
+
+    async def _ping(self, address: Address) -> None:
+        if address.peer_id is None:
+            raise ValueError(f"initial peer {address} names no PeerID (/p/<peer-id>)")
+        response = await self.node.rpc.call(
+            address,
+            "dht.ping",
+            DHTPingRequest(self.protocol.own_info()),
+            response_type=DHTPingResponse,
+            timeout=self.request_timeout,
+        )
+        if response.serving:
+            self._answered(address.peer_id, address)
+        skew = response.dht_time - self.clock()
+        if abs(skew) > _MAX_CLOCK_SKEW:
+            logger.warning(
+                "the clock of %s is %.1f s off ours: DHT expirations will look wrong",
+                address.peer_id.short(),
+                skew,
+            )
+
+    def _answered(self, peer: PeerID, address: Address) -> None:
+        """``peer`` answered us at ``address``: it is alive and routable."""
+        self.protocol.learn(DHTPeerInfo(peer, [str(address)]), peer)
+
+    # -- asking ----------------------------------------------------------------------------------
+
+    def _address_of(self, peer: PeerID) -> Address | None:
+        known = self.protocol.addresses.get(peer) or self._hints.get(peer)
+        return known[0] if known else None
+
+    async def _find(
+        self, peer: PeerID, keys: list[bytes], targets: list[bytes]
+    ) -> DHTFindResponse | None:
+        address = self._address_of(peer)
+        if address is None:
+            return None
+        try:
+            response = await self.node.rpc.call(
+                address,
+                "dht.find",
+                DHTFindRequest(self.protocol.own_info(), keys, targets),
+                response_type=DHTFindResponse,
+                timeout=self.request_timeout,
+            )
+        except (SwarmError, OSError, TimeoutError) as exc:
+            logger.debug("dht.find to %s failed: %s", peer.short(), exc)
+            self.protocol.forget(peer)
+            return None
+        if len(response.results) != len(keys) + len(targets):
+            self.protocol.forget(peer)
+            return None
+        self._answered(peer, address)
+        return response
+
+    async def _lookup(
+        self, target: int, *, keys: list[bytes], latest: bool = False
+    ) -> tuple[Lookup, dict[PeerID, DHTFound]]:
+        """Look up ``target``; with ``keys`` (one key whose id is ``target``), also collect
+        what each answering peer holds for it."""
+        lookup = Lookup(
+            target, k=self.k, alpha=self.alpha, stop_on_value=not latest, exclude=[self.peer_id]
+        )
+        lookup.add_candidates(self.protocol.routing.nearest(target, self.k))
+        found: dict[PeerID, DHTFound] = {}
+        send, receive = anyio.create_memory_object_stream[_Answer](self.alpha * 2)
+        targets = [] if keys else [target.to_bytes(ID_BYTES, "big")]
+
+        async def ask(peer: PeerID) -> None:
+            answer = await self._find(peer, keys, targets)
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                await send.send((peer, answer))
+
+        async with send, receive, anyio.create_task_group() as tg:
+            while not lookup.finished:
+                for peer in lookup.next_queries():
+                    tg.start_soon(ask, peer)
+                if lookup.in_flight == 0:
+                    break
+                peer, response = await receive.receive()
+                if response is None:
+                    lookup.on_failure(peer)
+                    continue
+                result = response.results[0] if response.results else None
+                nearest: list[tuple[PeerID, int]] = []
+                for info in result.nearest[: self.k] if result is not None else []:
+                    if info.peer_id == self.peer_id:
+                        continue
+                    addresses = []
+                    for text in info.addresses[:MAX_ADDRESSES]:
+                        try:
+                            address = Address.parse(text)
+                        except ValueError:
+                            continue
+                        if address.peer_id in (None, info.peer_id):
+                            addresses.append(address.with_peer_id(info.peer_id))
+                    if addresses and info.peer_id not in self.protocol.addresses:
+                        self._hints[info.peer_id] = addresses
+                    nearest.append((info.peer_id, node_id(info.peer_id)))
+                has_value = (
+                    bool(keys)
+                    and result is not None
+                    and (result.value is not None or bool(result.entries))
+                )
+                if has_value and result is not None:
+                    found[peer] = result
+                lookup.on_response(peer, nearest, found=has_value)
+            tg.cancel_scope.cancel()
+        return lookup, found
+
+    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) on the nearest peers until
+        ``expiration_time`` (DHT time); whether at least one peer (or we, if we are among the
+        nearest or alone) accepted it."""
+        key_bytes = _pack(key)
+        subkey_bytes = None if subkey is None else _pack(subkey)
+        record = DHTRecord(key_bytes, subkey_bytes, _pack(value), float(expiration_time))
+        signed = self.protocol.validator.sign_value(record)
+        target = key_id(key_bytes)
+        lookup, _ = await self._lookup(target, keys=[])
+        replicas = lookup.nearest_responded(self.num_replicas)
+        accepted = False
+        own_distance = node_id(self.peer_id) ^ target
+        farthest = max((node_id(p) ^ target for p in replicas), default=-1)
+        if not self.protocol.client_mode and (
+            len(replicas) < self.num_replicas or own_distance < farthest
+        ):
+            result = self.protocol.storage.store(
+                key_bytes, signed, record.expiration_time, self.clock(), subkey=subkey_bytes
+            )
+            accepted = result.accepted
+        request = DHTStoreRequest(
+            self.protocol.own_info(),
+            [key_bytes],
+            [subkey_bytes],
+            [signed],
+            [record.expiration_time],
+        )
+        results: list[bool] = []
+
+        async def put(peer: PeerID) -> None:
+            address = self._address_of(peer)
+            if address is None:
+                return
+            try:
+                response = await self.node.rpc.call(
+                    address,
+                    "dht.store",
+                    request,
+                    response_type=DHTStoreResponse,
+                    timeout=self.request_timeout,
+                )
+            except (SwarmError, OSError, TimeoutError) as exc:
+                logger.debug("dht.store to %s failed: %s", peer.short(), exc)
+                self.protocol.forget(peer)
+                return
+            results.append(bool(response.accepted and response.accepted[0]))
+
+        async with anyio.create_task_group() as tg:
+            for peer in replicas:
+                tg.start_soon(put, peer)
+        return accepted or any(results)
+
+    async def get(
+        self, key: Any, latest: bool = False
+    ) -> ValueWithExpiration | dict[Any, ValueWithExpiration] | None:
+        """The value under ``key``: the first found, or with ``latest`` the newest across the
+        nearest peers; a dictionary key gives subkey -> value, merged across replicas. Records
+        that do not validate are ignored."""
+        key_bytes = _pack(key)
+        now = self.clock()
+        plain: ValueWithExpiration | None = None
+        entries: dict[bytes, ValueWithExpiration] = {}
+
+        def consider(subkey: bytes | None, value: bytes, expiration: float) -> None:
+            nonlocal plain
+            if expiration <= now:
+                return
+            record = DHTRecord(key_bytes, subkey, value, expiration)
+            if not self.protocol.validator.validate(record):
+                return
+            item = ValueWithExpiration(value, expiration)
+            if subkey is None:
+                if plain is None or expiration > plain.expiration_time:
+                    plain = item
+            else:
+                old = entries.get(subkey)
+                if old is None or expiration > old.expiration_time:
+                    entries[subkey] = item
+
+        local = self.protocol.storage.get(key_bytes, now)
+        if isinstance(local, DictionaryValue):
+            for subkey, item in local.items.items():
+                consider(subkey, item.value, item.expiration_time)
+        elif local is not None:
+            consider(None, local.value, local.expiration_time)
+        if local is None or latest:
+            _, found = await self._lookup(key_id(key_bytes), keys=[key_bytes], latest=latest)
+            for result in found.values():
+                if result.value is not None:
+                    consider(None, result.value, result.expiration)
+                for entry_key, entry_value, entry_exp in result.entries[:_MAX_ENTRIES]:
+                    consider(entry_key, entry_value, entry_exp)
+        newest_entry = max((v.expiration_time for v in entries.values()), default=-1.0)
+        if plain is not None and plain.expiration_time > newest_entry:
+            return self._decoded(key_bytes, None, plain)
+        if entries:
+            return {_unpack(s): self._decoded(key_bytes, s, v) for s, v in entries.items()}
+        return None
+
+    def _decoded(
+        self, key: bytes, subkey: bytes | None, item: ValueWithExpiration
+    ) -> ValueWithExpiration:
+        record = DHTRecord(key, subkey, item.value, item.expiration_time)
+        return ValueWithExpiration(
+            _unpack(self.protocol.validator.strip_value(record)), item.expiration_time
+        )

@@ -16,6 +16,7 @@ from swarmavg.identity import PeerID
 from swarmavg.proto.codec import Message, message
 
 __all__ = [
+    "ID_BYTES",
     "MAX_ADDRESSES",
     "MAX_KEYS_PER_REQUEST",
     "DHTFindRequest",
@@ -31,6 +32,8 @@ __all__ = [
 
 #: Keys one store or find request may carry.
 MAX_KEYS_PER_REQUEST: Final = 256
+#: Bytes of a node id (a find request's targets).
+ID_BYTES: Final = 32
 #: Addresses one peer may advertise.
 MAX_ADDRESSES: Final = 16
 
@@ -104,15 +107,17 @@ class DHTFound(Message):
 @message("dht.find")
 @dataclass(frozen=True, slots=True)
 class DHTFindRequest(Message):
-    """What do you hold for these keys, and whom do you know near them?"""
+    """What do you hold for these keys, and whom do you know near them? And whom do you know
+    near these ``targets`` (32-byte node ids, for lookups of peers rather than keys)?"""
 
     sender: DHTPeerInfo | None
     keys: list[bytes]
+    targets: list[bytes]
 
 
 @message("dht.findings")
 @dataclass(frozen=True, slots=True)
 class DHTFindResponse(Message):
-    """One :class:`DHTFound` per requested key, in request order."""
+    """One :class:`DHTFound` per requested key, then one per target, in request order."""
 
     results: list[DHTFound]

@@ -87,7 +87,7 @@ async def test_store_then_find_many_keys_in_one_request() -> None:
             found = await client.rpc.call(
                 address,
                 "dht.find",
-                DHTFindRequest(client_dht.own_info(), [b"a", b"b", b"c"]),
+                DHTFindRequest(client_dht.own_info(), [b"a", b"b", b"c"], []),
                 response_type=DHTFindResponse,
             )
         a, b, c = found.results
@@ -116,7 +116,7 @@ async def test_peers_are_learned_from_requests_and_named_in_answers() -> None:
             found = await asker.rpc.call(
                 server.addresses[0],
                 "dht.find",
-                DHTFindRequest(asker_dht.own_info(), [b"anything"]),
+                DHTFindRequest(asker_dht.own_info(), [b"anything"], []),
                 response_type=DHTFindResponse,
             )
         named = {info.peer_id: info.addresses for info in found.results[0].nearest}
@@ -160,7 +160,7 @@ async def test_client_mode_nodes_stay_out_of_routing_tables() -> None:
         assert stored.accepted == [True]  # a client may store and query...
         assert len(server_dht.routing) == 0  # ...but is not routed to
         with anyio.fail_after(5), pytest.raises(RemoteError):  # and serves no finds itself
-            await server.rpc.call(client.peer_id, "dht.find", DHTFindRequest(None, [b"k"]))
+            await server.rpc.call(client.peer_id, "dht.find", DHTFindRequest(None, [b"k"], []))
 
 
 async def test_owner_records_and_schemas_are_enforced_on_store() -> None:
@@ -195,7 +195,7 @@ async def test_malformed_requests_are_refused() -> None:
             bad = DHTStoreRequest(None, [b"a", b"b"], [None], [b"1"], [T0 + 1])
             with pytest.raises(RemoteError):
                 await client.rpc.call(server.addresses[0], "dht.store", bad)
-            too_many = DHTFindRequest(None, [b"k"] * 1000)
+            too_many = DHTFindRequest(None, [b"k"] * 1000, [])
             with pytest.raises(RemoteError):
                 await client.rpc.call(server.addresses[0], "dht.find", too_many)
             # the node keeps serving
