@@ -141,3 +141,26 @@ async def test_bootstrap_names_every_peer_it_could_not_reach() -> None:
             await dht.start()
         for ghost in ghosts:
             assert str(ghost) in str(info.value)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "quic"])
+async def test_store_and_get_over_real_transports(scheme: str) -> None:
+    async with AsyncExitStack() as stack:
+        dhts: list[DHTNode] = []
+        for _ in range(6):
+            node = await stack.enter_async_context(Node(listen=[f"{scheme}://127.0.0.1:0"]))
+            seeds = [dhts[0].node.addresses[0]] if dhts else []
+            dht = DHTNode(node, initial_peers=seeds)
+            with anyio.fail_after(10):
+                await dht.start()
+            dhts.append(dht)
+        expiration = get_dht_time() + 60
+        with anyio.fail_after(30):
+            assert await dhts[2].store("over", scheme, expiration)
+            assert await dhts[3].store("dict", 1, expiration, subkey="a")
+            assert await dhts[4].store("dict", 2, expiration, subkey="b")
+            got = await dhts[5].get("over")
+            assert got == ValueWithExpiration(scheme, expiration)
+            merged = await dhts[1].get("dict", latest=True)
+            assert isinstance(merged, dict)
+            assert {k: v.value for k, v in merged.items()} == {"a": 1, "b": 2}
