@@ -101,6 +101,7 @@ class Node:
         self._running: dict[int, anyio.Event] = {}  # id(transport) -> set once it has started
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._scopes: set[anyio.CancelScope] = set()  # of our background tasks
         self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -115,7 +116,9 @@ class Node:
                 transport = await self._transport_for(address.scheme)
                 listener = await transport.listen(address)
                 self._addresses.append(listener.address)
-                self._tg.start_soon(self._accept_loop, listener, name=f"listen {listener.address}")
+                self._tg.start_soon(
+                    self._guarded, self._accept_loop, listener, name=f"listen {listener.address}"
+                )
                 logger.info("node %s listening on %s", self.peer_id.short(), listener.address)
             self._stack = stack.pop_all()
         return self
@@ -140,8 +143,10 @@ class Node:
         if self._closed:
             return
         self._closed = True
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        # Cancel our tasks, not the task group's own scope: that one also covers the body of
+        # `async with node:` in the task that entered it, which must go on after an aclose().
+        for scope in list(self._scopes):
+            scope.cancel()
         with anyio.CancelScope(shield=True):
             await self._close_transports()
 
@@ -188,7 +193,9 @@ class Node:
         if started is None:
             started = self._running[id(transport)] = anyio.Event()
             assert self._tg is not None
-            await self._tg.start(self._run_transport, transport, name=f"{transport.name} transport")
+            await self._tg.start(
+                self._guarded_start, self._run_transport, transport, name=f"{transport.name}"
+            )
             started.set()
         await started.wait()  # another task may be starting it right now
         return transport
@@ -257,7 +264,36 @@ class Node:
         previous = self._pool.get(conn.peer_id)
         if previous is None or previous.is_closed:
             self._pool[conn.peer_id] = conn
-        self._tg.start_soon(self._serve_connection, conn, name=f"conn {conn.peer_id.short()}")
+        self._tg.start_soon(
+            self._guarded, self._serve_connection, conn, name=f"conn {conn.peer_id.short()}"
+        )
+
+    async def _guarded(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Run a background task of ours in a cancel scope that :meth:`aclose` cancels."""
+        with anyio.CancelScope() as scope:
+            if self._closed:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                await fn(*args)
+            finally:
+                self._scopes.discard(scope)
+
+    async def _guarded_start(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        *args: Any,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """:meth:`_guarded` for a task started with ``TaskGroup.start``."""
+        with anyio.CancelScope() as scope:
+            if self._closed:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                await fn(*args, task_status=task_status)
+            finally:
+                self._scopes.discard(scope)
 
     async def _accept_loop(self, listener: Any) -> None:
         while True:

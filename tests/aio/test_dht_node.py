@@ -164,3 +164,27 @@ async def test_store_and_get_over_real_transports(scheme: str) -> None:
             merged = await dhts[1].get("dict", latest=True)
             assert isinstance(merged, dict)
             assert {k: v.value for k, v in merged.items()} == {"a": 1, "b": 2}
+
+
+async def test_a_hundred_node_swarm_with_a_tenth_killed() -> None:
+    """Every get finds every stored value in a 100-node swarm; with 10 nodes killed at random
+    afterwards (and their records gone with them), at least 99% of gets still succeed."""
+    async with _swarm(100) as dhts:
+        rng = random.Random(11)
+        expiration = get_dht_time() + 300
+        with anyio.fail_after(120):
+            for i in range(100):
+                assert await rng.choice(dhts).store(f"v{i}", i, expiration)
+            for i in range(100):
+                got = await rng.choice(dhts).get(f"v{i}")
+                assert got is not None, f"v{i} not found"
+                assert got.value == i  # type: ignore[union-attr]
+            killed = rng.sample(dhts[1:], 10)
+            for dht in killed:
+                await dht.node.aclose()
+            alive = [d for d in dhts if d not in killed]
+            hits = 0
+            for i in range(100):
+                got = await rng.choice(alive).get(f"v{i}")
+                hits += got is not None and got.value == i  # type: ignore[union-attr]
+        assert hits >= 99, f"{hits}/100 gets succeeded with 10% of the nodes killed"

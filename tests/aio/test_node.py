@@ -8,7 +8,7 @@ import pytest
 
 from swarmavg.abc import ConnectionAttribute, Stream
 from swarmavg.aio.node import Node
-from swarmavg.errors import ConnectError, PeerIdentityMismatch, StreamReset
+from swarmavg.errors import ConnectError, ConnectionLost, PeerIdentityMismatch, StreamReset
 from swarmavg.identity import Identity
 from swarmavg.proto import Ping, Pong
 from swarmavg.testing import MemoryNetwork
@@ -184,3 +184,19 @@ async def test_a_mixed_swarm_over_tcp_and_quic() -> None:
             for peer in (quic_only.peer_id, tcp_only.peer_id)
         }
         assert kinds == {quic_only.peer_id: "quic", tcp_only.peer_id: "tcp"}
+
+
+async def test_aclose_inside_the_block_does_not_cancel_the_block() -> None:
+    """aclose() from the task that entered the node stops the node, not the caller's code."""
+    network = MemoryNetwork()
+    reached = False
+    async with _node(network, stream_handler=_echo) as server, _node(network) as client:
+        stream = await client.open_stream(server.addresses[0])
+        await stream.send(b"x")
+        assert bytes(await stream.receive()) == b"echo:x"
+        await server.aclose()
+        await anyio.sleep(0.01)  # a checkpoint: a cancelled block would end here
+        reached = True
+        with anyio.fail_after(5), pytest.raises((ConnectionLost, StreamReset, anyio.EndOfStream)):
+            await stream.receive()  # the server side is gone
+    assert reached

@@ -845,6 +845,9 @@ class QuicConnection(Connection):
                         self._close(CLOSE_IDLE, "idle")
                 self._pump()
         finally:
+            if self._error is None:  # cancelled from outside: still tell the peer
+                with contextlib.suppress(Exception):
+                    self._close(CLOSE_NORMAL, "the peer shut down")
             self._fail(ConnectionLost("the transport was closed"))
             self._terminated()
 

@@ -135,10 +135,12 @@ class QuicTransport(TaskGroupTransport):
         if self._closed:
             return
         self._closed = True
-        for listener in list(self._listeners):
-            await listener.aclose()
+        # First, with no await before it: tell every peer (CONNECTION_CLOSE goes out at once).
+        # A concurrent aclose() returns at once and may cancel the connections' tasks.
         for conn in list(self._connections):
             conn._close(0x0, "the peer shut down")
+        for listener in list(self._listeners):
+            await listener.aclose()
         for endpoint in list(self._endpoints):
             endpoint.close()
         self._cancel_tasks()
