@@ -66,6 +66,19 @@ _MAX_ENTRIES: Final = 4096
 _Answer = tuple["PeerID", DHTFindResponse | None]
 
 
+def dialable_addresses(info: DHTPeerInfo) -> list[Address]:
+    """The addresses ``info`` announces that parse and name no other peer, with its PeerID."""
+    addresses = []
+    for text in info.addresses[:MAX_ADDRESSES]:
+        try:
+            address = Address.parse(text)
+        except ValueError:
+            continue
+        if address.peer_id in (None, info.peer_id):
+            addresses.append(address.with_peer_id(info.peer_id))
+    return addresses
+
+
 class _BadRequest(ValueError):
     pass
 
@@ -133,14 +146,7 @@ class DHTProtocol:
         """Note a peer that called us or answered us, if it announced itself as routable."""
         if info is None or info.peer_id != caller:
             return  # client mode, or info about someone else: not proven, ignored
-        addresses = []
-        for text in info.addresses[:MAX_ADDRESSES]:
-            try:
-                address = Address.parse(text)
-            except ValueError:
-                continue
-            if address.peer_id in (None, caller):
-                addresses.append(address.with_peer_id(caller))
+        addresses = dialable_addresses(info)
         if not addresses:
             return  # nothing we could dial it at
         self.addresses[caller] = addresses
@@ -385,14 +391,7 @@ class DHTNode:
                 for info in result.nearest[: self.k] if result is not None else []:
                     if info.peer_id == self.peer_id:
                         continue
-                    addresses = []
-                    for text in info.addresses[:MAX_ADDRESSES]:
-                        try:
-                            address = Address.parse(text)
-                        except ValueError:
-                            continue
-                        if address.peer_id in (None, info.peer_id):
-                            addresses.append(address.with_peer_id(info.peer_id))
+                    addresses = dialable_addresses(info)
                     if addresses and info.peer_id not in self.protocol.addresses:
                         self._hints[info.peer_id] = addresses
                     nearest.append((info.peer_id, node_id(info.peer_id)))
