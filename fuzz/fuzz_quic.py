@@ -1245,7 +1245,7 @@ class Harness:
             not others
             and self.server._pending_handshakes == 0
             and len(self.server._connections) == 1
-            and self.server._incoming_total == 1
+            and self.server._incoming_limits.total == 1
             and self.hostile_apps == 0
             and all(c in endpoint._connections for c in endpoint._by_cid.values())
         )
@@ -1254,7 +1254,7 @@ class Harness:
         return (
             f"{self.endpoint.connection_count} connections at the endpoint, "
             f"{len(self.server._connections)} in the transport "
-            f"({self.server._incoming_total} counted incoming), "
+            f"({self.server._incoming_limits.total} counted incoming), "
             f"{self.server._pending_handshakes} handshakes pending, "
             f"{len(self.endpoint._by_cid)} connection IDs, "
             f"{self.hostile_apps} hostile connections' applications running"

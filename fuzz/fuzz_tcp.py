@@ -706,8 +706,10 @@ class Harness:
                     await conn.aclose()
         if conn is not None and conn in transport._connections:
             run.problems.append("the closed connection is still in the transport's set")
-        if transport._incoming_total != 0:
-            run.problems.append(f"{transport._incoming_total} incoming connections still counted")
+        if transport._incoming_limits.total != 0:
+            run.problems.append(
+                f"{transport._incoming_limits.total} incoming connections still counted"
+            )
         run.problems += await self._honest(scenario.encrypted)
         run.problems += self.errors()
         self.loop_errors.clear()

@@ -47,6 +47,7 @@ __all__ = [
     "Buffer",
     "Connection",
     "ConnectionAttribute",
+    "IncomingLimits",
     "Listener",
     "Stream",
     "StreamAttribute",
@@ -313,6 +314,47 @@ class Listener(ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class IncomingLimits:
+    """The incoming connections a transport holds, counted per peer and in all, for its
+    ``max_connections_per_peer`` and ``max_incoming_connections`` limits."""
+
+    def __init__(self, per_peer: int, total: int) -> None:
+        self.per_peer = per_peer
+        self.max_total = total
+        self._counts: dict[PeerID, int] = {}
+        self._admitted: set[int] = set()  # id() of the connections counted
+
+    @property
+    def total(self) -> int:
+        return len(self._admitted)
+
+    def count(self, peer: PeerID) -> int:
+        return self._counts.get(peer, 0)
+
+    def refusal(self, peer: PeerID) -> str | None:
+        """Why a new connection from ``peer`` is over a limit, or ``None``."""
+        if self.total >= self.max_total:
+            return f"{self.max_total} incoming connections already"
+        if self.count(peer) >= self.per_peer:
+            return f"{peer.short()} already holds {self.per_peer} connections"
+        return None
+
+    def admit(self, conn: Connection) -> None:
+        self._admitted.add(id(conn))
+        self._counts[conn.peer_id] = self.count(conn.peer_id) + 1
+
+    def release(self, conn: Connection) -> None:
+        """``conn`` closed; nothing happens if it was never admitted (or already released)."""
+        if id(conn) not in self._admitted:
+            return
+        self._admitted.discard(id(conn))
+        left = self._counts[conn.peer_id] - 1
+        if left:
+            self._counts[conn.peer_id] = left
+        else:
+            del self._counts[conn.peer_id]
 
 
 _C = TypeVar("_C", bound=Connection)

@@ -527,7 +527,7 @@ async def test_protocol_violation_drops_only_that_connection(attack: str, encryp
             with anyio.fail_after(BOUND):
                 await raw.wait_hangup()
         assert conn not in transport._connections
-        assert transport._incoming_total == 0
+        assert transport._incoming_limits.total == 0
         await assert_serves(listener, encryption=encryption)
 
 
@@ -630,7 +630,7 @@ async def test_max_connections_per_peer() -> None:
             else:
                 await second.wait_closed()  # refused after the handshake
         await roundtrip(first, first_accepted)  # the first is untouched
-        assert transport._incoming[client.identity.peer_id] == 1
+        assert transport._incoming_limits.count(client.identity.peer_id) == 1
         await assert_serves(listener)  # other peers are still welcome
         # once the first is gone, the same peer may connect again
         with anyio.fail_after(BOUND):

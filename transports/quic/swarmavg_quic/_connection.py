@@ -528,7 +528,6 @@ class QuicConnection(Connection):
         self._loop = asyncio.get_running_loop()
         self._last_ping = 0.0
         self._idle_since = anyio.current_time()
-        self._counted_incoming = False
         self._attributes = self._make_attributes()
 
     # -- attributes ------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -14,7 +13,7 @@ import anyio
 import anyio.abc
 from aioquic.quic.configuration import QuicConfiguration
 
-from swarmavg.abc import QueueListener, TaskGroupTransport
+from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import ConnectError, PeerIdentityMismatch, TransportError
 from swarmavg_quic import _tls
@@ -125,8 +124,7 @@ class QuicTransport(TaskGroupTransport):
         self._endpoints: set[Endpoint] = set()
         self._listeners: set[QuicListener] = set()
         self._connections: set[QuicConnection] = set()
-        self._incoming_counts: Counter[PeerID] = Counter()
-        self._incoming_total = 0
+        self._incoming_limits = IncomingLimits(max_connections_per_peer, max_incoming_connections)
         self._pending_handshakes = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -320,31 +318,21 @@ class QuicTransport(TaskGroupTransport):
             return
         peer = conn.peer_id
         listener = endpoint.listener
-        refusal = None
         if listener is None or listener.is_closed:
-            refusal = "the listener was closed"
-        elif self._incoming_total >= self.max_incoming_connections:
-            refusal = f"{self.max_incoming_connections} incoming connections already"
-        elif self._incoming_counts[peer] >= self.max_connections_per_peer:
-            refusal = f"{peer.short()} already holds {self.max_connections_per_peer} connections"
+            refusal: str | None = "the listener was closed"
+        else:
+            refusal = self._incoming_limits.refusal(peer)
         if refusal is not None or listener is None:
             logger.info("refusing a QUIC connection: %s", refusal)
             conn._close(CLOSE_REFUSED, refusal or "refused")
             return
-        conn._counted_incoming = True
-        self._incoming_counts[peer] += 1
-        self._incoming_total += 1
+        self._incoming_limits.admit(conn)
         if not listener._deliver(conn):
             conn._close(CLOSE_REFUSED, "overloaded")
 
     def _forget(self, conn: QuicConnection) -> None:
         self._connections.discard(conn)
-        if conn._counted_incoming:
-            conn._counted_incoming = False
-            self._incoming_counts[conn.peer_id] -= 1
-            if self._incoming_counts[conn.peer_id] <= 0:
-                del self._incoming_counts[conn.peer_id]
-            self._incoming_total -= 1
+        self._incoming_limits.release(conn)
 
     # -- listening -------------------------------------------------------------------------------
 

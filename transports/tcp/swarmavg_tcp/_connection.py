@@ -474,7 +474,6 @@ class TcpConnection(Connection):
         self._scope: anyio.CancelScope | None = None
         self._write_scope: anyio.CancelScope | None = None
         self._reader_done = anyio.Event()
-        self._counted_incoming = False  # the transport counts it against its incoming limits
         self._attributes = self._make_attributes()
 
     # -- public API ------------------------------------------------------------------------------

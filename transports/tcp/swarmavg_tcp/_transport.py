@@ -6,14 +6,13 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 import anyio.abc
 
-from swarmavg.abc import QueueListener, TaskGroupTransport
+from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import (
     ConnectError,
@@ -109,8 +108,7 @@ class TcpTransport(TaskGroupTransport):
         self._handshake_slots = anyio.Semaphore(max_pending_handshakes)
         self._listeners: set[TcpListener] = set()
         self._connections: set[TcpConnection] = set()
-        self._incoming: Counter[PeerID] = Counter()
-        self._incoming_total = 0
+        self._incoming_limits = IncomingLimits(max_connections_per_peer, max_incoming_connections)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -245,12 +243,7 @@ class TcpTransport(TaskGroupTransport):
 
     def _forget(self, conn: TcpConnection) -> None:
         self._connections.discard(conn)
-        if conn._counted_incoming:
-            conn._counted_incoming = False
-            self._incoming[conn.peer_id] -= 1
-            if self._incoming[conn.peer_id] <= 0:
-                del self._incoming[conn.peer_id]
-            self._incoming_total -= 1
+        self._incoming_limits.release(conn)
 
     # -- listening -------------------------------------------------------------------------------
 
@@ -306,21 +299,15 @@ class TcpTransport(TaskGroupTransport):
             sock.close()
             raise
         peer = conn.peer_id
-        refusal = None
-        if self._incoming_total >= self.max_incoming_connections:
-            refusal = f"{self.max_incoming_connections} incoming connections already"
-        elif self._incoming[peer] >= self.max_connections_per_peer:
-            refusal = f"{peer.short()} already holds {self.max_connections_per_peer} connections"
-        elif listener._closed:
-            refusal = "the listener was closed"
+        refusal = (
+            "the listener was closed" if listener._closed else self._incoming_limits.refusal(peer)
+        )
         if refusal is not None:
             logger.info("refusing a connection: %s", refusal)
             self._connections.discard(conn)
             sock.close()
             return
-        conn._counted_incoming = True
-        self._incoming[peer] += 1
-        self._incoming_total += 1
+        self._incoming_limits.admit(conn)
         await self._task_group().start(conn.run)
         if not listener._deliver(conn):
             conn._fail(ConnectionLost("the listener is overloaded or closed"))
