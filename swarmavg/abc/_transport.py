@@ -520,8 +520,7 @@ class TaskGroupTransport(Transport):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        with anyio.CancelScope(shield=True):
-            await self.aclose()
+        await super().__aexit__(exc_type, exc, tb)  # closes the transport, shielded
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
         return await self._tg.__aexit__(exc_type, exc, tb)
