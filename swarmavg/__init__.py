@@ -11,6 +11,7 @@ from __future__ import annotations
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
 from swarmavg.aio.node import Node
+from swarmavg.dht import DHT
 from swarmavg.errors import (
     ConnectError,
     ConnectionLost,
@@ -25,11 +26,13 @@ from swarmavg.errors import (
     TransportNotFound,
 )
 from swarmavg.identity import Identity, PeerID
+from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.transport import available_transports, resolve_transport
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DHT",
     "Address",
     "ConnectError",
     "ConnectionLost",
@@ -45,6 +48,7 @@ __all__ = [
     "SwarmError",
     "TransportError",
     "TransportNotFound",
+    "ValueWithExpiration",
     "__version__",
     "available_transports",
     "get_dht_time",

@@ -6,6 +6,8 @@ the address to dial it at (with its PeerID, so the caller can check who answers)
 measures the round trip of unary RPC calls and the rate of a bulk upload.
 ``swarmavg demo`` does both on this machine: it starts ``swarmavg serve`` in a second process
 on the loopback interface and pings it.
+``swarmavg dht`` runs a long-lived DHT peer (a bootstrap node for a swarm) with a persistent
+identity, prints the addresses to pass as ``initial_peers`` and logs its state every minute.
 """
 
 from __future__ import annotations
@@ -87,6 +89,49 @@ async def _serve(
             await anyio.to_thread.run_sync(sys.stdin.buffer.read, abandon_on_cancel=True)
         else:
             await anyio.sleep_forever()
+
+
+# -- dht -----------------------------------------------------------------------------------------
+
+_logger = logging.getLogger("swarmavg.cli")
+
+
+async def _dht(
+    listen: list[str],
+    identity: str,
+    initial_peers: list[str],
+    log_interval: float,
+    until_stdin_closes: bool,
+) -> None:
+    from swarmavg.aio.dht_facade import DHT
+
+    async with DHT(initial_peers, host_maddrs=listen, identity=identity) as dht:
+        print(f"DHT peer {dht.peer_id} (identity in {identity})")
+        print("other peers join with initial_peers=[...] any of:")
+        for maddr in dht.get_visible_maddrs():
+            print(f"  {maddr}")
+        print("Ctrl+C stops.", flush=True)
+
+        async def report() -> None:
+            started = time.monotonic()
+            while True:
+                await anyio.sleep(log_interval)
+                node = dht.dht_node
+                _logger.info(
+                    "up %.0f s: %d peers in the routing table, %d records stored, %d cached",
+                    time.monotonic() - started,
+                    node.routing_table_size,
+                    len(node.protocol.storage),
+                    len(node.cache) if node.cache is not None else 0,
+                )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            if until_stdin_closes:
+                await anyio.to_thread.run_sync(sys.stdin.buffer.read, abandon_on_cancel=True)
+            else:
+                await anyio.sleep_forever()
+            tg.cancel_scope.cancel()
 
 
 # -- ping ----------------------------------------------------------------------------------------
@@ -233,6 +278,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     serve.add_argument("--until-stdin-closes", action="store_true", help=argparse.SUPPRESS)
     encrypted(serve)
+    dht = sub.add_parser("dht", help="run a long-lived DHT peer that others bootstrap from")
+    dht.add_argument(
+        "--listen",
+        action="append",
+        help="address to listen on, tcp://…, quic://… or a multiaddr (repeatable; "
+        "default tcp://0.0.0.0:31337)",
+    )
+    dht.add_argument(
+        "--identity",
+        metavar="KEY_FILE",
+        default="swarmavg-dht.key",
+        help="key file that keeps the PeerID across restarts (created if missing; "
+        "default ./swarmavg-dht.key)",
+    )
+    dht.add_argument(
+        "--initial-peer",
+        dest="initial_peers",
+        action="append",
+        default=[],
+        help="address of a running DHT peer to join (repeatable)",
+    )
+    dht.add_argument(
+        "--log-interval", type=float, default=60.0, help="seconds between status log lines"
+    )
+    dht.add_argument("--until-stdin-closes", action="store_true", help=argparse.SUPPRESS)
     ping = sub.add_parser("ping", help="call a node started with `swarmavg serve`")
     ping.add_argument("address", help="the address `swarmavg serve` printed, with /p/<peer id>")
     measured(ping)
@@ -240,12 +310,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG
+        if args.verbose
+        else logging.INFO
+        if args.command == "dht"
+        else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         if args.command == "demo":
             _demo(args.calls, args.megabytes, args.encryption, args.transport)
+        elif args.command == "dht":
+            if not args.log_interval > 0:
+                parser.error("--log-interval must be a positive number of seconds")
+            listen = args.listen or ["tcp://0.0.0.0:31337"]
+            anyio.run(
+                _dht,
+                listen,
+                args.identity,
+                args.initial_peers,
+                args.log_interval,
+                args.until_stdin_closes,
+            )
         elif args.command == "serve":
             listen = args.listen or ["tcp://0.0.0.0:7000"]
             anyio.run(_serve, listen, args.identity, args.encryption, args.until_stdin_closes)
@@ -258,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (SwarmError, OSError, TimeoutError) as exc:
+    except (SwarmError, OSError, TimeoutError, ValueError) as exc:
         print(f"swarmavg {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -1,20 +1,26 @@
-"""The DHT over a :class:`~swarmavg.aio.node.Node` (in progress: the serving half).
+"""The DHT over a :class:`~swarmavg.aio.node.Node`: Kademlia with signed records.
 
 :class:`DHTProtocol` answers the DHT's RPCs on a node: bulk ping, store and find, backed by the
 sans-IO routing table (:mod:`swarmavg.proto.routing`), record storage
-(:mod:`swarmavg.proto.dht_storage`) and validators (:mod:`swarmavg.proto.dht_validation`). It
-learns peers from the requests they make: a request's ``sender`` info counts only if it names
-the caller's own, authenticated PeerID, and client-mode callers (no sender info) never enter the
-routing table. The asking half (iterative lookups, replication, bootstrap) builds on it.
+(:mod:`swarmavg.proto.dht_storage`), validators (:mod:`swarmavg.proto.dht_validation`) and
+per-peer limits (:mod:`swarmavg.proto.dht_limits`). It learns peers from the requests they
+make: a request's ``sender`` info counts only if it names the caller's own, authenticated
+PeerID, and client-mode callers (no sender info) never enter the routing table.
+
+:class:`DHTNode` is the asking half: bootstrap, iterative lookups (:mod:`swarmavg.proto.lookup`),
+replicated stores, gets that merge what replicas hold, a local cache, and the upkeep tasks
+(pinging least recently seen peers, refreshing buckets). The facades ``swarmavg.aio.DHT`` and
+``swarmavg.DHT`` wrap it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import anyio
 import msgpack
@@ -22,6 +28,7 @@ import msgpack
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
 from swarmavg.errors import ConnectError, SwarmError
+from swarmavg.proto.dht_limits import Blacklist, StoreQuota
 from swarmavg.proto.dht_messages import (
     ID_BYTES,
     MAX_ADDRESSES,
@@ -93,6 +100,10 @@ class DHTProtocol:
         not add it to their routing tables.
     :param storage: the record storage (a default :class:`LocalStorage` if ``None``).
     :param validators: record validators, on top of owner signatures (always checked).
+    :param quota: the per-peer store limits (a default :class:`StoreQuota` if ``None``).
+    :param blacklist: peers that failed recently; they are not (re)added to the routing table
+        while banned (a default :class:`Blacklist` if ``None``).
+    :param announce: the addresses to announce (default: the node's listening addresses).
     :param clock: DHT time (for tests).
     """
 
@@ -105,6 +116,9 @@ class DHTProtocol:
         client_mode: bool = False,
         storage: LocalStorage | None = None,
         validators: list[RecordValidator] | None = None,
+        quota: StoreQuota[PeerID] | None = None,
+        blacklist: Blacklist[PeerID] | None = None,
+        announce: Callable[[], Sequence[Address]] | None = None,
         clock: Callable[[], float] = get_dht_time,
     ) -> None:
         self.node = node
@@ -115,7 +129,12 @@ class DHTProtocol:
         self.validator = CompositeValidator(
             [SignatureValidator(node.identity), *(validators or [])]
         )
+        self.quota: StoreQuota[PeerID] = quota if quota is not None else StoreQuota()
+        self.blacklist: Blacklist[PeerID] = blacklist if blacklist is not None else Blacklist()
+        self._announce = announce
         self.clock = clock
+        #: Called when a peer joins :attr:`ping_queue` (the DHT node wakes its pinger).
+        self.on_stale: Callable[[], None] | None = None
         #: Where each peer in the routing table can be dialed (what it announced).
         self.addresses: dict[PeerID, list[Address]] = {}
         #: Least recently seen peers of full buckets, to ping (and drop if they fail).
@@ -139,23 +158,37 @@ class DHTProtocol:
         """What requests announce about us (``None`` in client mode)."""
         if self.client_mode:
             return None
-        addresses = [str(a) for a in self.node.addresses][:MAX_ADDRESSES]
+        announced = self._announce() if self._announce is not None else self.node.addresses
+        addresses = [str(a) for a in announced][:MAX_ADDRESSES]
         return DHTPeerInfo(self.node.peer_id, addresses)
 
     def learn(self, info: DHTPeerInfo | None, caller: PeerID) -> None:
         """Note a peer that called us or answered us, if it announced itself as routable."""
         if info is None or info.peer_id != caller:
             return  # client mode, or info about someone else: not proven, ignored
+        if self.blacklist.is_banned(caller, self.clock()):
+            return  # it failed us lately: not routable until its ban ends
         addresses = dialable_addresses(info)
         if not addresses:
             return  # nothing we could dial it at
         self.addresses[caller] = addresses
         stale = self.routing.add_or_update(caller, self.clock())
+        if len(self.addresses) > 2 * len(self.routing) + 1024:
+            self._prune_addresses()
         if stale is not None and stale not in self.ping_queue:
             self.ping_queue.append(stale)
+            if self.on_stale is not None:
+                self.on_stale()
+
+    def _prune_addresses(self) -> None:
+        """Keep the addresses of peers in the routing table or its replacement caches only."""
+        known = {p for b in self.routing.buckets for p in (*b.peers, *b.replacements)}
+        for peer in [p for p in self.addresses if p not in known]:
+            del self.addresses[peer]
 
     def forget(self, peer: PeerID) -> None:
-        """``peer`` failed: drop it from the routing table."""
+        """``peer`` failed: drop it from the routing table and ban it for a while."""
+        self.blacklist.failed(peer, self.clock())
         if self.routing.remove(peer):
             self.addresses.pop(peer, None)
 
@@ -176,15 +209,25 @@ class DHTProtocol:
             )
         self.learn(request.sender, ctx.peer_id)
         now = self.clock()
+        allowed = self.quota.admit(ctx.peer_id, count, now)
+        if allowed < count:
+            logger.debug(
+                "%s is over its store quota: %d of %d records refused",
+                ctx.peer_id.short(),
+                count - allowed,
+                count,
+            )
         accepted = []
-        for key, subkey, value, expiration in zip(
-            request.keys, request.subkeys, request.values, request.expirations, strict=True
+        for index, (key, subkey, value, expiration) in enumerate(
+            zip(request.keys, request.subkeys, request.values, request.expirations, strict=True)
         ):
             record = DHTRecord(key, subkey, value, expiration)
-            if not self.validator.validate(record):
+            if index >= allowed or not self.validator.validate(record):
                 accepted.append(False)
                 continue
             result = self.storage.store(key, value, expiration, now, subkey=subkey)
+            if result.accepted:
+                self.quota.stored(ctx.peer_id, expiration)
             accepted.append(result.accepted)
         return DHTStoreResponse(accepted)
 
@@ -236,15 +279,33 @@ class DHTNode:
     """A DHT peer on ``node``: serves requests (:class:`DHTProtocol`) and asks other peers
     (iterative lookups, replicated stores, gets that merge what replicas hold).
 
-    In progress: no caching, refresh, LRS pinging, blacklist or per-peer limits yet.
+    Use it as ``async with DHTNode(node, ...) as dht:``: entering bootstraps from
+    ``initial_peers`` and starts the upkeep tasks (pinging the least recently seen peer of a full
+    bucket when a newcomer wants its place, refreshing buckets nobody was seen in for
+    ``refresh_period`` seconds); leaving stops them. The node itself stays open.
 
     :param node: the node to run on (already started).
     :param initial_peers: addresses (with PeerIDs) to bootstrap from.
     :param client_mode: ask and store, but serve nothing and stay out of routing tables.
     :param k: bucket size and lookup beam width.
+    :param depth_modulo: relaxed bucket splitting: a bucket that does not hold our own id still
+        splits unless its depth is a multiple of this (see :class:`RoutingTable`).
     :param alpha: lookup requests in flight at once.
     :param num_replicas: how many of the nearest peers a store goes to.
     :param request_timeout: seconds one request to one peer may take.
+    :param validators: record validators, on top of owner signatures (always checked).
+    :param cache_locally: keep what gets find (and what we store) in a local cache that answers
+        later gets with ``latest=False`` without asking the network.
+    :param cache_size: entries the cache holds (the soonest to expire make room).
+    :param refresh_period: seconds after which a bucket nobody was seen in is refreshed with a
+        lookup of a random id in it (``None``: never).
+    :param max_records_per_peer: unexpired records one peer may store on this node.
+    :param max_stores_per_second: records one peer may store here per second (bursts of up to
+        ``max(512, 5 × this)``).
+    :param blacklist_delay: seconds a peer that failed is not asked again; doubles with each
+        failure in a row, up to ten minutes.
+    :param announce: what to announce as our addresses (default: the node's listening
+        addresses; the facade passes addresses with wildcards expanded).
     """
 
     def __init__(
@@ -254,32 +315,106 @@ class DHTNode:
         initial_peers: Iterable[str | Address] = (),
         client_mode: bool = False,
         k: int = 20,
+        depth_modulo: int = 5,
         alpha: int = 3,
         num_replicas: int = 5,
         request_timeout: float = 3.0,
         validators: list[RecordValidator] | None = None,
+        cache_locally: bool = True,
+        cache_size: int = 10_000,
+        refresh_period: float | None = 600.0,
+        max_records_per_peer: int = 10_000,
+        max_stores_per_second: float = 100.0,
+        blacklist_delay: float = 5.0,
+        announce: Callable[[], Sequence[Address]] | None = None,
         clock: Callable[[], float] = get_dht_time,
     ) -> None:
+        for name, count in (("k", k), ("alpha", alpha), ("num_replicas", num_replicas)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"{name} must be a positive int, not {count!r}")
+        for name, seconds in (
+            ("request_timeout", request_timeout),
+            ("refresh_period", refresh_period),
+        ):
+            if seconds is not None and not (isinstance(seconds, int | float) and seconds > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, not {seconds!r}")
+        if isinstance(initial_peers, str | Address):
+            raise TypeError("initial_peers must be a list of addresses, not a single address")
         self.node = node
         self.protocol = DHTProtocol(
-            node, k=k, client_mode=client_mode, validators=validators, clock=clock
+            node,
+            k=k,
+            depth_modulo=depth_modulo,
+            client_mode=client_mode,
+            validators=validators,
+            quota=StoreQuota(
+                max_records=max_records_per_peer,
+                rate=max_stores_per_second,
+                burst=max(float(MAX_KEYS_PER_REQUEST * 2), 5 * max_stores_per_second),
+            ),
+            blacklist=Blacklist(base_delay=blacklist_delay, max_delay=max(600.0, blacklist_delay)),
+            announce=announce,
+            clock=clock,
         )
         self.initial_peers = [Address.parse(a) for a in initial_peers]
         self.k = k
         self.alpha = alpha
         self.num_replicas = num_replicas
         self.request_timeout = request_timeout
+        self.refresh_period = refresh_period
+        self.cache: LocalStorage | None = LocalStorage(cache_size) if cache_locally else None
         self.clock = clock
         self._hints: dict[PeerID, list[Address]] = {}  # addresses answers named (unproven)
+        self._tasks: list[anyio.CancelScope] = []  # our upkeep tasks (run by the node)
+        self._started = False
+        self._wake_pinger: anyio.Event | None = None
+        self._closed = False
 
     @property
     def peer_id(self) -> PeerID:
         return self.node.peer_id
 
-    # -- starting ------------------------------------------------------------------------------
+    @property
+    def client_mode(self) -> bool:
+        return self.protocol.client_mode
+
+    @property
+    def routing_table_size(self) -> int:
+        """Peers in our routing table."""
+        return len(self.protocol.routing)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._started or self._closed:
+            raise RuntimeError("a DHTNode can be started once")
+        self._started = True
+        await self.start()
+        self._wake_pinger = anyio.Event()
+        self.protocol.on_stale = self._wake_pinger.set
+        spawn = self.node.spawn
+        self._tasks.append(spawn(self._ping_stale_peers, name="dht: ping least recently seen"))
+        if self.refresh_period is not None:
+            self._tasks.append(spawn(self._refresh_buckets, name="dht: refresh buckets"))
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the upkeep tasks. Idempotent. The node goes on serving the DHT's methods until
+        it closes (its routing table and storage stay valid)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.protocol.on_stale = None
+        for scope in self._tasks:
+            scope.cancel()
+        self._tasks.clear()
 
     async def start(self) -> None:
-        """Serve the DHT's methods and bootstrap from ``initial_peers``.
+        """Serve the DHT's methods and bootstrap from ``initial_peers`` (entering the ``async
+        with`` block does this; call it alone to run without the upkeep tasks).
 
         :raises ConnectError: if initial peers were given and none answered; the message
             names each and why.
@@ -292,7 +427,7 @@ class DHTNode:
         async def ping(address: Address) -> None:
             try:
                 await self._ping(address)
-            except (SwarmError, OSError, TimeoutError) as exc:
+            except (SwarmError, OSError, TimeoutError, ValueError) as exc:
                 failures.append(f"{address}: {type(exc).__name__}: {exc}")
 
         async with anyio.create_task_group() as tg:
@@ -326,7 +461,48 @@ class DHTNode:
 
     def _answered(self, peer: PeerID, address: Address) -> None:
         """``peer`` answered us at ``address``: it is alive and routable."""
+        self.protocol.blacklist.succeeded(peer)
         self.protocol.learn(DHTPeerInfo(peer, [str(address)]), peer)
+
+    def _failed(self, peer: PeerID, why: object) -> None:
+        logger.debug("DHT peer %s failed: %s", peer.short(), why)
+        self.protocol.forget(peer)
+        self._hints.pop(peer, None)
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    async def _ping_stale_peers(self) -> None:
+        """Ping the least recently seen peer of each full bucket a newcomer wanted a place in:
+        a peer that answers keeps its place (Kademlia prefers old peers: they tend to stay), one
+        that does not makes room for the newcomer (from the bucket's replacements)."""
+        queue = self.protocol.ping_queue
+        while True:
+            if not queue:
+                assert self._wake_pinger is not None
+                await self._wake_pinger.wait()
+                self._wake_pinger = anyio.Event()
+                self.protocol.on_stale = self._wake_pinger.set
+                continue
+            peer = queue.popleft()
+            address = self._address_of(peer)
+            if address is None or peer not in self.protocol.routing:
+                continue
+            try:
+                await self._ping(address)
+            except (SwarmError, OSError, TimeoutError) as exc:
+                self._failed(peer, exc)
+
+    async def _refresh_buckets(self) -> None:
+        """Every so often, look up a random id in each bucket nobody was seen in lately."""
+        assert self.refresh_period is not None
+        interval = min(60.0, self.refresh_period / 2)
+        while True:
+            await anyio.sleep(interval)
+            routing = self.protocol.routing
+            for bucket in routing.stale_buckets(self.clock(), self.refresh_period):
+                target = routing.random_id_in(bucket)
+                logger.debug("refreshing a bucket of %d peers", len(bucket))
+                await self._lookup(target, keys=[])
 
     # -- asking ----------------------------------------------------------------------------------
 
@@ -338,7 +514,7 @@ class DHTNode:
         self, peer: PeerID, keys: list[bytes], targets: list[bytes]
     ) -> DHTFindResponse | None:
         address = self._address_of(peer)
-        if address is None:
+        if address is None or self.protocol.blacklist.is_banned(peer, self.clock()):
             return None
         try:
             response = await self.node.rpc.call(
@@ -349,11 +525,10 @@ class DHTNode:
                 timeout=self.request_timeout,
             )
         except (SwarmError, OSError, TimeoutError) as exc:
-            logger.debug("dht.find to %s failed: %s", peer.short(), exc)
-            self.protocol.forget(peer)
+            self._failed(peer, f"dht.find: {exc}")
             return None
         if len(response.results) != len(keys) + len(targets):
-            self.protocol.forget(peer)
+            self._failed(peer, "dht.find answered with the wrong number of results")
             return None
         self._answered(peer, address)
         return response
@@ -414,6 +589,16 @@ class DHTNode:
         subkey_bytes = None if subkey is None else _pack(subkey)
         record = DHTRecord(key_bytes, subkey_bytes, _pack(value), float(expiration_time))
         signed = self.protocol.validator.sign_value(record)
+        limits = self.protocol.storage
+        for what, size, limit in (
+            ("key", len(key_bytes), limits.max_key_size),
+            ("subkey", len(subkey_bytes or b""), limits.max_key_size),
+            ("value", len(signed), limits.max_value_size),
+        ):
+            if size > limit:
+                raise ValueError(f"the {what} is {size} bytes serialized; the limit is {limit}")
+        if not self.protocol.validator.validate(dataclasses.replace(record, value=signed)):
+            raise ValueError(f"the record under {key!r} does not pass this DHT's validators")
         target = key_id(key_bytes)
         lookup, _ = await self._lookup(target, keys=[])
         replicas = lookup.nearest_responded(self.num_replicas)
@@ -449,26 +634,31 @@ class DHTNode:
                     timeout=self.request_timeout,
                 )
             except (SwarmError, OSError, TimeoutError) as exc:
-                logger.debug("dht.store to %s failed: %s", peer.short(), exc)
-                self.protocol.forget(peer)
+                self._failed(peer, f"dht.store: {exc}")
                 return
             results.append(bool(response.accepted and response.accepted[0]))
 
         async with anyio.create_task_group() as tg:
             for peer in replicas:
                 tg.start_soon(put, peer)
-        return accepted or any(results)
+        stored = accepted or any(results)
+        if stored and self.cache is not None:
+            self.cache.store(
+                key_bytes, signed, record.expiration_time, self.clock(), subkey=subkey_bytes
+            )
+        return stored
 
     async def get(
         self, key: Any, latest: bool = False
-    ) -> ValueWithExpiration | dict[Any, ValueWithExpiration] | None:
-        """The value under ``key``: the first found, or with ``latest`` the newest across the
-        nearest peers; a dictionary key gives subkey -> value, merged across replicas. Records
-        that do not validate are ignored."""
+    ) -> ValueWithExpiration[Any] | dict[Any, ValueWithExpiration[Any]] | None:
+        """The value under ``key``: the first found (our own storage, then the cache, then the
+        network), or with ``latest`` the newest across the nearest peers; a dictionary key
+        gives subkey -> value, merged across replicas. Records that do not validate are
+        ignored."""
         key_bytes = _pack(key)
         now = self.clock()
-        plain: ValueWithExpiration | None = None
-        entries: dict[bytes, ValueWithExpiration] = {}
+        plain: ValueWithExpiration[bytes] | None = None
+        entries: dict[bytes, ValueWithExpiration[bytes]] = {}
 
         def consider(subkey: bytes | None, value: bytes, expiration: float) -> None:
             nonlocal plain
@@ -487,6 +677,8 @@ class DHTNode:
                     entries[subkey] = item
 
         local = self.protocol.storage.get(key_bytes, now)
+        if local is None and not latest and self.cache is not None:
+            local = self.cache.get(key_bytes, now)
         if isinstance(local, DictionaryValue):
             for subkey, item in local.items.items():
                 consider(subkey, item.value, item.expiration_time)
@@ -499,6 +691,11 @@ class DHTNode:
                     consider(None, result.value, result.expiration)
                 for entry_key, entry_value, entry_exp in result.entries[:_MAX_ENTRIES]:
                     consider(entry_key, entry_value, entry_exp)
+            if self.cache is not None:
+                if plain is not None:
+                    self.cache.store(key_bytes, plain.value, plain.expiration_time, now)
+                for subkey, item in entries.items():
+                    self.cache.store(key_bytes, item.value, item.expiration_time, now, subkey)
         newest_entry = max((v.expiration_time for v in entries.values()), default=-1.0)
         if plain is not None and plain.expiration_time > newest_entry:
             return self._decoded(key_bytes, None, plain)
@@ -507,8 +704,8 @@ class DHTNode:
         return None
 
     def _decoded(
-        self, key: bytes, subkey: bytes | None, item: ValueWithExpiration
-    ) -> ValueWithExpiration:
+        self, key: bytes, subkey: bytes | None, item: ValueWithExpiration[bytes]
+    ) -> ValueWithExpiration[Any]:
         record = DHTRecord(key, subkey, item.value, item.expiration_time)
         return ValueWithExpiration(
             _unpack(self.protocol.validator.strip_value(record)), item.expiration_time

@@ -177,6 +177,26 @@ class Node:
         """
         self._handler = handler
 
+    def spawn(
+        self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
+    ) -> anyio.CancelScope:
+        """Run ``fn(*args)`` as a background task of the node, until it returns, the returned
+        scope is cancelled, or the node closes. An exception it raises is logged, not raised:
+        it ends only that task. For the layers built on the node (the DHT's upkeep)."""
+        if self._tg is None or self._closed:
+            raise RuntimeError("the node is not running: use `async with Node(...) as node`")
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                try:
+                    await fn(*args)
+                except Exception:
+                    logger.exception("background task %s failed", name or fn)
+
+        self._tg.start_soon(self._guarded, run, name=name)
+        return scope
+
     # -- dialing ---------------------------------------------------------------------------------
 
     async def _transport_for(self, scheme: str) -> Transport:

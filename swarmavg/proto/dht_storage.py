@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final, Generic, NamedTuple, TypeVar
 
 __all__ = [
     "DEFAULT_MAX_KEY_SIZE",
@@ -44,10 +44,17 @@ DEFAULT_MAX_KEY_SIZE: Final = 512
 DEFAULT_MAX_VALUE_SIZE: Final = 64 << 10
 
 
-class ValueWithExpiration(NamedTuple):
-    """A value and when it expires (DHT time); unpacks as ``value, expiration = item``."""
+_V = TypeVar("_V")
 
-    value: bytes
+
+class ValueWithExpiration(NamedTuple, Generic[_V]):
+    """A value and when it expires (DHT time); unpacks as ``value, expiration = item``.
+
+    Storage holds serialized values (``ValueWithExpiration[bytes]``); the DHT's ``get`` returns
+    them decoded.
+    """
+
+    value: _V
     expiration_time: float
 
 
@@ -55,7 +62,7 @@ class ValueWithExpiration(NamedTuple):
 class DictionaryValue:
     """Subkey -> :class:`ValueWithExpiration`, all stored under one key."""
 
-    items: dict[bytes, ValueWithExpiration] = field(default_factory=dict)
+    items: dict[bytes, ValueWithExpiration[bytes]] = field(default_factory=dict)
 
     @property
     def latest_expiration(self) -> float:
@@ -76,7 +83,7 @@ class StoreResult(NamedTuple):
 _ACCEPTED: Final = StoreResult(True)
 
 
-def _newer(new: ValueWithExpiration, old: ValueWithExpiration | None) -> bool:
+def _newer(new: ValueWithExpiration[bytes], old: ValueWithExpiration[bytes] | None) -> bool:
     return old is None or new.expiration_time > old.expiration_time or new == old
 
 
@@ -104,7 +111,7 @@ class LocalStorage:
         self.max_entries = max_entries
         self.max_key_size = max_key_size
         self.max_value_size = max_value_size
-        self._data: dict[bytes, ValueWithExpiration | DictionaryValue] = {}
+        self._data: dict[bytes, ValueWithExpiration[bytes] | DictionaryValue] = {}
         self._entries = 0
         # (expiration, sequence, key, subkey) of every entry, lazily pruned, soonest first (the
         # sequence number keeps tuples from ever comparing a subkey with None)
@@ -124,7 +131,7 @@ class LocalStorage:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def get(self, key: bytes, now: float) -> ValueWithExpiration | DictionaryValue | None:
+    def get(self, key: bytes, now: float) -> ValueWithExpiration[bytes] | DictionaryValue | None:
         """The live value or dictionary under ``key`` (a copy of the dictionary), or ``None``."""
         self.prune(now)
         found = self._data.get(key)

@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
+import msgpack
 import pytest
 
 from swarmavg import get_dht_time
@@ -16,8 +17,10 @@ from swarmavg.aio.dht import DHTNode
 from swarmavg.aio.node import Node
 from swarmavg.errors import ConnectError
 from swarmavg.identity import Identity
+from swarmavg.proto.dht_messages import DHTPeerInfo, DHTStoreRequest, DHTStoreResponse
 from swarmavg.proto.dht_storage import ValueWithExpiration
-from swarmavg.proto.dht_validation import owner_marker
+from swarmavg.proto.dht_validation import SchemaValidator, owner_marker
+from swarmavg.proto.routing import node_id
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
@@ -35,9 +38,8 @@ async def _swarm(n: int, **options: Any) -> AsyncIterator[list[DHTNode]]:
                 Node(listen=["memory://local:0"], transports=transports)
             )
             seeds = [d.node.addresses[0] for d in rng.sample(dhts, min(3, len(dhts)))]
-            dht = DHTNode(node, initial_peers=seeds, **options)
             with anyio.fail_after(10):
-                await dht.start()
+                dht = await stack.enter_async_context(DHTNode(node, initial_peers=seeds, **options))
             dhts.append(dht)
         yield dhts
 
@@ -169,7 +171,7 @@ async def test_store_and_get_over_real_transports(scheme: str) -> None:
 async def test_a_hundred_node_swarm_with_a_tenth_killed() -> None:
     """Every get finds every stored value in a 100-node swarm; with 10 nodes killed at random
     afterwards (and their records gone with them), at least 99% of gets still succeed."""
-    async with _swarm(100) as dhts:
+    async with _swarm(100, cache_locally=False) as dhts:
         rng = random.Random(11)
         expiration = get_dht_time() + 300
         with anyio.fail_after(120):
@@ -188,3 +190,207 @@ async def test_a_hundred_node_swarm_with_a_tenth_killed() -> None:
                 got = await rng.choice(alive).get(f"v{i}")
                 hits += got is not None and got.value == i  # type: ignore[union-attr]
         assert hits >= 99, f"{hits}/100 gets succeeded with 10% of the nodes killed"
+
+
+async def test_expired_values_vanish_and_older_stores_do_not_replace_newer() -> None:
+    async with _swarm(10) as dhts:
+        now = get_dht_time()
+        kept = msgpack.packb("kept")
+        with anyio.fail_after(30):
+            assert await dhts[1].store("short", "lived", now + 0.5)
+            assert await dhts[2].store("kept", "new", now + 60)
+            await dhts[3].store("kept", "old", now + 30)
+            replicas = [d.protocol.storage.get(kept, now) for d in dhts]
+            assert any(replicas)
+            # every replica that holds the newer value refused the older one
+            assert all(r is None or r.expiration_time == now + 60 for r in replicas)  # type: ignore[union-attr]
+            await anyio.sleep(0.7)
+            assert await dhts[4].get("short", latest=True) is None
+            assert (await dhts[5].get("kept", latest=True)) == ValueWithExpiration("new", now + 60)
+            with pytest.raises(ValueError, match="limit"):
+                await dhts[6].store("big", b"x" * (65 << 10), now + 60)
+
+
+async def test_an_owner_record_reads_correctly_after_its_owner_left() -> None:
+    async with _swarm(10) as dhts:
+        owner = dhts[4]
+        key = "profile" + owner_marker(owner.peer_id).decode()
+        now = get_dht_time()
+        with anyio.fail_after(30):
+            assert await owner.store(key, "mine", now + 60)
+            await owner.node.aclose()
+            got = await dhts[7].get(key, latest=True)
+            assert got == ValueWithExpiration("mine", now + 60)
+
+
+async def test_a_schema_validator_rejects_values_of_the_wrong_type_on_every_peer() -> None:
+    schema = SchemaValidator({"loss": float})
+    async with _swarm(8, validators=[schema]) as dhts:
+        now = get_dht_time()
+        with anyio.fail_after(30):
+            assert await dhts[1].store("loss", 0.25, now + 60)
+            with pytest.raises(ValueError, match="validators"):
+                await dhts[2].store("loss", "not a number", now + 90)
+            # a peer without the schema stores it anyway: the peers with it refuse the record
+            # and never hand it out
+            loose = DHTNode(dhts[2].node, client_mode=True)
+            loose.protocol.routing = dhts[2].protocol.routing
+            loose.protocol.addresses = dhts[2].protocol.addresses
+            assert not await loose.store("loss", "not a number", now + 90)
+            assert await dhts[3].get("loss", latest=True) == ValueWithExpiration(0.25, now + 60)
+
+
+def _store_request(writer: DHTNode, prefix: str, count: int) -> DHTStoreRequest:
+    keys = [f"{prefix}{i}".encode() for i in range(count)]
+    expirations = [get_dht_time() + 60] * count
+    return DHTStoreRequest(
+        writer.protocol.own_info(), keys, [None] * count, [b"\x01"] * count, expirations
+    )
+
+
+async def _accepted(writer: DHTNode, target: DHTNode, request: DHTStoreRequest) -> int:
+    response = await writer.node.rpc.call(
+        target.node.addresses[0], "dht.store", request, response_type=DHTStoreResponse
+    )
+    return sum(response.accepted)
+
+
+async def test_a_peer_over_its_store_rate_is_refused_others_are_not() -> None:
+    async with _swarm(4, max_stores_per_second=1.0) as dhts:
+        writer, target, bystander = dhts[1], dhts[2], dhts[3]
+        with anyio.fail_after(30):
+            accepted = 0
+            for batch in range(4):  # 1024 records at once: the burst allows 512
+                accepted += await _accepted(
+                    writer, target, _store_request(writer, f"w{batch}-", 256)
+                )
+            assert accepted == 512
+            assert await _accepted(bystander, target, _store_request(bystander, "b", 256)) == 256
+
+
+async def test_a_peer_holds_at_most_max_records_per_peer() -> None:
+    async with _swarm(3, max_records_per_peer=100) as dhts:
+        writer, target = dhts[1], dhts[2]
+        with anyio.fail_after(30):
+            assert await _accepted(writer, target, _store_request(writer, "r", 256)) == 100
+            assert await _accepted(writer, target, _store_request(writer, "s", 10)) == 0
+
+
+async def test_a_failed_peer_is_banned_and_not_taken_back_while_banned() -> None:
+    async with _swarm(6, blacklist_delay=60.0) as dhts:
+        victim = dhts[3]
+        with anyio.fail_after(30):
+            await victim.node.aclose()
+            for i in range(20):  # lookups that ask the victim fail and ban it
+                await dhts[0].get(f"missing{i}", latest=True)
+            protocol = dhts[0].protocol
+            assert protocol.blacklist.is_banned(victim.peer_id, get_dht_time())
+            assert victim.peer_id not in protocol.routing
+            # someone naming the victim again does not bring it back while it is banned
+            protocol.learn(
+                DHTPeerInfo(victim.peer_id, [str(victim.node.addresses[0])]), victim.peer_id
+            )
+            assert victim.peer_id not in protocol.routing
+
+
+async def test_the_cache_answers_when_the_replicas_are_gone() -> None:
+    async with _swarm(12, num_replicas=2) as dhts:
+        now = get_dht_time()
+        with anyio.fail_after(30):
+            assert await dhts[0].store("hot", "value", now + 60)
+            holders = [d for d in dhts if len(d.protocol.storage)]
+            assert 1 <= len(holders) <= 3
+            reader = next(d for d in dhts[1:] if d not in holders)
+            assert await reader.get("hot") == ValueWithExpiration("value", now + 60)
+            for holder in holders:
+                await holder.node.aclose()
+            assert await reader.get("hot", latest=True) is None  # the network lost it
+            assert await reader.get("hot") == ValueWithExpiration("value", now + 60)
+
+
+async def test_a_full_bucket_pings_its_oldest_peer_and_replaces_it_if_dead() -> None:
+    """k=2: A learns B and C, whose ids sit in the half of the id space A is not in; with
+    depth_modulo=1 that bucket cannot split, so D waits as a replacement while A pings B (the
+    least recently seen). B is dead: D takes its place."""
+    network = MemoryNetwork()
+    transports = {"memory": {"network": network}}
+    async with AsyncExitStack() as stack:
+        a_node = await stack.enter_async_context(
+            Node(listen=["memory://local:0"], transports=transports)
+        )
+        top = node_id(a_node.peer_id) >> 255
+        others: list[Node] = []
+        while len(others) < 3:
+            identity = Identity.generate()
+            if node_id(identity.peer_id) >> 255 != top:
+                node = Node(identity=identity, listen=["memory://local:0"], transports=transports)
+                others.append(await stack.enter_async_context(node))
+        b, c, d = others
+        dht = await stack.enter_async_context(
+            DHTNode(a_node, k=2, depth_modulo=1, request_timeout=1)
+        )
+        for peer in others:
+            await stack.enter_async_context(DHTNode(peer, k=2))
+        with anyio.fail_after(20):
+            await dht._ping(b.addresses[0])
+            await dht._ping(c.addresses[0])
+            await b.aclose()
+            await dht._ping(d.addresses[0])  # bucket full: D waits, B gets pinged
+            while b.peer_id in dht.protocol.routing:  # noqa: ASYNC110 (no event to wait on)
+                await anyio.sleep(0.01)
+        assert set(dht.protocol.routing) == {c.peer_id, d.peer_id}
+
+
+async def test_an_old_peer_that_answers_keeps_its_place() -> None:
+    network = MemoryNetwork()
+    transports = {"memory": {"network": network}}
+    async with AsyncExitStack() as stack:
+        a_node = await stack.enter_async_context(
+            Node(listen=["memory://local:0"], transports=transports)
+        )
+        top = node_id(a_node.peer_id) >> 255
+        others: list[Node] = []
+        while len(others) < 3:
+            identity = Identity.generate()
+            if node_id(identity.peer_id) >> 255 != top:
+                node = Node(identity=identity, listen=["memory://local:0"], transports=transports)
+                others.append(await stack.enter_async_context(node))
+        b, c, d = others
+        dht = await stack.enter_async_context(
+            DHTNode(a_node, k=2, depth_modulo=1, request_timeout=1)
+        )
+        for peer in others:
+            await stack.enter_async_context(DHTNode(peer, k=2))
+        with anyio.fail_after(20):
+            await dht._ping(b.addresses[0])
+            await dht._ping(c.addresses[0])
+            await dht._ping(d.addresses[0])
+            while dht.protocol.ping_queue:  # noqa: ASYNC110 (no event to wait on)
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.1)
+        assert set(dht.protocol.routing) == {b.peer_id, c.peer_id}
+
+
+async def test_stale_buckets_are_refreshed_by_a_lookup_in_their_range() -> None:
+    async with _swarm(6) as dhts:
+        network = dhts[0].node._transport_options["memory"]["network"]
+        async with Node(
+            listen=["memory://local:0"], transports={"memory": {"network": network}}
+        ) as node:
+            dht = DHTNode(node, initial_peers=[dhts[0].node.addresses[0]], refresh_period=0.2)
+            looked_up: list[int] = []
+            lookup = dht._lookup
+
+            async def spy(target: int, **kwargs: Any) -> Any:
+                looked_up.append(target)
+                return await lookup(target, **kwargs)
+
+            dht._lookup = spy  # type: ignore[method-assign]
+            async with dht:
+                bootstrap_lookups = len(looked_up)
+                with anyio.fail_after(10):
+                    while len(looked_up) == bootstrap_lookups:  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+            target = looked_up[-1]
+            assert any(b.lower <= target < b.upper for b in dht.protocol.routing.buckets)
+            assert target != node_id(dht.peer_id)
