@@ -11,6 +11,7 @@ loading refuses a key file that other users can read.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -33,6 +34,7 @@ _B58_INDEX: Final = {c: i for i, c in enumerate(_B58_ALPHABET)}
 _MAX_TEXT_LEN: Final = 64  # 38 bytes encode to 52 base58 characters
 
 
+@functools.lru_cache(maxsize=8192)  # the peers a node talks to repeat
 def _b58encode(data: bytes) -> str:
     zeros = len(data) - len(data.lstrip(b"\0"))
     number = int.from_bytes(data, "big")

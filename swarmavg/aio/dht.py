@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Self
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
 
 import anyio
 import msgpack
@@ -28,6 +29,7 @@ import msgpack
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
 from swarmavg.errors import ConnectError, SwarmError
+from swarmavg.proto.codec import Message
 from swarmavg.proto.dht_limits import Blacklist, StoreQuota
 from swarmavg.proto.dht_messages import (
     ID_BYTES,
@@ -70,20 +72,34 @@ _MAX_CLOCK_SKEW: Final = 5.0
 _MAX_ENTRIES: Final = 4096
 
 
-_Answer = tuple["PeerID", DHTFindResponse | None]
+#: Addresses of peers named in answers (not yet proven) kept for dialing them.
+_MAX_HINTS: Final = 4096
+
+R = TypeVar("R", bound=Message)
+#: What one query of a lookup learned: the peers the answer named, and whether it held a value.
+_Reply = tuple[list[DHTPeerInfo], bool]
+_Query = Callable[["PeerID"], Awaitable[_Reply | None]]
+_Answer = tuple["PeerID", _Reply | None]
 
 
 def dialable_addresses(info: DHTPeerInfo) -> list[Address]:
     """The addresses ``info`` announces that parse and name no other peer, with its PeerID."""
+    return list(_dialable(info.peer_id, tuple(info.addresses[:MAX_ADDRESSES])))
+
+
+@functools.lru_cache(maxsize=4096)  # answers name the same peers over and over
+def _dialable(peer: PeerID, texts: tuple[str, ...]) -> tuple[Address, ...]:
     addresses = []
-    for text in info.addresses[:MAX_ADDRESSES]:
+    for text in texts:
         try:
             address = Address.parse(text)
         except ValueError:
             continue
-        if address.peer_id in (None, info.peer_id):
-            addresses.append(address.with_peer_id(info.peer_id))
-    return addresses
+        if address.peer_id == peer:
+            addresses.append(address)
+        elif address.peer_id is None:
+            addresses.append(address.with_peer_id(peer))
+    return tuple(addresses)
 
 
 class _BadRequest(ValueError):
@@ -137,6 +153,8 @@ class DHTProtocol:
         self.on_stale: Callable[[], None] | None = None
         #: Where each peer in the routing table can be dialed (what it announced).
         self.addresses: dict[PeerID, list[Address]] = {}
+        self._infos: dict[PeerID, DHTPeerInfo] = {}  # what finds say of them
+        self._own_info: tuple[list[Address], DHTPeerInfo] | None = None
         #: Least recently seen peers of full buckets, to ping (and drop if they fail).
         self.ping_queue: deque[PeerID] = deque(maxlen=_MAX_PING_QUEUE)
         self._registered = False
@@ -159,8 +177,10 @@ class DHTProtocol:
         if self.client_mode:
             return None
         announced = self._announce() if self._announce is not None else self.node.addresses
-        addresses = [str(a) for a in announced][:MAX_ADDRESSES]
-        return DHTPeerInfo(self.node.peer_id, addresses)
+        if self._own_info is None or self._own_info[0] != announced:
+            addresses = [str(a) for a in announced][:MAX_ADDRESSES]
+            self._own_info = (list(announced), DHTPeerInfo(self.node.peer_id, addresses))
+        return self._own_info[1]
 
     def learn(self, info: DHTPeerInfo | None, caller: PeerID) -> None:
         """Note a peer that called us or answered us, if it announced itself as routable."""
@@ -171,7 +191,9 @@ class DHTProtocol:
         addresses = dialable_addresses(info)
         if not addresses:
             return  # nothing we could dial it at
-        self.addresses[caller] = addresses
+        if self.addresses.get(caller) != addresses:
+            self.addresses[caller] = addresses
+            self._infos.pop(caller, None)
         stale = self.routing.add_or_update(caller, self.clock())
         if len(self.addresses) > 2 * len(self.routing) + 1024:
             self._prune_addresses()
@@ -185,15 +207,23 @@ class DHTProtocol:
         known = {p for b in self.routing.buckets for p in (*b.peers, *b.replacements)}
         for peer in [p for p in self.addresses if p not in known]:
             del self.addresses[peer]
+            self._infos.pop(peer, None)
 
     def forget(self, peer: PeerID) -> None:
         """``peer`` failed: drop it from the routing table and ban it for a while."""
         self.blacklist.failed(peer, self.clock())
         if self.routing.remove(peer):
             self.addresses.pop(peer, None)
+            self._infos.pop(peer, None)
 
     def peer_info(self, peer: PeerID) -> DHTPeerInfo:
-        return DHTPeerInfo(peer, [str(a) for a in self.addresses.get(peer, [])])
+        """What we tell others about ``peer`` (cached: finds name the same peers often)."""
+        info = self._infos.get(peer)
+        if info is None:
+            info = DHTPeerInfo(peer, [str(a) for a in self.addresses.get(peer, [])])
+            if peer in self.addresses:
+                self._infos[peer] = info
+        return info
 
     async def _ping(self, request: DHTPingRequest, ctx: CallContext) -> DHTPingResponse:
         self.learn(request.sender, ctx.peer_id)
@@ -229,7 +259,13 @@ class DHTProtocol:
             if result.accepted:
                 self.quota.stored(ctx.peer_id, expiration)
             accepted.append(result.accepted)
-        return DHTStoreResponse(accepted)
+        nearest = self._nearest_infos(key_id(request.keys[0]), ctx.peer_id) if count else []
+        return DHTStoreResponse(accepted, nearest)
+
+    def _nearest_infos(self, target: int, caller: PeerID) -> list[DHTPeerInfo]:
+        """The k peers we know nearest to ``target`` (but the caller), to tell the caller."""
+        nearest = self.routing.nearest(target, self.k, exclude=caller)
+        return [self.peer_info(peer) for peer, _ in nearest]
 
     async def _find(self, request: DHTFindRequest, ctx: CallContext) -> DHTFindResponse:
         if len(request.keys) + len(request.targets) > MAX_KEYS_PER_REQUEST:
@@ -239,19 +275,8 @@ class DHTProtocol:
         self.learn(request.sender, ctx.peer_id)
         now = self.clock()
         results = []
-        for target in request.targets:
-            nearest = [
-                self.peer_info(peer)
-                for peer, _ in self.routing.nearest(
-                    int.from_bytes(target, "big"), self.k, exclude=ctx.peer_id
-                )
-            ]
-            results.append(DHTFound(None, 0.0, [], nearest))
         for key in request.keys:
-            nearest = [
-                self.peer_info(peer)
-                for peer, _ in self.routing.nearest(key_id(key), self.k, exclude=ctx.peer_id)
-            ]
+            nearest = self._nearest_infos(key_id(key), ctx.peer_id)
             found = self.storage.get(key, now)
             if isinstance(found, DictionaryValue):
                 entries = [(s, v.value, v.expiration_time) for s, v in found.items.items()]
@@ -260,6 +285,9 @@ class DHTProtocol:
                 results.append(DHTFound(found.value, found.expiration_time, [], nearest))
             else:
                 results.append(DHTFound(None, 0.0, [], nearest))
+        for target in request.targets:
+            nearest = self._nearest_infos(int.from_bytes(target, "big"), ctx.peer_id)
+            results.append(DHTFound(None, 0.0, [], nearest))
         return DHTFindResponse(results)
 
 
@@ -316,7 +344,7 @@ class DHTNode:
         client_mode: bool = False,
         k: int = 20,
         depth_modulo: int = 5,
-        alpha: int = 3,
+        alpha: int = 5,
         num_replicas: int = 5,
         request_timeout: float = 3.0,
         validators: list[RecordValidator] | None = None,
@@ -437,7 +465,7 @@ class DHTNode:
             raise ConnectError("no initial peer answered: " + "; ".join(failures))
         for failure in failures:
             logger.warning("initial peer unreachable: %s", failure)
-        await self._lookup(node_id(self.peer_id), keys=[])  # fill our neighbourhood
+        await self.find_peers(node_id(self.peer_id))  # fill our neighbourhood
 
     async def _ping(self, address: Address) -> None:
         if address.peer_id is None:
@@ -502,7 +530,7 @@ class DHTNode:
             for bucket in routing.stale_buckets(self.clock(), self.refresh_period):
                 target = routing.random_id_in(bucket)
                 logger.debug("refreshing a bucket of %d peers", len(bucket))
-                await self._lookup(target, keys=[])
+                await self.find_peers(target)
 
     # -- asking ----------------------------------------------------------------------------------
 
@@ -510,44 +538,58 @@ class DHTNode:
         known = self.protocol.addresses.get(peer) or self._hints.get(peer)
         return known[0] if known else None
 
-    async def _find(
-        self, peer: PeerID, keys: list[bytes], targets: list[bytes]
-    ) -> DHTFindResponse | None:
+    async def _ask(
+        self, peer: PeerID, method: str, request: Any, response_type: type[R]
+    ) -> R | None:
+        """One request of a lookup; ``None`` (and the peer dropped and banned) if it fails."""
         address = self._address_of(peer)
         if address is None or self.protocol.blacklist.is_banned(peer, self.clock()):
             return None
         try:
             response = await self.node.rpc.call(
-                address,
-                "dht.find",
-                DHTFindRequest(self.protocol.own_info(), keys, targets),
-                response_type=DHTFindResponse,
-                timeout=self.request_timeout,
+                address, method, request, response_type=response_type, timeout=self.request_timeout
             )
         except (SwarmError, OSError, TimeoutError) as exc:
-            self._failed(peer, f"dht.find: {exc}")
-            return None
-        if len(response.results) != len(keys) + len(targets):
-            self._failed(peer, "dht.find answered with the wrong number of results")
+            self._failed(peer, f"{method}: {exc}")
             return None
         self._answered(peer, address)
         return response
 
+    def _candidates(self, infos: list[DHTPeerInfo]) -> list[tuple[PeerID, int]]:
+        """The peers an answer named (at most k), noting where to dial the ones we do not know."""
+        nearest = []
+        for info in infos[: self.k]:
+            if info.peer_id == self.peer_id:
+                continue
+            if info.peer_id not in self.protocol.addresses:
+                addresses = dialable_addresses(info)
+                if not addresses:
+                    continue
+                self._hints[info.peer_id] = addresses
+            nearest.append((info.peer_id, node_id(info.peer_id)))
+        if len(self._hints) > _MAX_HINTS:
+            for peer in list(self._hints)[: len(self._hints) - _MAX_HINTS]:
+                del self._hints[peer]
+        return nearest
+
     async def _lookup(
-        self, target: int, *, keys: list[bytes], latest: bool = False
-    ) -> tuple[Lookup, dict[PeerID, DHTFound]]:
-        """Look up ``target``; with ``keys`` (one key whose id is ``target``), also collect
-        what each answering peer holds for it."""
+        self, target: int, beam: int, query: _Query, *, stop_on_value: bool = False
+    ) -> Lookup:
+        """Drive a lookup of ``target`` with a beam of ``beam`` peers: ``query(peer)`` asks one
+        peer and gives back the peers it named (and whether it had a value), or ``None`` if it
+        failed."""
         lookup = Lookup(
-            target, k=self.k, alpha=self.alpha, stop_on_value=not latest, exclude=[self.peer_id]
+            target,
+            k=beam,
+            alpha=self.alpha,
+            stop_on_value=stop_on_value,
+            exclude=[self.peer_id],
         )
-        lookup.add_candidates(self.protocol.routing.nearest(target, self.k))
-        found: dict[PeerID, DHTFound] = {}
+        lookup.add_candidates(self.protocol.routing.nearest(target, max(beam, self.alpha)))
         send, receive = anyio.create_memory_object_stream[_Answer](self.alpha * 2)
-        targets = [] if keys else [target.to_bytes(ID_BYTES, "big")]
 
         async def ask(peer: PeerID) -> None:
-            answer = await self._find(peer, keys, targets)
+            answer = await query(peer)
             with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 await send.send((peer, answer))
 
@@ -557,34 +599,44 @@ class DHTNode:
                     tg.start_soon(ask, peer)
                 if lookup.in_flight == 0:
                     break
-                peer, response = await receive.receive()
-                if response is None:
+                peer, answer = await receive.receive()
+                if answer is None:
                     lookup.on_failure(peer)
-                    continue
-                result = response.results[0] if response.results else None
-                nearest: list[tuple[PeerID, int]] = []
-                for info in result.nearest[: self.k] if result is not None else []:
-                    if info.peer_id == self.peer_id:
-                        continue
-                    addresses = dialable_addresses(info)
-                    if addresses and info.peer_id not in self.protocol.addresses:
-                        self._hints[info.peer_id] = addresses
-                    nearest.append((info.peer_id, node_id(info.peer_id)))
-                has_value = (
-                    bool(keys)
-                    and result is not None
-                    and (result.value is not None or bool(result.entries))
-                )
-                if has_value and result is not None:
-                    found[peer] = result
-                lookup.on_response(peer, nearest, found=has_value)
+                else:
+                    named, found = answer
+                    lookup.on_response(peer, self._candidates(named), found=found)
             tg.cancel_scope.cancel()
-        return lookup, found
+        return lookup
+
+    async def find_peers(self, target: int) -> list[PeerID]:
+        """The k peers nearest to the node id ``target`` that answered us (a node lookup)."""
+        request = DHTFindRequest(self.protocol.own_info(), [], [target.to_bytes(ID_BYTES, "big")])
+
+        async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
+            response = await self._ask(peer, "dht.find", request, DHTFindResponse)
+            if response is None:
+                return None
+            if len(response.results) != 1:
+                self._failed(peer, "dht.find answered with the wrong number of results")
+                return None
+            return response.results[0].nearest, False
+
+        lookup = await self._lookup(target, self.k, query)
+        return lookup.nearest_responded()
 
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
-        """Store ``value`` under ``key`` (and ``subkey``) on the nearest peers until
-        ``expiration_time`` (DHT time); whether at least one peer (or we, if we are among the
-        nearest or alone) accepted it."""
+        """Store ``value`` under ``key`` (and ``subkey``) on the ``num_replicas`` peers nearest
+        to the key until ``expiration_time`` (DHT time); whether at least one peer (or we, if
+        we are among the nearest or alone) accepted it.
+
+        The store requests are themselves the lookup: each peer that takes a record answers
+        with the peers it knows nearer the key, and those are asked next, until the
+        ``num_replicas`` nearest peers found have all answered.
+
+        :raises ValueError: the record is too large, or does not pass our validators (a key
+            owned by another peer, a value the schema refuses).
+        :raises TypeError: the key, subkey or value is not msgpack-serializable.
+        """
         key_bytes = _pack(key)
         subkey_bytes = None if subkey is None else _pack(subkey)
         record = DHTRecord(key_bytes, subkey_bytes, _pack(value), float(expiration_time))
@@ -600,9 +652,26 @@ class DHTNode:
         if not self.protocol.validator.validate(dataclasses.replace(record, value=signed)):
             raise ValueError(f"the record under {key!r} does not pass this DHT's validators")
         target = key_id(key_bytes)
-        lookup, _ = await self._lookup(target, keys=[])
+        request = DHTStoreRequest(
+            self.protocol.own_info(),
+            [key_bytes],
+            [subkey_bytes],
+            [signed],
+            [record.expiration_time],
+        )
+        accepted_by: list[PeerID] = []
+
+        async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
+            response = await self._ask(peer, "dht.store", request, DHTStoreResponse)
+            if response is None:
+                return None
+            if response.accepted[:1] == [True]:
+                accepted_by.append(peer)
+            return response.nearest, False
+
+        lookup = await self._lookup(target, self.num_replicas, query)
         replicas = lookup.nearest_responded(self.num_replicas)
-        accepted = False
+        accepted = bool(accepted_by)
         own_distance = node_id(self.peer_id) ^ target
         farthest = max((node_id(p) ^ target for p in replicas), default=-1)
         if not self.protocol.client_mode and (
@@ -611,50 +680,23 @@ class DHTNode:
             result = self.protocol.storage.store(
                 key_bytes, signed, record.expiration_time, self.clock(), subkey=subkey_bytes
             )
-            accepted = result.accepted
-        request = DHTStoreRequest(
-            self.protocol.own_info(),
-            [key_bytes],
-            [subkey_bytes],
-            [signed],
-            [record.expiration_time],
-        )
-        results: list[bool] = []
-
-        async def put(peer: PeerID) -> None:
-            address = self._address_of(peer)
-            if address is None:
-                return
-            try:
-                response = await self.node.rpc.call(
-                    address,
-                    "dht.store",
-                    request,
-                    response_type=DHTStoreResponse,
-                    timeout=self.request_timeout,
-                )
-            except (SwarmError, OSError, TimeoutError) as exc:
-                self._failed(peer, f"dht.store: {exc}")
-                return
-            results.append(bool(response.accepted and response.accepted[0]))
-
-        async with anyio.create_task_group() as tg:
-            for peer in replicas:
-                tg.start_soon(put, peer)
-        stored = accepted or any(results)
-        if stored and self.cache is not None:
+            accepted = accepted or result.accepted
+        if accepted and self.cache is not None:
             self.cache.store(
                 key_bytes, signed, record.expiration_time, self.clock(), subkey=subkey_bytes
             )
-        return stored
+        return accepted
 
     async def get(
         self, key: Any, latest: bool = False
     ) -> ValueWithExpiration[Any] | dict[Any, ValueWithExpiration[Any]] | None:
         """The value under ``key``: the first found (our own storage, then the cache, then the
-        network), or with ``latest`` the newest across the nearest peers; a dictionary key
-        gives subkey -> value, merged across replicas. Records that do not validate are
-        ignored."""
+        network), or with ``latest`` the newest held by the peers nearest the key; a
+        dictionary key gives subkey -> value, merged across replicas. Records that do not
+        validate are ignored.
+
+        :raises TypeError: the key is not msgpack-serializable.
+        """
         key_bytes = _pack(key)
         now = self.clock()
         plain: ValueWithExpiration[bytes] | None = None
@@ -685,12 +727,25 @@ class DHTNode:
         elif local is not None:
             consider(None, local.value, local.expiration_time)
         if local is None or latest:
-            _, found = await self._lookup(key_id(key_bytes), keys=[key_bytes], latest=latest)
-            for result in found.values():
+            request = DHTFindRequest(self.protocol.own_info(), [key_bytes], [])
+
+            async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
+                response = await self._ask(peer, "dht.find", request, DHTFindResponse)
+                if response is None:
+                    return None
+                if len(response.results) != 1:
+                    self._failed(peer, "dht.find answered with the wrong number of results")
+                    return None
+                result = response.results[0]
                 if result.value is not None:
                     consider(None, result.value, result.expiration)
                 for entry_key, entry_value, entry_exp in result.entries[:_MAX_ENTRIES]:
                     consider(entry_key, entry_value, entry_exp)
+                return result.nearest, result.value is not None or bool(result.entries)
+
+            await self._lookup(
+                key_id(key_bytes), self.num_replicas, query, stop_on_value=not latest
+            )
             if self.cache is not None:
                 if plain is not None:
                     self.cache.store(key_bytes, plain.value, plain.expiration_time, now)

@@ -124,7 +124,15 @@ class Node:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        except BaseException as exc:
+            # the task group must be exited whatever happened (or its cancel scope stays
+            # open in this task and breaks the caller's scopes)
+            stack, self._stack = self._stack, None
+            if stack is not None:
+                await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         stack, self._stack = self._stack, None
         if stack is None:
             return None

@@ -86,9 +86,11 @@ class DHTStoreRequest(Message):
 @message("dht.stored")
 @dataclass(frozen=True, slots=True)
 class DHTStoreResponse(Message):
-    """Which records were accepted, in request order."""
+    """Which records were accepted, in request order; and the peers the node knows nearest to
+    the first key (so that a store is also a step of the lookup for where to store)."""
 
     accepted: list[bool]
+    nearest: list[DHTPeerInfo]
 
 
 @message("dht.found")

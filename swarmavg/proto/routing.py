@@ -27,6 +27,7 @@ Nothing here reads a clock: callers pass ``now`` (any monotonic seconds) where r
 
 from __future__ import annotations
 
+import functools
 import heapq
 import random
 from bisect import bisect_right
@@ -51,6 +52,7 @@ ID_BITS: Final = 256
 MAX_ID: Final = 1 << ID_BITS
 
 
+@functools.lru_cache(maxsize=65536)  # a hash per peer, asked for at every answer
 def node_id(peer: PeerID) -> int:
     """The Kademlia id of ``peer``: SHA-256 of its PeerID, as a 256-bit integer."""
     return int.from_bytes(peer.digest(), "big")

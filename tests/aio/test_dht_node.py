@@ -379,13 +379,13 @@ async def test_stale_buckets_are_refreshed_by_a_lookup_in_their_range() -> None:
         ) as node:
             dht = DHTNode(node, initial_peers=[dhts[0].node.addresses[0]], refresh_period=0.2)
             looked_up: list[int] = []
-            lookup = dht._lookup
+            find_peers = dht.find_peers
 
-            async def spy(target: int, **kwargs: Any) -> Any:
+            async def spy(target: int) -> Any:
                 looked_up.append(target)
-                return await lookup(target, **kwargs)
+                return await find_peers(target)
 
-            dht._lookup = spy  # type: ignore[method-assign]
+            dht.find_peers = spy  # type: ignore[method-assign]
             async with dht:
                 bootstrap_lookups = len(looked_up)
                 with anyio.fail_after(10):
