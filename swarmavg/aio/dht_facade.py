@@ -53,8 +53,9 @@ class DHT:
 
     :param initial_peers: addresses of running peers (``get_visible_maddrs()`` of one of them,
         or ``swarmavg dht``'s output); empty for the first peer of a swarm.
-    :param client_mode: query and store, but listen on nothing and stay out of other peers'
-        routing tables (a peer behind NAT or a firewall).
+    :param client_mode: query and store, but stay out of other peers' routing tables and listen
+        on nothing (unless ``host_maddrs`` names addresses) and announce nothing (a peer
+        behind NAT or a firewall).
     :param transport: the transport to listen with (``"tcp"``, ``"quic"``, ``"memory"``, or a
         plugin's name).
     :param host: the interface to listen on; ``"0.0.0.0"`` (or ``"::"``) for all of them, which
