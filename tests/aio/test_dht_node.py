@@ -394,3 +394,42 @@ async def test_stale_buckets_are_refreshed_by_a_lookup_in_their_range() -> None:
             target = looked_up[-1]
             assert any(b.lower <= target < b.upper for b in dht.protocol.routing.buckets)
             assert target != node_id(dht.peer_id)
+
+
+async def test_latest_finds_the_newest_where_first_found_may_not() -> None:
+    async with _swarm(12, cache_locally=False) as dhts:
+        now = get_dht_time()
+        key = msgpack.packb("version")
+        with anyio.fail_after(30):
+            assert await dhts[0].store("version", "v1", now + 30)
+            replicas = [d for d in dhts if d.protocol.storage.get(key, now) is not None]
+            assert len(replicas) >= 5
+            # one replica alone learns a newer value (as if the others missed that store)
+            newer = msgpack.packb("v2")
+            assert replicas[-1].protocol.storage.store(key, newer, now + 60, now).accepted
+            reader = next(d for d in dhts if d not in replicas)
+            first = await reader.get("version")
+            assert first in (
+                ValueWithExpiration("v1", now + 30),
+                ValueWithExpiration("v2", now + 60),
+            )
+            assert await reader.get("version", latest=True) == ValueWithExpiration("v2", now + 60)
+
+
+async def test_forged_records_on_a_replica_are_never_returned() -> None:
+    async with _swarm(10, cache_locally=False) as dhts:
+        owner = dhts[3]
+        key = "owned" + owner_marker(owner.peer_id).decode()
+        key_bytes = msgpack.packb(key)
+        now = get_dht_time()
+        with anyio.fail_after(30):
+            assert await owner.store(key, "genuine", now + 30)
+            replicas = [d for d in dhts if d.protocol.storage.get(key_bytes, now) is not None]
+            # a dishonest replica holds a newer record with a forged or missing signature
+            forged = msgpack.packb([msgpack.packb("forged"), b"\x00" * 64])
+            unsigned = msgpack.packb("unsigned")
+            replicas[0].protocol.storage.store(key_bytes, forged, now + 90, now)
+            replicas[1].protocol.storage.store(key_bytes, unsigned, now + 90, now)
+            for reader in (d for d in dhts if d not in replicas[:2]):
+                got = await reader.get(key, latest=True)
+                assert got == ValueWithExpiration("genuine", now + 30)

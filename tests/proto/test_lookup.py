@@ -16,7 +16,8 @@ class Swarm:
 
     def __init__(self, n: int, seed: int, sample: int = 200) -> None:
         rng = random.Random(seed)
-        self.peers = [Identity.generate().peer_id for _ in range(n)]
+        # PeerIDs from the seed too: with random ones the figures below would vary per run
+        self.peers = [PeerID.from_public_key(rng.randbytes(32)) for _ in range(n)]
         self.ids = {p: node_id(p) for p in self.peers}
         self.tables: dict[PeerID, RoutingTable] = {}
         for peer in self.peers:
