@@ -83,3 +83,5 @@ def bench(session: nox.Session) -> None:
     _install(session)
     session.install("psutil")
     session.run("python", "benchmarks/transport.py", *session.posargs)
+    # hivemind's side runs in its own venv (see benchmarks/dht.py); without it, ours alone
+    session.run("python", "benchmarks/dht.py", *session.posargs)

@@ -24,7 +24,7 @@ not hide honest peers that another answer names.
 
 from __future__ import annotations
 
-import heapq
+import bisect
 from collections.abc import Iterable
 from enum import Enum
 from typing import Final
@@ -75,7 +75,9 @@ class Lookup:
         self._excluded = set(exclude)
         self._state: dict[PeerID, PeerState] = {}
         self._distance: dict[PeerID, int] = {}
-        self._new: list[tuple[int, PeerID]] = []  # heap of candidates not queried yet
+        #: every candidate that has not failed, nearest first (the beam is its first k)
+        self._ranked: list[tuple[int, PeerID]] = []
+        self._in_flight = 0
         self.value_found = False
         self.queries = 0  # requests handed out so far
 
@@ -83,15 +85,16 @@ class Lookup:
 
     def add_candidates(self, peers: Iterable[tuple[PeerID, int]]) -> None:
         """Peers (with their node ids) that might be near the target."""
+        state = self._state
         for count, (peer, nid) in enumerate(peers):
             if count >= _MAX_CANDIDATES_PER_ANSWER:
                 break  # an answer naming thousands of peers costs us no more than 64
-            if peer in self._state or peer in self._excluded:
+            if peer in state or peer in self._excluded:
                 continue
             dist = nid ^ self.target
-            self._state[peer] = PeerState.NEW
+            state[peer] = PeerState.NEW
             self._distance[peer] = dist
-            heapq.heappush(self._new, (dist, peer))
+            bisect.insort(self._ranked, (dist, peer))
 
     def on_response(
         self, peer: PeerID, nearest: Iterable[tuple[PeerID, int]] = (), *, found: bool = False
@@ -101,6 +104,7 @@ class Lookup:
         if self._state.get(peer) is not PeerState.IN_FLIGHT:
             return  # not asked, or already settled: ignore
         self._state[peer] = PeerState.RESPONDED
+        self._in_flight -= 1
         if found:
             self.value_found = True
         self.add_candidates(nearest)
@@ -109,21 +113,21 @@ class Lookup:
         """``peer`` did not answer (timeout, refusal, bad answer): the beam moves past it."""
         if self._state.get(peer) is PeerState.IN_FLIGHT:
             self._state[peer] = PeerState.FAILED
+            self._in_flight -= 1
+            entry = (self._distance[peer], peer)
+            index = bisect.bisect_left(self._ranked, entry)
+            if index < len(self._ranked) and self._ranked[index] == entry:
+                del self._ranked[index]
 
     # -- output ----------------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for s in self._state.values() if s is PeerState.IN_FLIGHT)
+        return self._in_flight
 
     def _beam(self) -> list[tuple[int, PeerID]]:
         """The k nearest candidates that have not failed, nearest first."""
-        alive = (
-            (dist, peer)
-            for peer, dist in self._distance.items()
-            if self._state[peer] is not PeerState.FAILED
-        )
-        return heapq.nsmallest(self.k, alive)
+        return self._ranked[: self.k]
 
     @property
     def finished(self) -> bool:
@@ -131,37 +135,40 @@ class Lookup:
         the beam answered, or nothing is left to ask."""
         if self.value_found and self.stop_on_value:
             return True
+        state = self._state
+        responded = PeerState.RESPONDED
         beam = self._beam()
-        if all(self._state[peer] is PeerState.RESPONDED for _, peer in beam):
+        if all(state[peer] is responded for _, peer in beam):
             return True
-        return self.in_flight == 0 and not self._askable(beam)
+        return self._in_flight == 0 and not self._askable(beam)
 
     def _askable(self, beam: list[tuple[int, PeerID]]) -> list[PeerID]:
-        return [peer for _, peer in beam if self._state[peer] is PeerState.NEW]
+        state = self._state
+        new = PeerState.NEW
+        return [peer for _, peer in beam if state[peer] is new]
 
     def next_queries(self) -> list[PeerID]:
         """The peers to ask now (marked in flight): the nearest new candidates of the beam, so
         that at most ``alpha`` requests are in flight."""
         if self.value_found and self.stop_on_value:
             return []
-        room = self.alpha - self.in_flight
+        room = self.alpha - self._in_flight
         if room <= 0:
             return []
         chosen = self._askable(self._beam())[:room]
         for peer in chosen:
             self._state[peer] = PeerState.IN_FLIGHT
+        self._in_flight += len(chosen)
         self.queries += len(chosen)
         return chosen
 
     def nearest_responded(self, count: int | None = None) -> list[PeerID]:
         """Up to ``count`` (default ``k``) peers that answered, nearest to the target first."""
         count = self.k if count is None else count
-        answered = (
-            (dist, peer)
-            for peer, dist in self._distance.items()
-            if self._state[peer] is PeerState.RESPONDED
-        )
-        return [peer for _, peer in heapq.nsmallest(count, answered)]
+        state = self._state
+        responded = PeerState.RESPONDED
+        answered = [peer for _, peer in self._ranked if state[peer] is responded]
+        return answered[:count]
 
     def state(self, peer: PeerID) -> PeerState | None:
         return self._state.get(peer)
