@@ -15,7 +15,6 @@ replicated stores, gets that merge what replicas hold, a local cache, and the up
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -79,7 +78,6 @@ R = TypeVar("R", bound=Message)
 #: What one query of a lookup learned: the peers the answer named, and whether it held a value.
 _Reply = tuple[list[DHTPeerInfo], bool]
 _Query = Callable[["PeerID"], Awaitable[_Reply | None]]
-_Answer = tuple["PeerID", _Reply | None]
 
 
 def dialable_addresses(info: DHTPeerInfo) -> list[Address]:
@@ -586,26 +584,27 @@ class DHTNode:
             exclude=[self.peer_id],
         )
         lookup.add_candidates(self.protocol.routing.nearest(target, max(beam, self.alpha)))
-        send, receive = anyio.create_memory_object_stream[_Answer](self.alpha * 2)
+        # Each answer is handled by the task that got it (one event loop: no locks needed),
+        # which then hands out the next queries; no central loop, no queue.
+        async with anyio.create_task_group() as tg:
 
-        async def ask(peer: PeerID) -> None:
-            answer = await query(peer)
-            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-                await send.send((peer, answer))
-
-        async with send, receive, anyio.create_task_group() as tg:
-            while not lookup.finished:
+            def step() -> None:
+                if lookup.finished:
+                    tg.cancel_scope.cancel()  # queries still in flight are not needed
+                    return
                 for peer in lookup.next_queries():
                     tg.start_soon(ask, peer)
-                if lookup.in_flight == 0:
-                    break
-                peer, answer = await receive.receive()
+
+            async def ask(peer: PeerID) -> None:
+                answer = await query(peer)
                 if answer is None:
                     lookup.on_failure(peer)
                 else:
                     named, found = answer
                     lookup.on_response(peer, self._candidates(named), found=found)
-            tg.cancel_scope.cancel()
+                step()
+
+            step()
         return lookup
 
     async def find_peers(self, target: int) -> list[PeerID]:

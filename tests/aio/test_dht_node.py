@@ -433,3 +433,23 @@ async def test_forged_records_on_a_replica_are_never_returned() -> None:
             for reader in (d for d in dhts if d not in replicas[:2]):
                 got = await reader.get(key, latest=True)
                 assert got == ValueWithExpiration("genuine", now + 30)
+
+
+async def test_bootstrap_warns_about_a_peer_whose_clock_is_far_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    network = MemoryNetwork()
+    transports = {"memory": {"network": network}}
+    async with (
+        Node(listen=["memory://local:0"], transports=transports) as skewed,
+        Node(listen=["memory://local:0"], transports=transports) as newcomer,
+    ):
+        ahead = DHTNode(skewed, clock=lambda: get_dht_time() + 30)
+        async with ahead:
+            with caplog.at_level("WARNING", logger="swarmavg.aio.dht"), anyio.fail_after(10):
+                async with DHTNode(newcomer, initial_peers=[skewed.addresses[0]]) as dht:
+                    assert skewed.peer_id in dht.protocol.routing
+        warnings = [r.getMessage() for r in caplog.records if "clock" in r.getMessage()]
+        assert len(warnings) == 1
+        assert skewed.peer_id.short() in warnings[0]
+        assert "30." in warnings[0] or "29." in warnings[0]
