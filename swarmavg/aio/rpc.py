@@ -166,6 +166,23 @@ class _Method:
     request_type: type[Message]
 
 
+class _fail_after:
+    """``anyio.fail_after`` without its generator (a call's hot path enters two of these).
+    The scope is not handed out, so only its deadline can cancel it."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(self, seconds: float) -> None:
+        self._scope = anyio.CancelScope(deadline=anyio.current_time() + seconds)
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._scope.__exit__(*exc_info):  # it caught its own cancellation: the deadline
+            raise TimeoutError
+
+
 def _timeout_budget(timeout: float | None) -> float:
     if timeout is None:
         return math.inf
@@ -228,7 +245,7 @@ class StreamingCall(Generic[Req, Resp]):
     def _scope(self) -> AbstractContextManager[object]:
         if self._scoped_outside or math.isinf(self._deadline):
             return _NO_SCOPE
-        return anyio.fail_after(self._deadline - anyio.current_time())
+        return _fail_after(self._deadline - anyio.current_time())
 
     async def _send_opening(self, header: CallHeader, first: Message | None) -> None:
         """Send the opening message: ``u32 header size | CallHeader | [first request]``."""
@@ -472,7 +489,7 @@ class RPC:
             if math.isinf(budget) or scoped_outside:
                 stream = await self._open_stream(peer)
             else:
-                with anyio.fail_after(budget):
+                with _fail_after(budget):
                     stream = await self._open_stream(peer)
         except TimeoutError:
             raise RPCTimeout(f"opening call {method!r} timed out after {timeout} s") from None
@@ -518,7 +535,7 @@ class RPC:
         if timeout is None:
             return await self._unary(peer, method, request, response_type, None)
         try:
-            with anyio.fail_after(_timeout_budget(timeout)):  # one scope for the whole call
+            with _fail_after(_timeout_budget(timeout)):  # one scope for the whole call
                 return await self._unary(peer, method, request, response_type, timeout)
         except TimeoutError:
             raise RPCTimeout(f"call {method!r} timed out after {timeout} s") from None
@@ -631,7 +648,7 @@ class RPC:
         failure is answered with a :class:`CallFailed`.
         """
         try:
-            with anyio.fail_after(_HEADER_TIMEOUT):
+            with _fail_after(_HEADER_TIMEOUT):
                 opening = await stream.receive()
             header, rest = _decode_opening(opening, stream.max_message_size)
         except (TimeoutError, anyio.EndOfStream, RemoteProtocolError, *_GONE) as exc:
