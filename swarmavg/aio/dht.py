@@ -612,16 +612,21 @@ class DHTNode:
         request = DHTFindRequest(self.protocol.own_info(), [], [target.to_bytes(ID_BYTES, "big")])
 
         async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
-            response = await self._ask(peer, "dht.find", request, DHTFindResponse)
-            if response is None:
-                return None
-            if len(response.results) != 1:
-                self._failed(peer, "dht.find answered with the wrong number of results")
-                return None
-            return response.results[0].nearest, False
+            found = await self._find_one(peer, request)
+            return None if found is None else (found.nearest, False)
 
         lookup = await self._lookup(target, self.k, query)
         return lookup.nearest_responded()
+
+    async def _find_one(self, peer: PeerID, request: DHTFindRequest) -> DHTFound | None:
+        """Ask ``peer`` a find of one key or target; its one result, or ``None``."""
+        response = await self._ask(peer, "dht.find", request, DHTFindResponse)
+        if response is None:
+            return None
+        if len(response.results) != 1:
+            self._failed(peer, "dht.find answered with the wrong number of results")
+            return None
+        return response.results[0]
 
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) on the ``num_replicas`` peers nearest
@@ -729,13 +734,9 @@ class DHTNode:
             request = DHTFindRequest(self.protocol.own_info(), [key_bytes], [])
 
             async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
-                response = await self._ask(peer, "dht.find", request, DHTFindResponse)
-                if response is None:
+                result = await self._find_one(peer, request)
+                if result is None:
                     return None
-                if len(response.results) != 1:
-                    self._failed(peer, "dht.find answered with the wrong number of results")
-                    return None
-                result = response.results[0]
                 if result.value is not None:
                     consider(None, result.value, result.expiration)
                 for entry_key, entry_value, entry_exp in result.entries[:_MAX_ENTRIES]:

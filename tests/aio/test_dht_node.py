@@ -308,29 +308,33 @@ async def test_the_cache_answers_when_the_replicas_are_gone() -> None:
             assert await reader.get("hot") == ValueWithExpiration("value", now + 60)
 
 
-async def test_a_full_bucket_pings_its_oldest_peer_and_replaces_it_if_dead() -> None:
-    """k=2: A learns B and C, whose ids sit in the half of the id space A is not in; with
-    depth_modulo=1 that bucket cannot split, so D waits as a replacement while A pings B (the
-    least recently seen). B is dead: D takes its place."""
+@asynccontextmanager
+async def _full_bucket() -> AsyncIterator[tuple[DHTNode, list[Node]]]:
+    """A DHTNode (k=2, depth_modulo=1) and three running peers whose ids sit in the half of the
+    id space it is not in: a bucket that cannot split, with room for two of them."""
     network = MemoryNetwork()
     transports = {"memory": {"network": network}}
     async with AsyncExitStack() as stack:
-        a_node = await stack.enter_async_context(
+        own = await stack.enter_async_context(
             Node(listen=["memory://local:0"], transports=transports)
         )
-        top = node_id(a_node.peer_id) >> 255
+        top = node_id(own.peer_id) >> 255
         others: list[Node] = []
         while len(others) < 3:
             identity = Identity.generate()
             if node_id(identity.peer_id) >> 255 != top:
                 node = Node(identity=identity, listen=["memory://local:0"], transports=transports)
                 others.append(await stack.enter_async_context(node))
-        b, c, d = others
-        dht = await stack.enter_async_context(
-            DHTNode(a_node, k=2, depth_modulo=1, request_timeout=1)
-        )
+        dht = await stack.enter_async_context(DHTNode(own, k=2, depth_modulo=1, request_timeout=1))
         for peer in others:
             await stack.enter_async_context(DHTNode(peer, k=2))
+        yield dht, others
+
+
+async def test_a_full_bucket_pings_its_oldest_peer_and_replaces_it_if_dead() -> None:
+    """A learns B and C; D waits as a replacement while A pings B (the least recently seen).
+    B is dead: D takes its place."""
+    async with _full_bucket() as (dht, (b, c, d)):
         with anyio.fail_after(20):
             await dht._ping(b.addresses[0])
             await dht._ping(c.addresses[0])
@@ -342,25 +346,7 @@ async def test_a_full_bucket_pings_its_oldest_peer_and_replaces_it_if_dead() -> 
 
 
 async def test_an_old_peer_that_answers_keeps_its_place() -> None:
-    network = MemoryNetwork()
-    transports = {"memory": {"network": network}}
-    async with AsyncExitStack() as stack:
-        a_node = await stack.enter_async_context(
-            Node(listen=["memory://local:0"], transports=transports)
-        )
-        top = node_id(a_node.peer_id) >> 255
-        others: list[Node] = []
-        while len(others) < 3:
-            identity = Identity.generate()
-            if node_id(identity.peer_id) >> 255 != top:
-                node = Node(identity=identity, listen=["memory://local:0"], transports=transports)
-                others.append(await stack.enter_async_context(node))
-        b, c, d = others
-        dht = await stack.enter_async_context(
-            DHTNode(a_node, k=2, depth_modulo=1, request_timeout=1)
-        )
-        for peer in others:
-            await stack.enter_async_context(DHTNode(peer, k=2))
+    async with _full_bucket() as (dht, (b, c, d)):
         with anyio.fail_after(20):
             await dht._ping(b.addresses[0])
             await dht._ping(c.addresses[0])
