@@ -127,6 +127,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stored: list[tuple[str, str, int, bool]] = []  # key, value, storer, latest
         store_t: list[float] = []
         store_ok = 0
+        for i in range(args.peers * args.warmup_per_peer):  # untimed, as on our side
+            key, value = f"warmup-{uuid.uuid4().hex}", uuid.uuid4().hex
+            _store(dhts[i % args.peers], key, value, args.op_timeout)
+            _get(dhts[i % args.peers], key, value, True, args.op_timeout)
         for latest in (False, True):
             get_t: list[float] = []
             get_ok = 0
@@ -193,6 +197,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=50, help="rounds per latest=False/True")
+    parser.add_argument(
+        "--warmup-per-peer", type=int, default=3, help="untimed store + get rounds per peer"
+    )
     parser.add_argument("--ready-repeats", type=int, default=5)
     parser.add_argument("--kill-fraction", type=float, default=0.1)
     parser.add_argument("--settle", type=float, default=1.0, help="sleep after the swarm is up")

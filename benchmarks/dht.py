@@ -21,7 +21,8 @@ Settings:
   ``MemoryNetwork``, started and measured the same way (ours only: hivemind has no in-process
   transport).
 
-Measurements, in this order, after the swarm is up and ``--settle`` seconds of sleep:
+Measurements, in this order, after the swarm is up and ``--settle`` seconds of sleep, and
+``WARMUP_PER_PEER`` untimed rounds of store + latest get from each peer (both systems):
 
 1. Rounds: R times (``--rounds``, default 50, ``--quick`` 10) for ``latest=False`` and then R
    times for ``latest=True``: a fresh key stored (``now + 300 s``) from a random peer a, then got
@@ -85,6 +86,9 @@ WORKER_IDLE = 900.0  # a peer process gives up when its driver says nothing for 
 HIVEMIND_TIMEOUT = 600.0  # the whole hivemind run
 MEMORY_TIMEOUT = 600.0  # the whole in-process memory run
 TARGET_RATIO = 5.0
+#: Untimed store + latest get rounds per peer before measuring (both systems), so that the
+#: figures are of a warm swarm: connections open, caches and code paths warm.
+WARMUP_PER_PEER = 3
 AIM_MS = 2.0
 
 
@@ -377,6 +381,10 @@ async def _measure(
     stored: list[tuple[str, str, int, bool]] = []  # key, value, storer, latest
     store_t: list[float] = []
     store_ok = 0
+    for i in range(n * WARMUP_PER_PEER):  # untimed: every peer opens its connections
+        key, value = f"warmup-{uuid.uuid4().hex}", uuid.uuid4().hex
+        await _attempt(partial(swarm.store, i % n, key, value), errors)
+        await _attempt(partial(swarm.get, i % n, key, value, True), errors)
     for latest in (False, True):
         get_t: list[float] = []
         get_ok = 0
@@ -473,6 +481,7 @@ def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
         str(HERE / "_dht_hivemind.py"),
         f"--peers={args.tcp_peers}",
         f"--rounds={args.rounds}",
+        f"--warmup-per-peer={WARMUP_PER_PEER}",
         f"--ready-repeats={args.ready_repeats}",
         f"--kill-fraction={args.kill_fraction}",
         f"--settle={args.settle}",
