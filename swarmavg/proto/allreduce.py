@@ -1,0 +1,274 @@
+"""The arithmetic of a butterfly all-reduce (sans-IO): who reduces what, in which parts, and the
+weighted mean of a part.
+
+In a group of ``n`` members averaging the same tensors, every tensor is flattened into one long
+vector (one buffer per dtype: :class:`FlatLayout`), the vector is cut into one *span* per member
+(:func:`load_balance`, sized by each member's bandwidth), and each member *reduces* its span: it
+receives every sender's values of that span in *parts* (:func:`plan_parts`, at most
+``part_size`` elements each, never across a dtype buffer), computes the weighted mean of each
+part (:class:`PartReducer`) and sends it back to everyone. Nothing here does I/O; the runner in
+:mod:`swarmavg.aio` moves the parts.
+
+Load balancing
+--------------
+With ``V`` elements in all, a member reducing ``a`` of them receives ``(s - 1)·a`` values from
+the other ``s - 1`` senders and sends ``V - a`` of its own, then sends ``(n - 1)·a`` results and
+receives ``V - a``: about ``2·((n - 2)·a + V)`` values through a link of bandwidth ``b``. The
+split that makes the slowest member fastest gives each member the same time, so
+``(n - 2)·a + V`` is proportional to ``b``; members whose share would be negative (too slow to
+help) or under ``min_vector_size`` reduce nothing and the others share their part (water
+filling). Members with bandwidth 0 (client-mode peers, which nobody can dial) reduce nothing; a
+bandwidth of ``None`` means "the mean of the others'".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "FlatLayout",
+    "Part",
+    "PartReducer",
+    "TensorSpec",
+    "load_balance",
+    "plan_parts",
+    "schema_digest",
+]
+
+#: dtypes that can be averaged, and what their weighted sums accumulate in.
+_ACCUMULATE: Final = {
+    "float16": np.float32,
+    "bfloat16": np.float32,  # (a buffer of it is kept as float32 by the averager)
+    "float32": np.float32,
+    "float64": np.float64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What one averaged tensor looks like: its shape and dtype name (``"float32"``, ...)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ACCUMULATE:
+            choices = ", ".join(sorted(_ACCUMULATE))
+            raise TypeError(f"tensors of dtype {self.dtype} cannot be averaged (only {choices})")
+        if any(not isinstance(d, int) or d < 0 for d in self.shape):
+            raise ValueError(f"a shape is a tuple of non-negative ints, not {self.shape!r}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def schema_digest(specs: Sequence[TensorSpec]) -> bytes:
+    """A short digest of the tensors' shapes and dtypes, in order: groups form only among peers
+    whose digests are equal."""
+    packed = msgpack.packb([[list(s.shape), s.dtype] for s in specs], use_bin_type=True)
+    return hashlib.sha256(b"swarmavg/schema/1" + packed).digest()[:16]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each tensor lives in the flat vector: tensors of one dtype are laid out one after
+    the other in that dtype's buffer, buffers in order of first appearance; the vector is the
+    buffers one after the other."""
+
+    specs: tuple[TensorSpec, ...]
+    #: (dtype, numel) of each buffer, in vector order
+    buffers: tuple[tuple[str, int], ...] = field(init=False)
+    #: (buffer index, offset in it) of each tensor
+    places: tuple[tuple[int, int], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        order: dict[str, int] = {}
+        sizes: list[int] = []
+        places = []
+        for spec in self.specs:
+            index = order.setdefault(spec.dtype, len(order))
+            if index == len(sizes):
+                sizes.append(0)
+            places.append((index, sizes[index]))
+            sizes[index] += spec.numel
+        object.__setattr__(self, "buffers", tuple(zip(order, sizes, strict=True)))
+        object.__setattr__(self, "places", tuple(places))
+
+    @property
+    def numel(self) -> int:
+        return sum(size for _, size in self.buffers)
+
+    def buffer_start(self, index: int) -> int:
+        """Where buffer ``index`` starts in the vector."""
+        return sum(size for _, size in self.buffers[:index])
+
+
+def load_balance(
+    vector_size: int, bandwidths: Sequence[float | None], min_vector_size: int = 0
+) -> list[int]:
+    """How many elements of a ``vector_size`` vector each member reduces (sums to
+    ``vector_size``; see the module docstring).
+
+    :raises ValueError: if no member can reduce (all bandwidths 0) while there is something to
+        reduce, or an argument is out of range.
+    """
+    if vector_size < 0 or min_vector_size < 0:
+        raise ValueError("vector_size and min_vector_size must be non-negative")
+    n = len(bandwidths)
+    if n == 0:
+        raise ValueError("a group has at least one member")
+    known = [b for b in bandwidths if b is not None]
+    for b in known:
+        if not (b >= 0 and math.isfinite(b)):
+            raise ValueError(f"a bandwidth is a finite number >= 0, not {b!r}")
+    default = sum(known) / len(known) if known and sum(known) > 0 else 1.0
+    bw = [default if b is None else float(b) for b in bandwidths]
+    fastest = max(bw)
+    if fastest > 0:  # only ratios matter; this keeps the arithmetic finite
+        bw = [b / fastest for b in bw]
+    active = [i for i in range(n) if bw[i] > 0]
+    if vector_size == 0:
+        return [0] * n
+    if not active:
+        raise ValueError("no member of the group can reduce: every bandwidth is 0")
+    while True:
+        shares = _equal_time_shares(vector_size, n, [bw[i] for i in active])
+        small = [
+            i
+            for i, share in zip(active, shares, strict=True)
+            if share <= 0 or share < min_vector_size
+        ]
+        if not small or len(active) == 1:
+            break
+        # drop the slowest of those that fell short (the last on ties), and solve again
+        active.remove(min(small, key=lambda i: (bw[i], -i)))
+    return _round_to_total([shares[active.index(i)] if i in active else 0.0 for i in range(n)])
+
+
+def _equal_time_shares(vector_size: int, n: int, bandwidths: list[float]) -> list[float]:
+    """Shares of the active members that give each the same transfer time (may be negative)."""
+    total = sum(bandwidths)
+    if n <= 2:  # every member moves the whole vector whatever its share: split by bandwidth
+        return [vector_size * b / total for b in bandwidths]
+    k = len(bandwidths)
+    # (n - 2)·a_i + V = c·b_i for the active ones, Σ a_i = V
+    c = (vector_size * (n - 2) + k * vector_size) / total
+    return [(c * b - vector_size) / (n - 2) for b in bandwidths]
+
+
+def _round_to_total(shares: list[float]) -> list[int]:
+    """Round to ints that keep the total (largest remainders first)."""
+    total = round(sum(shares))
+    floors = [math.floor(s) for s in shares]
+    missing = total - sum(floors)
+    by_remainder = sorted(range(len(shares)), key=lambda i: (floors[i] - shares[i], i))
+    for i in by_remainder[:missing]:
+        floors[i] += 1
+    return floors
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One part of a span: elements ``[start, stop)`` of buffer ``buffer`` (``start``/``stop``
+    are offsets in that buffer); ``reducer`` is the member that reduces it, ``index`` its place
+    in the reducer's list of parts."""
+
+    reducer: int
+    index: int
+    buffer: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def plan_parts(layout: FlatLayout, span_sizes: Sequence[int], part_size: int) -> list[list[Part]]:
+    """The parts of each member's span (member ``i`` reduces the ``i``-th span of the vector,
+    of ``span_sizes[i]`` elements), each at most ``part_size`` elements and inside one buffer."""
+    if part_size < 1:
+        raise ValueError(f"part_size must be >= 1, not {part_size}")
+    if sum(span_sizes) != layout.numel:
+        raise ValueError(f"the spans cover {sum(span_sizes)} elements, not {layout.numel}")
+    plans: list[list[Part]] = []
+    bounds = []  # (vector start, buffer index) of each buffer
+    at = 0
+    for index, (_, size) in enumerate(layout.buffers):
+        bounds.append((at, index, size))
+        at += size
+    position = 0
+    for member, span in enumerate(span_sizes):
+        parts: list[Part] = []
+        end = position + span
+        for buffer_start, buffer, size in bounds:
+            lo = max(position, buffer_start)
+            hi = min(end, buffer_start + size)
+            for start in range(lo, hi, part_size):
+                stop = min(start + part_size, hi)
+                parts.append(
+                    Part(member, len(parts), buffer, start - buffer_start, stop - buffer_start)
+                )
+        plans.append(parts)
+        position = end
+    return plans
+
+
+class PartReducer:
+    """The weighted mean of one part over the senders expected to contribute to it.
+
+    Values arrive as numpy arrays of the part's dtype (float16 ones are widened); the weighted
+    sum accumulates in float32 (float64 for float64 parts) without per-element Python.
+    """
+
+    def __init__(self, size: int, dtype: str, senders: Sequence[int]) -> None:
+        if dtype not in _ACCUMULATE:
+            raise TypeError(f"cannot reduce dtype {dtype}")
+        self.size = size
+        self.dtype = dtype
+        self._accumulator: npt.NDArray[np.floating] = np.zeros(size, dtype=_ACCUMULATE[dtype])
+        self.expected = frozenset(senders)
+        self.received: set[int] = set()
+        self.total_weight = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Whether every expected sender contributed."""
+        return self.received >= self.expected
+
+    def add(self, sender: int, values: npt.NDArray[np.floating], weight: float) -> None:
+        """Add ``sender``'s values with ``weight`` (>= 0).
+
+        :raises ValueError: an unexpected or repeated sender, a wrong size, a bad weight or
+            non-finite values (nothing is added then).
+        """
+        if sender not in self.expected:
+            raise ValueError(f"member {sender} does not send this part")
+        if sender in self.received:
+            raise ValueError(f"member {sender} already sent this part")
+        if values.shape != (self.size,):
+            raise ValueError(f"a part of {self.size} values, got shape {values.shape}")
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise ValueError(f"a weight is a finite number >= 0, not {weight!r}")
+        if weight > 0 and not np.isfinite(values).all():
+            raise ValueError(f"member {sender} sent non-finite values")
+        self.received.add(sender)
+        if weight > 0:
+            self._accumulator += values.astype(self._accumulator.dtype, copy=False) * weight
+            self.total_weight += weight
+
+    def result(self) -> npt.NDArray[np.floating] | None:
+        """``Σ wᵢ·xᵢ / Σ wᵢ`` over the senders so far (in the accumulation dtype), or ``None``
+        if their total weight is 0 (then every member keeps its local values)."""
+        if self.total_weight == 0:
+            return None
+        return self._accumulator / self.total_weight

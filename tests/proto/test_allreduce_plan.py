@@ -1,0 +1,206 @@
+"""The all-reduce's arithmetic: load balancing, the flat layout, parts, weighted means."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmavg.proto.allreduce import (
+    FlatLayout,
+    PartReducer,
+    TensorSpec,
+    load_balance,
+    plan_parts,
+    schema_digest,
+)
+
+
+def _time(vector_size: int, shares: list[int], bandwidths: list[float]) -> float:
+    """The slowest member's transfer time under the model of the module docstring."""
+    n = len(shares)
+    return max(
+        2 * ((n - 2) * a + vector_size) / b if b > 0 else (0 if a == 0 else np.inf)
+        for a, b in zip(shares, bandwidths, strict=True)
+    )
+
+
+def test_equal_bandwidths_split_evenly() -> None:
+    assert load_balance(1000, [1.0] * 4) == [250] * 4
+    assert load_balance(10, [None, None, None]) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+
+
+def test_zero_bandwidth_members_reduce_nothing() -> None:
+    shares = load_balance(1000, [0.0, 5.0, 5.0, 0.0])
+    assert shares[0] == shares[3] == 0
+    assert shares[1] + shares[2] == 1000
+    with pytest.raises(ValueError, match="every bandwidth is 0"):
+        load_balance(1000, [0.0, 0.0])
+
+
+def test_a_slow_member_gets_less_and_a_very_slow_one_nothing() -> None:
+    shares = load_balance(1_000_000, [1.0, 1.0, 1.0, 0.5])
+    assert shares[3] < shares[0]
+    shares = load_balance(1_000_000, [1.0, 1.0, 1.0, 0.05])
+    assert shares[3] == 0
+
+
+def test_min_vector_size_leaves_small_shares_to_others() -> None:
+    assert load_balance(100, [1.0] * 4, min_vector_size=30) == [34, 33, 33, 0]
+    assert load_balance(100, [1.0, 3.0], min_vector_size=1000) == [0, 100]
+
+
+def test_none_means_the_mean_of_the_others() -> None:
+    assert load_balance(900, [2.0, None, 4.0]) == load_balance(900, [2.0, 3.0, 4.0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 10**7),
+    st.lists(st.floats(0, 1e4) | st.none(), min_size=1, max_size=16),
+    st.integers(0, 10**5),
+)
+def test_shares_cover_the_vector_and_beat_an_even_split(
+    vector_size: int, bandwidths: list[float | None], min_vector_size: int
+) -> None:
+    if (
+        vector_size > 0
+        and all(b == 0 for b in bandwidths if b is not None)
+        and None not in bandwidths
+    ):
+        with pytest.raises(ValueError):
+            load_balance(vector_size, bandwidths, min_vector_size)
+        return
+    shares = load_balance(vector_size, bandwidths, min_vector_size)
+    assert sum(shares) == vector_size
+    assert all(s >= 0 for s in shares)
+    known = [b for b in bandwidths if b is not None]
+    default = sum(known) / len(known) if known and sum(known) > 0 else 1.0
+    bw = [default if b is None else b for b in bandwidths]
+    assert all(s == 0 for s, b in zip(shares, bw, strict=True) if b == 0)
+    nonzero = [s for s in shares if s]
+    if len(nonzero) > 1:
+        assert min(nonzero) >= min(min_vector_size, vector_size) - 1
+    # no worse than splitting evenly among the members that can reduce
+    able = [i for i, b in enumerate(bw) if b > 0]
+    even = [0] * len(bw)
+    for k, i in enumerate(able):
+        even[i] = vector_size // len(able) + (k < vector_size % len(able))
+    if min_vector_size == 0:
+        assert _time(vector_size, shares, bw) <= _time(vector_size, even, bw) * (1 + 1e-6) + 1e-9
+
+
+def test_the_layout_groups_tensors_by_dtype() -> None:
+    specs = (
+        TensorSpec((2, 3), "float32"),
+        TensorSpec((4,), "float64"),
+        TensorSpec((5,), "float32"),
+        TensorSpec((), "float16"),
+    )
+    layout = FlatLayout(specs)
+    assert layout.buffers == (("float32", 11), ("float64", 4), ("float16", 1))
+    assert layout.places == ((0, 0), (1, 0), (0, 6), (2, 0))
+    assert layout.numel == 16
+    assert layout.buffer_start(2) == 15
+
+
+def test_parts_cover_every_span_within_buffers() -> None:
+    layout = FlatLayout((TensorSpec((10,), "float32"), TensorSpec((7,), "float64")))
+    plans = plan_parts(layout, [6, 0, 11], part_size=4)
+    assert [(p.buffer, p.start, p.stop) for p in plans[0]] == [(0, 0, 4), (0, 4, 6)]
+    assert plans[1] == []
+    assert [(p.buffer, p.start, p.stop) for p in plans[2]] == [
+        (0, 6, 10),
+        (1, 0, 4),
+        (1, 4, 7),
+    ]
+    assert [p.index for p in plans[2]] == [0, 1, 2]
+    with pytest.raises(ValueError, match="cover"):
+        plan_parts(layout, [6, 6], part_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), min_size=1, max_size=5),
+    st.lists(st.integers(0, 60), min_size=1, max_size=6),
+    st.integers(1, 17),
+)
+def test_parts_tile_the_vector_exactly(sizes: list[int], cuts: list[int], part_size: int) -> None:
+    dtypes = ["float32", "float64", "float16"]
+    specs = tuple(TensorSpec((s,), dtypes[i % 3]) for i, s in enumerate(sizes))
+    layout = FlatLayout(specs)
+    total = layout.numel
+    spans = [
+        min(c, total - sum(cuts[:i])) if sum(cuts[:i]) < total else 0 for i, c in enumerate(cuts)
+    ]
+    spans[-1] += total - sum(spans)
+    plans = plan_parts(layout, spans, part_size)
+    covered = [0] * total
+    for member, parts in enumerate(plans):
+        assert sum(p.size for p in parts) == spans[member]
+        for p in parts:
+            assert 0 < p.size <= part_size
+            start = layout.buffer_start(p.buffer)
+            assert p.stop <= layout.buffers[p.buffer][1]
+            for k in range(start + p.start, start + p.stop):
+                covered[k] += 1
+    assert covered == [1] * total
+
+
+def test_weighted_mean_of_a_part() -> None:
+    reducer = PartReducer(3, "float32", senders=[0, 1, 2])
+    reducer.add(0, np.array([1, 2, 3], dtype=np.float32), 1.0)
+    reducer.add(2, np.array([3, 6, 9], dtype=np.float32), 3.0)
+    assert not reducer.done
+    reducer.add(1, np.array([100, 100, 100], dtype=np.float32), 0.0)  # joins, adds nothing
+    assert reducer.done
+    np.testing.assert_allclose(reducer.result(), [2.5, 5.0, 7.5])
+
+
+def test_float16_and_float64_accumulate_wider() -> None:
+    half = PartReducer(1, "float16", senders=[0, 1])
+    half.add(0, np.array([60000], dtype=np.float16), 1.0)
+    half.add(1, np.array([60000], dtype=np.float16), 1.0)  # the sum would overflow float16
+    result = half.result()
+    assert result is not None
+    assert result.dtype == np.float32
+    assert result[0] == 60000
+    double = PartReducer(1, "float64", senders=[0, 1])
+    double.add(0, np.array([1.0 + 1e-12]), 1.0)
+    double.add(1, np.array([1.0 - 1e-12]), 1.0)
+    result = double.result()
+    assert result is not None
+    assert result.dtype == np.float64
+
+
+def test_zero_total_weight_keeps_local_values() -> None:
+    reducer = PartReducer(2, "float32", senders=[0, 1])
+    reducer.add(0, np.zeros(2, dtype=np.float32), 0.0)
+    reducer.add(1, np.ones(2, dtype=np.float32), 0.0)
+    assert reducer.result() is None
+
+
+def test_bad_contributions_are_refused_and_change_nothing() -> None:
+    reducer = PartReducer(2, "float32", senders=[0, 1])
+    with pytest.raises(ValueError, match="does not send"):
+        reducer.add(5, np.zeros(2, dtype=np.float32), 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        reducer.add(0, np.zeros(3, dtype=np.float32), 1.0)
+    with pytest.raises(ValueError, match="non-finite"):
+        reducer.add(0, np.array([1.0, np.nan], dtype=np.float32), 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        reducer.add(0, np.zeros(2, dtype=np.float32), -1.0)
+    reducer.add(0, np.array([2.0, 4.0], dtype=np.float32), 2.0)
+    with pytest.raises(ValueError, match="already"):
+        reducer.add(0, np.zeros(2, dtype=np.float32), 1.0)
+    np.testing.assert_allclose(reducer.result(), [2.0, 4.0])
+
+
+def test_the_schema_digest_tells_schemas_apart() -> None:
+    a = [TensorSpec((2, 3), "float32")]
+    assert schema_digest(a) == schema_digest([TensorSpec((2, 3), "float32")])
+    assert schema_digest(a) != schema_digest([TensorSpec((3, 2), "float32")])
+    assert schema_digest(a) != schema_digest([TensorSpec((2, 3), "float64")])
+    with pytest.raises(TypeError, match="int64"):
+        TensorSpec((1,), "int64")
