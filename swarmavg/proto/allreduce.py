@@ -266,6 +266,17 @@ class PartReducer:
             self._accumulator += values.astype(self._accumulator.dtype, copy=False) * weight
             self.total_weight += weight
 
+    def add_nothing(self, sender: int) -> None:
+        """``sender`` takes part with weight 0 and sends no values.
+
+        :raises ValueError: an unexpected or repeated sender.
+        """
+        if sender not in self.expected:
+            raise ValueError(f"member {sender} does not send this part")
+        if sender in self.received:
+            raise ValueError(f"member {sender} already sent this part")
+        self.received.add(sender)
+
     def result(self) -> npt.NDArray[np.floating] | None:
         """``Σ wᵢ·xᵢ / Σ wᵢ`` over the senders so far (in the accumulation dtype), or ``None``
         if their total weight is 0 (then every member keeps its local values)."""

@@ -199,11 +199,15 @@ async def test_expired_values_vanish_and_older_stores_do_not_replace_newer() -> 
         with anyio.fail_after(30):
             assert await dhts[1].store("short", "lived", now + 0.5)
             assert await dhts[2].store("kept", "new", now + 60)
+            holders = [d for d in dhts if d.protocol.storage.get(kept, now) is not None]
+            assert holders
             await dhts[3].store("kept", "old", now + 30)
-            replicas = [d.protocol.storage.get(kept, now) for d in dhts]
-            assert any(replicas)
-            # every replica that holds the newer value refused the older one
-            assert all(r is None or r.expiration_time == now + 60 for r in replicas)  # type: ignore[union-attr]
+            # every replica that held the newer value refused the older one (a peer the first
+            # store did not reach may take the older one: gets with latest=True still see both)
+            for holder in holders:
+                stored = holder.protocol.storage.get(kept, now)
+                assert stored is not None
+                assert stored.expiration_time == now + 60  # type: ignore[union-attr]
             await anyio.sleep(0.7)
             assert await dhts[4].get("short", latest=True) is None
             assert (await dhts[5].get("kept", latest=True)) == ValueWithExpiration("new", now + 60)

@@ -1,0 +1,462 @@
+"""The butterfly all-reduce over a group's RPC connections.
+
+Every member of a :class:`Group` runs :meth:`AllReduceService.run` with the same group: the
+arithmetic (:mod:`swarmavg.proto.allreduce`) gives each member the same plan of spans and parts.
+A member with a span *reduces* it: the senders (every member but auxiliary ones) each open one
+bidirectional call to it (``avg.allreduce``), stream their values of its parts, and read back
+each part's weighted mean as soon as every sender delivered that part, so that sending,
+reducing and receiving overlap. A member's own span is reduced locally. Results are written into
+the member's flat buffers in place (``local += alpha · (mean - local)``).
+
+One :class:`AllReduceService` serves a node: it routes incoming calls to the round (group id)
+they belong to; a call that arrives before its round started waits for it (bounded).
+
+This slice is the happy path: a member that fails, stalls or sends garbage makes the round
+fail with :class:`~swarmavg.errors.AllReduceFailed` (faults are handled later).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from swarmavg.address import Address
+from swarmavg.errors import SwarmError
+from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, load_balance, plan_parts
+from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgPart, AvgWeights
+from swarmavg.proto.codec import Message
+
+if TYPE_CHECKING:
+    from swarmavg.aio.node import Node
+    from swarmavg.aio.rpc import CallContext
+    from swarmavg.identity import PeerID
+
+__all__ = [
+    "AllReduceFailed",
+    "AllReduceResult",
+    "AllReduceService",
+    "Group",
+    "GroupMember",
+    "MemberMode",
+]
+
+logger = logging.getLogger(__name__)
+
+METHOD: Final = "avg.allreduce"
+#: How long a call for a round that has not started here yet waits for it (seconds).
+_JOIN_WAIT: Final = 10.0
+#: Rounds a node waits for at once (calls for more unknown rounds are refused).
+_MAX_PENDING_ROUNDS: Final = 64
+#: Finished rounds remembered, so that late calls for them fail at once.
+_FINISHED_MEMORY: Final = 256
+
+
+class AllReduceFailed(SwarmError):
+    """The all-reduce of a round did not complete; the message says why."""
+
+
+class MemberMode(enum.Enum):
+    """How a member takes part: ``NODE`` sends and reduces; ``CLIENT`` (nobody can dial it)
+    only sends; ``AUX`` only reduces (it has no values of its own)."""
+
+    NODE = "node"
+    CLIENT = "client"
+    AUX = "aux"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMember:
+    peer_id: PeerID
+    #: where the others dial it (``None`` for a client-mode member)
+    address: Address | None
+    bandwidth: float | None = None
+    mode: MemberMode = MemberMode.NODE
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A group ready to average: its id and members, in the same order for everyone."""
+
+    group_id: bytes
+    members: tuple[GroupMember, ...]
+
+    def index_of(self, peer: PeerID) -> int:
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer:
+                return index
+        raise ValueError(f"{peer} is not a member of this group")
+
+    @property
+    def senders(self) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m.mode is not MemberMode.AUX]
+
+    def span_sizes(self, numel: int, min_vector_size: int = 0) -> list[int]:
+        bandwidths = [
+            0.0 if m.mode is MemberMode.CLIENT or m.address is None else m.bandwidth
+            for m in self.members
+        ]
+        return load_balance(numel, bandwidths, min_vector_size)
+
+
+@dataclass
+class AllReduceResult:
+    """What one member's all-reduce did."""
+
+    #: members (indices) whose values went into the mean with a positive weight
+    contributors: list[int]
+    total_weight: float
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    #: elements this member reduced
+    reduced: int = 0
+
+
+@dataclass
+class _Round:
+    """A round in progress on this node, as a reducer of its span."""
+
+    group: Group
+    me: int
+    layout: FlatLayout
+    parts: list[Part]
+    reducers: list[PartReducer] = field(default_factory=list)
+    ready: list[anyio.Event] = field(default_factory=list)
+    results: list[npt.NDArray[Any] | None] = field(default_factory=list)
+    weights: dict[int, float] = field(default_factory=dict)
+    bytes_received: int = 0
+
+    def __post_init__(self) -> None:
+        senders = self.group.senders
+        for part in self.parts:
+            dtype = self.layout.buffers[part.buffer][0]
+            self.reducers.append(PartReducer(part.size, dtype, senders))
+            self.ready.append(anyio.Event())
+            self.results.append(None)
+
+    def _settle(self, index: int) -> None:
+        reducer = self.reducers[index]
+        if reducer.done and not self.ready[index].is_set():
+            mean = reducer.result()
+            dtype = self.layout.buffers[self.parts[index].buffer][0]
+            self.results[index] = None if mean is None else mean.astype(_numpy_dtype(dtype))
+            self.ready[index].set()
+
+    def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:
+        self.reducers[index].add(sender, values, self.weights[sender])
+        self._settle(index)
+
+    def contribute_nothing(self, sender: int) -> None:
+        for index, reducer in enumerate(self.reducers):
+            reducer.add_nothing(sender)
+            self._settle(index)
+
+
+def _numpy_dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(np.float32 if name == "bfloat16" else name)
+
+
+_services: weakref.WeakKeyDictionary[Node, AllReduceService] = weakref.WeakKeyDictionary()
+
+
+class AllReduceService:
+    """Runs all-reduce rounds for the members on one node and serves ``avg.allreduce``."""
+
+    def __init__(self, node: Node, *, join_wait: float = _JOIN_WAIT) -> None:
+        self.node = node
+        self.join_wait = join_wait
+        self._rounds: dict[bytes, _Round] = {}
+        self._waiting: dict[bytes, anyio.Event] = {}
+        self._finished: OrderedDict[bytes, None] = OrderedDict()
+        node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
+
+    @classmethod
+    def for_node(cls, node: Node) -> AllReduceService:
+        """The node's service (made on first use: one per node, whatever uses it)."""
+        service = _services.get(node)
+        if service is None:
+            service = _services[node] = cls(node)
+        return service
+
+    # -- running a round -------------------------------------------------------------------------
+
+    async def run(
+        self,
+        group: Group,
+        buffers: Sequence[npt.NDArray[Any]],
+        layout: FlatLayout,
+        *,
+        weight: float = 1.0,
+        part_size: int = 1 << 16,
+        averaging_alpha: float = 1.0,
+        min_vector_size: int = 0,
+        timeout: float | None = None,
+    ) -> AllReduceResult:
+        """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
+        place) with the rest of ``group``.
+
+        :param part_size: elements per part.
+        :raises AllReduceFailed: a member failed or the round took more than ``timeout``.
+        """
+        me = group.index_of(self.node.peer_id)
+        mode = group.members[me].mode
+        if group.group_id in self._rounds or group.group_id in self._finished:
+            raise ValueError("this group's round already ran here")
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
+        if mode is not MemberMode.AUX:
+            for (dtype, size), buffer in zip(layout.buffers, buffers, strict=True):
+                if buffer.shape != (size,) or buffer.dtype != _numpy_dtype(dtype):
+                    raise ValueError(f"a buffer of {size} {dtype} expected, got {buffer.dtype}")
+        spans = group.span_sizes(layout.numel, min_vector_size)
+        plans = plan_parts(layout, spans, part_size)
+        started = time.perf_counter()
+        round_ = _Round(group, me, layout, plans[me])
+        senders = group.senders
+        if mode is not MemberMode.AUX:
+            round_.weights[me] = float(weight)
+        self._rounds[group.group_id] = round_
+        waiting = self._waiting.pop(group.group_id, None)
+        if waiting is not None:
+            waiting.set()
+        result = AllReduceResult([], 0.0)
+        weights: dict[int, float] = {}  # each sender's, as the reducers tell them
+        try:
+            with anyio.fail_after(timeout):
+                await self._run_tasks(
+                    group, round_, plans, buffers, weight, averaging_alpha, result, weights
+                )
+        except TimeoutError:
+            raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
+        finally:
+            del self._rounds[group.group_id]
+            self._finished[group.group_id] = None
+            while len(self._finished) > _FINISHED_MEMORY:
+                self._finished.popitem(last=False)
+        result.bytes_received += round_.bytes_received
+        result.seconds = time.perf_counter() - started
+        result.reduced = spans[me]
+        # every member agrees on who contributed: each reducer tells every sender all weights
+        if round_.parts:
+            weights = dict(round_.weights)
+        elif mode is not MemberMode.AUX:
+            weights.setdefault(me, float(weight))
+        result.contributors = [i for i in senders if weights.get(i, 0.0) > 0]
+        result.total_weight = sum(weights.get(i, 0.0) for i in senders)
+        return result
+
+    async def _run_tasks(
+        self,
+        group: Group,
+        round_: _Round,
+        plans: list[list[Part]],
+        buffers: Sequence[npt.NDArray[Any]],
+        weight: float,
+        alpha: float,
+        result: AllReduceResult,
+        weights: dict[int, float],
+    ) -> None:
+        me = round_.me
+        sending = group.members[me].mode is not MemberMode.AUX
+        try:
+            async with anyio.create_task_group() as tg:
+                if sending:
+                    for reducer, parts in enumerate(plans):
+                        if reducer != me and parts:
+                            tg.start_soon(
+                                self._send_to,
+                                group,
+                                reducer,
+                                parts,
+                                buffers,
+                                weight,
+                                alpha,
+                                result,
+                                weights,
+                            )
+                tg.start_soon(self._reduce_own, round_, buffers, weight, alpha, sending)
+        except* (SwarmError, OSError, ValueError) as failures:
+            reasons = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(failures))
+            raise AllReduceFailed(f"the all-reduce failed: {reasons}") from None
+
+    async def _reduce_own(
+        self,
+        round_: _Round,
+        buffers: Sequence[npt.NDArray[Any]],
+        weight: float,
+        alpha: float,
+        sending: bool,
+    ) -> None:
+        """Contribute to our own span (unless auxiliary), wait until every part of it is
+        reduced, and apply the results."""
+        if sending and weight > 0:
+            for index, part in enumerate(round_.parts):
+                round_.contribute(round_.me, index, buffers[part.buffer][part.start : part.stop])
+        elif sending:
+            round_.contribute_nothing(round_.me)
+        for index, part in enumerate(round_.parts):
+            await round_.ready[index].wait()
+            if sending:
+                _apply(buffers[part.buffer][part.start : part.stop], round_.results[index], alpha)
+
+    async def _send_to(
+        self,
+        group: Group,
+        reducer: int,
+        parts: list[Part],
+        buffers: Sequence[npt.NDArray[Any]],
+        weight: float,
+        alpha: float,
+        result: AllReduceResult,
+        weights: dict[int, float],
+    ) -> None:
+        """Send our values of ``reducer``'s parts and apply the means it answers with."""
+        member = group.members[reducer]
+        assert member.address is not None  # client-mode members have no span
+        me = group.index_of(self.node.peer_id)
+        async with self.node.rpc.open(
+            member.address, METHOD, kind="bidi", response_type=Message
+        ) as call:
+
+            async def send() -> None:
+                await call.send(AvgBegin(group.group_id, me, float(weight)))
+                if weight > 0:
+                    for part in parts:
+                        values = buffers[part.buffer][part.start : part.stop]
+                        await call.send(AvgPart(part.index, values))
+                        result.bytes_sent += values.nbytes
+                await call.done_sending()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                told = await call.receive()
+                if not isinstance(told, AvgWeights) or len(told.weights) != len(group.members):
+                    raise AllReduceFailed(f"member {reducer} did not say the weights first")
+                for index, told_weight in enumerate(told.weights):
+                    if told_weight > 0 or index not in weights:
+                        weights[index] = told_weight
+                for part in parts:
+                    answer = await call.receive()
+                    if not isinstance(answer, AvgPart | AvgKeep) or answer.index != part.index:
+                        raise AllReduceFailed(f"member {reducer} answered out of order")
+                    local = buffers[part.buffer][part.start : part.stop]
+                    if isinstance(answer, AvgPart):
+                        if answer.values.shape != local.shape:
+                            raise AllReduceFailed(f"member {reducer} answered a wrong shape")
+                        result.bytes_received += answer.values.nbytes
+                        _apply(local, answer.values, alpha)
+
+    # -- serving a round -------------------------------------------------------------------------
+
+    async def _round_for(self, group_id: bytes) -> _Round:
+        round_ = self._rounds.get(group_id)
+        if round_ is not None:
+            return round_
+        if group_id in self._finished:
+            raise ValueError("that round is over here")
+        event = self._waiting.get(group_id)
+        if event is None:
+            if len(self._waiting) >= _MAX_PENDING_ROUNDS:
+                raise ValueError("too many rounds not started here")
+            event = self._waiting[group_id] = anyio.Event()
+        with anyio.move_on_after(self.join_wait):
+            await event.wait()
+        round_ = self._rounds.get(group_id)
+        if round_ is None:
+            if self._waiting.get(group_id) is event:
+                del self._waiting[group_id]
+            raise ValueError("no such round here")
+        return round_
+
+    async def _serve(
+        self, requests: AsyncIterator[Message], ctx: CallContext
+    ) -> AsyncIterator[Message]:
+        """One sender's call: take its parts of our span, answer each part's mean."""
+        begin = await anext(requests, None)
+        if not isinstance(begin, AvgBegin):
+            raise ValueError("an all-reduce call starts with AvgBegin")
+        round_ = await self._round_for(begin.group_id)
+        members = round_.group.members
+        sender = begin.sender
+        if not (0 <= sender < len(members)) or sender == round_.me:
+            raise ValueError(f"no sender {sender} in this group")
+        if members[sender].peer_id != ctx.peer_id:
+            raise ValueError("the caller is not the member it claims to be")
+        if members[sender].mode is MemberMode.AUX:
+            raise ValueError("an auxiliary member sends nothing")
+        if sender in round_.weights:
+            raise ValueError(f"member {sender} already called")
+        if not (begin.weight >= 0 and math.isfinite(begin.weight)):
+            raise ValueError(f"bad weight {begin.weight!r}")
+        round_.weights[sender] = begin.weight
+        count = len(round_.parts)
+        answered = 0
+        if begin.weight == 0:
+            round_.contribute_nothing(sender)
+        else:
+            received = 0
+            async for message in requests:
+                if not isinstance(message, AvgPart) or message.index != received:
+                    raise ValueError(f"expected part {received} of {count}")
+                if received >= count:
+                    raise ValueError("more parts than the span has")
+                part = round_.parts[received]
+                dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
+                if message.values.dtype != dtype:
+                    raise ValueError(f"part {received} is {message.values.dtype}, not {dtype}")
+                round_.contribute(sender, received, message.values)
+                round_.bytes_received += message.values.nbytes
+                received += 1
+                while answered < count and round_.ready[answered].is_set():
+                    if answered == 0:
+                        yield _weights(round_)
+                    yield _answer(round_, answered)
+                    answered += 1
+            if received != count:
+                raise ValueError(f"{received} parts of {count} came")
+        while answered < count:
+            await round_.ready[answered].wait()
+            if answered == 0:
+                yield _weights(round_)
+            yield _answer(round_, answered)
+            answered += 1
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    """The exceptions in ``group`` and the groups nested in it."""
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
+
+
+def _weights(round_: _Round) -> AvgWeights:
+    """Every sender's weight (all have begun once a part is reduced)."""
+    members = round_.group.members
+    return AvgWeights([round_.weights.get(i, 0.0) for i in range(len(members))])
+
+
+def _answer(round_: _Round, index: int) -> Message:
+    mean = round_.results[index]
+    return AvgKeep(index) if mean is None else AvgPart(index, mean)
+
+
+def _apply(local: npt.NDArray[Any], mean: npt.NDArray[Any] | None, alpha: float) -> None:
+    """Move ``local`` towards ``mean`` by ``alpha`` (1: replace), in place."""
+    if mean is None:
+        return
+    if alpha == 1.0:
+        local[...] = mean
+    else:
+        local += (mean.astype(local.dtype, copy=False) - local) * alpha

@@ -1,0 +1,280 @@
+"""The butterfly all-reduce between real nodes (MemoryTransport; one TCP test)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from swarmavg.aio.allreduce import (
+    AllReduceFailed,
+    AllReduceResult,
+    AllReduceService,
+    Group,
+    GroupMember,
+    MemberMode,
+)
+from swarmavg.aio.node import Node
+from swarmavg.errors import RemoteError
+from swarmavg.proto.allreduce import FlatLayout, TensorSpec
+from swarmavg.proto.averaging_messages import AvgBegin, AvgPart
+from swarmavg.proto.codec import Message
+from swarmavg.testing import MemoryNetwork
+
+pytestmark = pytest.mark.anyio
+
+SPECS = (
+    TensorSpec((64, 33), "float32"),
+    TensorSpec((100,), "float64"),
+    TensorSpec((7, 3), "float16"),
+    TensorSpec((5,), "float32"),
+)
+LAYOUT = FlatLayout(SPECS)
+
+
+@asynccontextmanager
+async def _nodes(n: int, scheme: str = "memory") -> AsyncIterator[list[Node]]:
+    options = {"memory": {"network": MemoryNetwork()}} if scheme == "memory" else {}
+    host = "local" if scheme == "memory" else "127.0.0.1"
+    async with AsyncExitStack() as stack:
+        nodes = [
+            await stack.enter_async_context(
+                Node(listen=[f"{scheme}://{host}:0"], transports=options)
+            )
+            for _ in range(n)
+        ]
+        yield nodes
+
+
+def _buffers(rng: np.random.Generator) -> list[npt.NDArray[Any]]:
+    return [
+        rng.standard_normal(size).astype(dtype if dtype != "bfloat16" else "float32")
+        for dtype, size in LAYOUT.buffers
+    ]
+
+
+def _group(
+    nodes: Sequence[Node],
+    modes: Sequence[MemberMode] | None = None,
+    bandwidths: Sequence[float | None] | None = None,
+) -> Group:
+    modes = modes or [MemberMode.NODE] * len(nodes)
+    bandwidths = bandwidths or [None] * len(nodes)
+    return Group(
+        os.urandom(16),
+        tuple(
+            GroupMember(
+                node.peer_id,
+                None if mode is MemberMode.CLIENT else node.addresses[0],
+                bandwidth,
+                mode,
+            )
+            for node, mode, bandwidth in zip(nodes, modes, bandwidths, strict=True)
+        ),
+    )
+
+
+async def _run_all(
+    nodes: Sequence[Node],
+    group: Group,
+    buffers: Sequence[list[npt.NDArray[Any]]],
+    weights: Sequence[float],
+    **options: Any,
+) -> list[AllReduceResult]:
+    results: list[AllReduceResult | None] = [None] * len(nodes)
+
+    async def one(i: int) -> None:
+        service = AllReduceService.for_node(nodes[i])
+        results[i] = await service.run(group, buffers[i], LAYOUT, weight=weights[i], **options)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(nodes)):
+                tg.start_soon(one, i)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def _expected(
+    buffers: Sequence[list[npt.NDArray[Any]]], weights: Sequence[float], senders: Sequence[int]
+) -> list[npt.NDArray[np.float64]]:
+    total = sum(weights[i] for i in senders)
+    return [
+        sum(buffers[i][b].astype(np.float64) * weights[i] for i in senders) / total
+        for b in range(len(LAYOUT.buffers))
+    ]
+
+
+def _tolerance(dtype: np.dtype[Any]) -> float:
+    return {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-6}.get(dtype, 1e-12)
+
+
+@pytest.mark.parametrize("part_size", [1 << 16, 100])
+async def test_four_peers_reach_the_exact_mean(part_size: int) -> None:
+    rng = np.random.default_rng(0)
+    async with _nodes(4) as nodes:
+        buffers = [_buffers(rng) for _ in nodes]
+        expected = _expected(buffers, [1.0] * 4, range(4))
+        results = await _run_all(nodes, _group(nodes), buffers, [1.0] * 4, part_size=part_size)
+    for member in buffers:
+        for got, want in zip(member, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
+    for result in results:
+        assert result.contributors == [0, 1, 2, 3]
+        assert result.total_weight == 4.0
+    assert sum(r.reduced for r in results) == LAYOUT.numel
+    assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results)
+
+
+MODES = [
+    combo
+    for combo in itertools.product([MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX], repeat=4)
+    if combo.count(MemberMode.CLIENT) <= 2
+    and combo.count(MemberMode.AUX) <= 2
+    and MemberMode.NODE in combo  # somebody has to reduce and send
+]
+
+
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: "-".join(x.value for x in m))
+async def test_client_and_auxiliary_members(modes: tuple[MemberMode, ...]) -> None:
+    rng = np.random.default_rng(1)
+    async with _nodes(4) as nodes:
+        buffers = [_buffers(rng) for _ in nodes]
+        senders = [i for i, m in enumerate(modes) if m is not MemberMode.AUX]
+        expected = _expected(buffers, [1.0] * 4, senders)
+        results = await _run_all(nodes, _group(nodes, modes), buffers, [1.0] * 4, part_size=512)
+    for i in senders:
+        for got, want in zip(buffers[i], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
+    for i, mode in enumerate(modes):
+        if mode is MemberMode.CLIENT:
+            assert results[i].reduced == 0
+        assert results[i].contributors == senders
+
+
+async def test_weighted_mean_with_clients_and_a_weightless_member() -> None:
+    rng = np.random.default_rng(2)
+    weights = [0.5, 3.0, 0.0, 1.25]
+    modes = [MemberMode.NODE, MemberMode.CLIENT, MemberMode.NODE, MemberMode.CLIENT]
+    async with _nodes(4) as nodes:
+        buffers = [_buffers(rng) for _ in nodes]
+        expected = _expected(buffers, weights, range(4))
+        results = await _run_all(nodes, _group(nodes, modes), buffers, weights, part_size=300)
+    for member in buffers:  # the weightless member ends with the mean too
+        for got, want in zip(member, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 8)
+    for result in results:
+        assert result.contributors == [0, 1, 3]
+        assert result.total_weight == pytest.approx(4.75)
+
+
+async def test_all_weights_zero_keeps_local_values() -> None:
+    rng = np.random.default_rng(3)
+    async with _nodes(3) as nodes:
+        buffers = [_buffers(rng) for _ in nodes]
+        before = [[b.copy() for b in member] for member in buffers]
+        results = await _run_all(nodes, _group(nodes), buffers, [0.0] * 3)
+    for member, old in zip(buffers, before, strict=True):
+        for got, want in zip(member, old, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert all(r.contributors == [] for r in results)
+
+
+async def test_bandwidth_sizes_the_spans_and_alpha_moves_part_way() -> None:
+    rng = np.random.default_rng(4)
+    async with _nodes(3) as nodes:
+        buffers = [_buffers(rng) for _ in nodes]
+        before = [[b.astype(np.float64) for b in member] for member in buffers]
+        expected = _expected(buffers, [1.0] * 3, range(3))
+        group = _group(nodes, bandwidths=[10.0, 10.0, 0.0])
+        results = await _run_all(nodes, group, buffers, [1.0] * 3, averaging_alpha=0.25)
+    assert results[2].reduced == 0
+    assert results[0].reduced + results[1].reduced == LAYOUT.numel
+    for member, old in zip(buffers, before, strict=True):
+        for got, start, mean in zip(member, old, expected, strict=True):
+            want = start + 0.25 * (mean - start)
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 8)
+
+
+async def test_over_tcp() -> None:
+    rng = np.random.default_rng(5)
+    async with _nodes(3, "tcp") as nodes:
+        buffers = [_buffers(rng) for _ in nodes]
+        expected = _expected(buffers, [1.0, 2.0, 3.0], range(3))
+        await _run_all(nodes, _group(nodes), buffers, [1.0, 2.0, 3.0], part_size=1000)
+    for member in buffers:
+        for got, want in zip(member, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 8)
+
+
+async def test_a_member_that_never_comes_fails_the_round_within_the_timeout() -> None:
+    rng = np.random.default_rng(6)
+    async with _nodes(3) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        services = [AllReduceService.for_node(node) for node in nodes]  # serving, not joining
+        service = services[0]
+        with anyio.fail_after(10), pytest.raises(AllReduceFailed, match=r"within 0\.5 s"):
+            await service.run(group, buffers[0], LAYOUT, timeout=0.5)
+
+
+async def test_a_caller_claiming_another_members_place_is_refused() -> None:
+    rng = np.random.default_rng(7)
+    async with _nodes(3) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        for node in nodes:  # every node serves; only node 0 runs the round
+            AllReduceService.for_node(node)
+
+        async def honest() -> None:
+            with pytest.raises(AllReduceFailed):
+                await AllReduceService.for_node(nodes[0]).run(group, buffers[0], LAYOUT, timeout=1)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(honest)
+                await anyio.sleep(0.05)
+                # node 1 claims to be member 2
+                async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
+                    await call.send(AvgBegin(group.group_id, 2, 1.0))
+                    with pytest.raises(RemoteError, match="not the member it claims"):
+                        await call.receive()
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (AvgPart(0, np.zeros(3, dtype=np.float32)), "shape"),
+        (AvgPart(5, np.zeros(3, dtype=np.float32)), "expected part 0"),
+        (AvgPart(0, np.zeros(3, dtype=np.int64)), "int64"),
+        (AvgBegin(b"x" * 16, 1, 1.0), "expected part 0"),
+    ],
+)
+async def test_garbage_fails_the_call_with_the_reason(bad: Message, why: str) -> None:
+    rng = np.random.default_rng(8)
+    async with _nodes(2) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        for node in nodes:
+            AllReduceService.for_node(node)
+
+        async def honest() -> None:
+            with pytest.raises(AllReduceFailed):
+                await AllReduceService.for_node(nodes[0]).run(group, buffers[0], LAYOUT, timeout=1)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(honest)
+                await anyio.sleep(0.05)
+                async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
+                    await call.send(AvgBegin(group.group_id, 1, 1.0))
+                    await call.send(bad)
+                    with pytest.raises(RemoteError, match=why):
+                        await call.receive()
