@@ -1,4 +1,4 @@
-"""The averaging layer's wire messages (all-reduce).
+"""The averaging layer's wire messages: matchmaking (join a leader) and all-reduce.
 
 A sender opens one bidirectional call (``avg.allreduce``) to each reducer of its group: it sends
 :class:`AvgBegin` (which round, which member it is, its weight), then its values of the
@@ -15,9 +15,10 @@ from typing import Any
 
 from numpy.typing import NDArray  # runtime import: the codec resolves the annotations
 
+from swarmavg.identity import PeerID
 from swarmavg.proto.codec import Message, message
 
-__all__ = ["AvgBegin", "AvgKeep", "AvgPart", "AvgWeights"]
+__all__ = ["AvgBegin", "AvgKeep", "AvgPart", "AvgWeights", "JoinReply", "JoinRequest", "MemberInfo"]
 
 
 @message("avg.begin")
@@ -55,3 +56,41 @@ class AvgWeights(Message):
     saw them: every member learns who contributed."""
 
     weights: list[float]
+
+
+@message("avg.member")
+@dataclass(frozen=True, slots=True)
+class MemberInfo(Message):
+    """A member of a group as its leader announces it: where to dial it (empty for a client-mode
+    member), its bandwidth (< 0: unknown), its mode (``"node"``, ``"client"``, ``"aux"``) and
+    the metadata it gathers to the group."""
+
+    peer_id: PeerID
+    addresses: list[str]
+    bandwidth: float
+    mode: str
+    gather: bytes
+
+
+@message("avg.join")
+@dataclass(frozen=True, slots=True)
+class JoinRequest(Message):
+    """Take me into your group: the key and tensor schema I average, when my own declaration
+    expires (``inf`` for a client-mode peer, which never leads), and who I am."""
+
+    group_key: str
+    schema: bytes
+    expiration: float
+    member: MemberInfo
+
+
+@message("avg.join_reply")
+@dataclass(frozen=True, slots=True)
+class JoinReply(Message):
+    """A leader's answers on a join call: ``"accepted"`` (wait), then ``"begin"`` with the group
+    (its id and members, in order), or ``"disband"``; or at once ``"rejected"`` with a reason."""
+
+    code: str
+    reason: str
+    group_id: bytes
+    members: list[MemberInfo]

@@ -1,0 +1,172 @@
+"""Matchmaking through the DHT between real nodes (MemoryTransport), and a round end to end."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from swarmavg import get_dht_time
+from swarmavg.aio.allreduce import AllReduceService, MemberMode
+from swarmavg.aio.dht import DHTNode
+from swarmavg.aio.matchmaking import DHTMatchmaker, GroupInfo, MatchmakingFailed
+from swarmavg.aio.node import Node
+from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
+from swarmavg.testing import MemoryNetwork
+
+pytestmark = pytest.mark.anyio
+
+SPECS = (TensorSpec((1000,), "float32"), TensorSpec((10,), "float64"))
+SCHEMA = schema_digest(SPECS)
+
+
+@asynccontextmanager
+async def _dhts(n: int) -> AsyncIterator[list[DHTNode]]:
+    network = MemoryNetwork()
+    transports = {"memory": {"network": network}}
+    async with AsyncExitStack() as stack:
+        dhts: list[DHTNode] = []
+        for _ in range(n):
+            node = await stack.enter_async_context(
+                Node(listen=["memory://local:0"], transports=transports)
+            )
+            seeds = [d.node.addresses[0] for d in dhts[:2]]
+            dhts.append(await stack.enter_async_context(DHTNode(node, initial_peers=seeds)))
+        yield dhts
+
+
+def _matchmakers(
+    dhts: Sequence[DHTNode],
+    *,
+    target: int,
+    minimum: int = 2,
+    schemas: Sequence[bytes] | None = None,
+    modes: Sequence[MemberMode] | None = None,
+) -> list[DHTMatchmaker]:
+    return [
+        DHTMatchmaker(
+            dht,
+            prefix="run",
+            schema=(schemas or [SCHEMA] * len(dhts))[i],
+            target_group_size=target,
+            min_group_size=minimum,
+            mode=(modes or [MemberMode.NODE] * len(dhts))[i],
+            request_timeout=1.0,
+        )
+        for i, dht in enumerate(dhts)
+    ]
+
+
+async def _look_all(
+    matchmakers: Sequence[DHTMatchmaker], bits: Sequence[str], wait: float = 3.0
+) -> list[GroupInfo | BaseException]:
+    outcomes: list[GroupInfo | BaseException] = [RuntimeError("not run")] * len(matchmakers)
+    begin_at = get_dht_time() + wait
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = await matchmakers[i].look_for_group(
+                bits[i], gather=f"peer {i}".encode(), begin_at=begin_at
+            )
+        except MatchmakingFailed as exc:
+            outcomes[i] = exc
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(matchmakers)):
+                tg.start_soon(one, i)
+    return outcomes
+
+
+async def test_four_peers_form_one_group_as_soon_as_it_is_full() -> None:
+    async with _dhts(4) as dhts:
+        started = anyio.current_time()
+        outcomes = await _look_all(_matchmakers(dhts, target=4), ["01"] * 4, wait=10)
+        took = anyio.current_time() - started
+    assert all(isinstance(o, GroupInfo) for o in outcomes)
+    infos = [o for o in outcomes if isinstance(o, GroupInfo)]
+    assert len({i.group.group_id for i in infos}) == 1
+    members = [m.peer_id for m in infos[0].group.members]
+    assert sorted(members, key=lambda p: p.to_bytes()) == members
+    assert set(members) == {d.peer_id for d in dhts}
+    assert all(i.group == infos[0].group for i in infos)
+    assert infos[0].gathered == {d.peer_id: f"peer {k}".encode() for k, d in enumerate(dhts)}
+    assert took < 5  # full at once: nobody waited for the declared time (10 s)
+
+
+async def test_at_the_deadline_a_smaller_group_begins() -> None:
+    async with _dhts(3) as dhts:
+        outcomes = await _look_all(_matchmakers(dhts, target=8, minimum=2), [""] * 3, wait=1.0)
+    infos = [o for o in outcomes if isinstance(o, GroupInfo)]
+    assert len(infos) == 3
+    assert len(infos[0].group.members) == 3
+
+
+async def test_too_few_peers_fail_with_the_reason() -> None:
+    async with _dhts(2) as dhts:
+        outcomes = await _look_all(_matchmakers(dhts[:1], target=4, minimum=2), [""], wait=0.5)
+    assert isinstance(outcomes[0], MatchmakingFailed)
+    assert "min_group_size=2" in str(outcomes[0])
+
+
+async def test_only_peers_with_the_same_schema_and_key_group() -> None:
+    other = schema_digest([TensorSpec((5,), "float32")])
+    async with _dhts(6) as dhts:
+        schemas = [SCHEMA, SCHEMA, other, other, SCHEMA, SCHEMA]
+        bits = ["0", "0", "0", "0", "1", "1"]
+        outcomes = await _look_all(_matchmakers(dhts, target=4, schemas=schemas), bits, wait=1.5)
+    infos = [o for o in outcomes if isinstance(o, GroupInfo)]
+    assert len(infos) == 6
+    for i, info in enumerate(infos):
+        peers = {m.peer_id for m in info.group.members}
+        same = {
+            dhts[j].peer_id for j in range(6) if schemas[j] == schemas[i] and bits[j] == bits[i]
+        }
+        assert peers == same
+
+
+async def test_client_mode_peers_follow_and_never_lead() -> None:
+    async with _dhts(4) as dhts:
+        modes = [MemberMode.CLIENT, MemberMode.NODE, MemberMode.CLIENT, MemberMode.NODE]
+        outcomes = await _look_all(_matchmakers(dhts, target=4, modes=modes), ["1"] * 4)
+    infos = [o for o in outcomes if isinstance(o, GroupInfo)]
+    assert len(infos) == 4
+    assert infos[0].leader in {dhts[1].peer_id, dhts[3].peer_id}
+    clients = {dhts[0].peer_id, dhts[2].peer_id}
+    for member in infos[0].group.members:
+        assert (member.address is None) == (member.peer_id in clients)
+
+
+async def test_a_round_end_to_end_matchmaking_then_all_reduce() -> None:
+    layout = FlatLayout(SPECS)
+    rng = np.random.default_rng(0)
+    async with _dhts(5) as dhts:
+        matchmakers = _matchmakers(dhts, target=5)
+        buffers = [
+            [rng.standard_normal(size).astype(dtype) for dtype, size in layout.buffers]
+            for _ in dhts
+        ]
+        weights = [random.Random(i).uniform(0.5, 2) for i in range(5)]
+        expected = [
+            sum(buffers[i][b].astype(np.float64) * weights[i] for i in range(5)) / sum(weights)
+            for b in range(2)
+        ]
+        begin_at = get_dht_time() + 5
+
+        async def member(i: int) -> Any:
+            info = await matchmakers[i].look_for_group("", gather=b"", begin_at=begin_at)
+            service = AllReduceService.for_node(dhts[i].node)
+            return await service.run(info.group, buffers[i], layout, weight=weights[i], timeout=10)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(5):
+                    tg.start_soon(member, i)
+    for own in buffers:
+        np.testing.assert_allclose(own[0], expected[0], atol=1e-5)
+        np.testing.assert_allclose(own[1], expected[1], atol=1e-12)
