@@ -1,0 +1,124 @@
+"""``swarmavg.aio.DecentralizedAverager`` with several real peers (MemoryTransport)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from swarmavg.aio import DHT
+from swarmavg.aio.averager import DecentralizedAverager, MatchmakingFailed, StepResult
+from swarmavg.testing import MemoryNetwork
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def _averagers(
+    tensors: Sequence[list[torch.Tensor]], **options: Any
+) -> AsyncIterator[list[DecentralizedAverager]]:
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        dhts: list[DHT] = []
+        averagers = []
+        for own in tensors:
+            seeds = [a for d in dhts[:2] for a in d.get_visible_maddrs()]
+            dht = await stack.enter_async_context(
+                DHT(seeds, transport="memory", transport_options={"network": network})
+            )
+            dhts.append(dht)
+            averagers.append(
+                await stack.enter_async_context(DecentralizedAverager(own, dht, **options))
+            )
+        yield averagers
+
+
+async def _step_all(averagers: Sequence[DecentralizedAverager], **kwargs: Any) -> list[StepResult]:
+    results: list[StepResult | None] = [None] * len(averagers)
+
+    async def one(i: int) -> None:
+        extra = {k: v[i] if isinstance(v, list) else v for k, v in kwargs.items()}
+        results[i] = await averagers[i].step(**extra)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(averagers)):
+                tg.start_soon(one, i)
+    return results  # type: ignore[return-value]
+
+
+async def test_four_peers_average_in_place_and_gather() -> None:
+    torch.manual_seed(0)
+    tensors = [
+        [torch.randn(100, 10), torch.randn(7, dtype=torch.float64), torch.randn(3).half()]
+        for _ in range(4)
+    ]
+    weights = [1.0, 2.0, 0.5, 0.0]
+    expected = [
+        sum(t[k].double() * w for t, w in zip(tensors, weights, strict=True)) / sum(weights)
+        for k in range(3)
+    ]
+    async with _averagers(tensors, prefix="test", target_group_size=4) as averagers:
+        results = await _step_all(averagers, gather=[{"rank": i} for i in range(4)], weight=weights)
+        for averager in averagers:
+            with averager.get_tensors() as own:
+                torch.testing.assert_close(own[0].double(), expected[0], atol=1e-5, rtol=0)
+                torch.testing.assert_close(own[1], expected[1], atol=1e-12, rtol=0)
+                torch.testing.assert_close(own[2].double(), expected[2], atol=2e-3, rtol=0)
+        peers = [a.dht.peer_id for a in averagers]
+    for result in results:
+        assert dict(result) == {peers[i]: {"rank": i} for i in range(4)}
+        assert result.group_size == 4
+        assert set(result.contributors) == set(peers[:3])  # weight 0 does not contribute
+        assert result.total_weight == pytest.approx(3.5)
+        assert result.matchmaking_seconds >= 0
+        assert result.allreduce_seconds > 0
+
+
+async def test_a_grid_of_eight_reaches_the_exact_mean_in_three_rounds() -> None:
+    tensors = [[torch.full((50,), float(i))] for i in range(8)]
+    bits = [format(i // 2, "02b") for i in range(8)]  # four groups of two
+    async with _averagers(tensors, prefix="grid", target_group_size=2) as averagers:
+        for averager, own_bits in zip(averagers, bits, strict=True):
+            averager.set_group_bits(own_bits)
+        spreads = []
+        for _ in range(3):
+            await _step_all(averagers, timeout=10)
+            values = []
+            for averager in averagers:
+                with averager.get_tensors() as own:
+                    values.append(own[0].clone())
+            mean = torch.stack(values).mean()
+            assert mean.item() == pytest.approx(3.5)  # the mean is preserved each round
+            spreads.append((torch.stack(values).max() - torch.stack(values).min()).item())
+    assert spreads[-1] < 1e-6
+    assert spreads[0] > 0.1
+
+
+async def test_too_few_peers_raise_matchmaking_failed_in_time() -> None:
+    async with _averagers([[torch.zeros(3)]], prefix="lonely", target_group_size=2) as (avg,):
+        started = anyio.current_time()
+        with pytest.raises(MatchmakingFailed):
+            await avg.step(timeout=0.5, allow_retries=False)
+        assert anyio.current_time() - started < 6
+
+
+async def test_bad_arguments_are_named() -> None:
+    network = MemoryNetwork()
+    async with DHT(transport="memory", transport_options={"network": network}) as dht:
+        with pytest.raises(TypeError, match="floating point"):
+            DecentralizedAverager(
+                [torch.zeros(3, dtype=torch.int64)], dht, prefix="x", target_group_size=2
+            )
+        with pytest.raises(ValueError, match="averaging_alpha"):
+            DecentralizedAverager(
+                [torch.zeros(3)], dht, prefix="x", target_group_size=2, averaging_alpha=2
+            )
+        with pytest.raises(ValueError, match="bits"):
+            DecentralizedAverager(
+                [torch.zeros(3)], dht, prefix="y", target_group_size=2, initial_group_bits="2"
+            )
