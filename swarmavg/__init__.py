@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
+from swarmavg.aio.allreduce import AllReduceFailed
+from swarmavg.aio.averager import StepResult
+from swarmavg.aio.matchmaking import MatchmakingFailed
 from swarmavg.aio.node import Node
+from swarmavg.averager import DecentralizedAverager
 from swarmavg.dht import DHT
 from swarmavg.errors import (
     ConnectError,
@@ -34,16 +38,20 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "DHT",
     "Address",
+    "AllReduceFailed",
     "ConnectError",
     "ConnectionLost",
+    "DecentralizedAverager",
     "Identity",
     "LocalProtocolError",
+    "MatchmakingFailed",
     "MessageTooLarge",
     "Node",
     "PeerID",
     "PeerIdentityMismatch",
     "ProtocolError",
     "RemoteProtocolError",
+    "StepResult",
     "StreamReset",
     "SwarmError",
     "TransportError",

@@ -1,0 +1,150 @@
+"""``swarmavg.DecentralizedAverager``: the averager for synchronous code (training loops).
+
+It runs a :class:`swarmavg.aio.DecentralizedAverager` on swarmavg's event-loop thread, attached
+to a :class:`swarmavg.DHT` of this process. ``step(wait=False)`` returns a
+:class:`~swarmavg.sync.TaskHandle` (``result()``, ``done()``, ``cancel()``, awaitable), so the
+training loop goes on while the group forms and averages::
+
+    averager = swarmavg.DecentralizedAverager(model_tensors, dht, prefix="run", target_group_size=4)
+    handle = averager.step(wait=False)
+    ...                                   # compute the next gradients meanwhile
+    result = handle.result()              # {peer_id: gathered metadata}, contributors, timings
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Self, overload
+
+from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
+from swarmavg.aio.averager import StepResult
+from swarmavg.sync import TaskHandle, call, run_sync
+
+if TYPE_CHECKING:
+    import torch
+
+    from swarmavg.dht import DHT
+
+__all__ = ["DecentralizedAverager"]
+
+
+class DecentralizedAverager:
+    """Averages ``averaged_tensors`` with other peers (hivemind's ``DecentralizedAverager``).
+
+    Takes the arguments of :class:`swarmavg.aio.DecentralizedAverager` (``prefix``,
+    ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``,
+    ``request_timeout``, ``averaging_alpha``, ``part_size_bytes``, ``allreduce_timeout``,
+    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``) and:
+
+    :param dht: a running :class:`swarmavg.DHT`; the averager shares its node.
+    :param start: start at once (otherwise :meth:`run_in_background`).
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        start: bool = True,
+        **options: Any,
+    ) -> None:
+        self.dht = dht
+
+        async def create() -> AsyncAverager:
+            return AsyncAverager(averaged_tensors, dht._dht, **options)
+
+        self._averager = run_sync(create)
+        self._started = False
+        self._closed = False
+        if start:
+            self.run_in_background()
+
+    def run_in_background(self, await_ready: bool = True) -> None:
+        """Start serving the averager's requests (``await_ready`` is accepted for hivemind's
+        sake: starting is immediate)."""
+        if self._closed:
+            raise RuntimeError("this averager was shut down")
+        if not self._started:
+            run_sync(self._averager.__aenter__)
+            self._started = True
+
+    def shutdown(self) -> None:
+        """Stop taking part. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (exit)
+                run_sync(self._averager.aclose)
+
+    def __enter__(self) -> Self:
+        self.run_in_background()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    @property
+    def peer_id(self) -> Any:
+        return self.dht.peer_id
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The averaged tensors, locked against averaging results (update them in place)."""
+        with self._averager.get_tensors() as tensors:
+            yield tensors
+
+    def get_group_bits(self) -> str:
+        return self._averager.get_group_bits()
+
+    def set_group_bits(self, bits: str) -> None:
+        self._averager.set_group_bits(bits)
+
+    @overload
+    def step(
+        self,
+        gather: Any = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        wait: Literal[True] = True,
+        scheduled_time: float | None = None,
+    ) -> StepResult: ...
+
+    @overload
+    def step(
+        self,
+        gather: Any = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        *,
+        wait: Literal[False],
+        scheduled_time: float | None = None,
+    ) -> TaskHandle[StepResult]: ...
+
+    def step(
+        self,
+        gather: Any = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        wait: bool = True,
+        scheduled_time: float | None = None,
+    ) -> StepResult | TaskHandle[StepResult]:
+        """Find a group and average with it (see :meth:`swarmavg.aio.DecentralizedAverager.step`);
+        with ``wait=False``, a handle to the step in progress.
+
+        :raises MatchmakingFailed: no group formed in time.
+        :raises AllReduceFailed: the group formed but the average was not computed.
+        """
+        if not self._started or self._closed:
+            raise RuntimeError("the averager is not running")
+        return call(
+            self._averager.step,
+            gather,
+            weight,
+            timeout,
+            allow_retries,
+            scheduled_time,
+            wait=wait,
+        )
