@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
-from swarmavg.aio.allreduce import AllReduceFailed
 from swarmavg.aio.averager import StepResult
-from swarmavg.aio.matchmaking import MatchmakingFailed
 from swarmavg.aio.node import Node
 from swarmavg.averager import DecentralizedAverager
 from swarmavg.dht import DHT
 from swarmavg.errors import (
+    AllReduceFailed,
+    AveragingError,
     ConnectError,
     ConnectionLost,
     LocalProtocolError,
+    MatchmakingFailed,
     MessageTooLarge,
     PeerIdentityMismatch,
     ProtocolError,
@@ -39,6 +40,7 @@ __all__ = [
     "DHT",
     "Address",
     "AllReduceFailed",
+    "AveragingError",
     "ConnectError",
     "ConnectionLost",
     "DecentralizedAverager",

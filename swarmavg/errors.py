@@ -114,3 +114,15 @@ class MethodNotFound(RemoteError):
 
 class RPCTimeout(RPCError, TimeoutError):
     """A call did not finish within its ``timeout``; the remote handler was cancelled."""
+
+
+class AveragingError(SwarmError):
+    """An averaging step did not produce an average; the subclass says at which stage."""
+
+
+class MatchmakingFailed(AveragingError):
+    """No group could be formed in time; the message says why."""
+
+
+class AllReduceFailed(AveragingError):
+    """The all-reduce of a round did not complete; the message says why."""

@@ -1,5 +1,15 @@
-"""The pluggable protocols of swarmavg. Each has a conformance suite in :mod:`swarmavg.testing`."""
+"""The pluggable protocols of swarmavg: transports (each checked by the conformance suite in
+:mod:`swarmavg.testing`) and the two halves of averaging (matchmaking, all-reduce)."""
 
+from swarmavg.abc._averaging import (
+    AllReduceResult,
+    AllReduceRunner,
+    Group,
+    GroupInfo,
+    GroupMember,
+    Matchmaker,
+    MemberMode,
+)
 from swarmavg.abc._transport import (
     AbandonCallbacks,
     Buffer,
@@ -17,11 +27,18 @@ from swarmavg.abc._transport import (
 
 __all__ = [
     "AbandonCallbacks",
+    "AllReduceResult",
+    "AllReduceRunner",
     "Buffer",
     "Connection",
     "ConnectionAttribute",
+    "Group",
+    "GroupInfo",
+    "GroupMember",
     "IncomingLimits",
     "Listener",
+    "Matchmaker",
+    "MemberMode",
     "QueueListener",
     "Signal",
     "Stream",

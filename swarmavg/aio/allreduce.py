@@ -17,7 +17,6 @@ fail with :class:`~swarmavg.errors.AllReduceFailed` (faults are handled later).
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import time
@@ -31,16 +30,21 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from swarmavg.address import Address
-from swarmavg.errors import SwarmError
-from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, load_balance, plan_parts
+from swarmavg.abc._averaging import (
+    AllReduceResult,
+    AllReduceRunner,
+    Group,
+    GroupMember,
+    MemberMode,
+)
+from swarmavg.errors import AllReduceFailed, SwarmError
+from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, plan_parts
 from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgPart, AvgWeights
 from swarmavg.proto.codec import Message
 
 if TYPE_CHECKING:
     from swarmavg.aio.node import Node
     from swarmavg.aio.rpc import CallContext
-    from swarmavg.identity import PeerID
 
 __all__ = [
     "AllReduceFailed",
@@ -60,67 +64,6 @@ _JOIN_WAIT: Final = 10.0
 _MAX_PENDING_ROUNDS: Final = 64
 #: Finished rounds remembered, so that late calls for them fail at once.
 _FINISHED_MEMORY: Final = 256
-
-
-class AllReduceFailed(SwarmError):
-    """The all-reduce of a round did not complete; the message says why."""
-
-
-class MemberMode(enum.Enum):
-    """How a member takes part: ``NODE`` sends and reduces; ``CLIENT`` (nobody can dial it)
-    only sends; ``AUX`` only reduces (it has no values of its own)."""
-
-    NODE = "node"
-    CLIENT = "client"
-    AUX = "aux"
-
-
-@dataclass(frozen=True, slots=True)
-class GroupMember:
-    peer_id: PeerID
-    #: where the others dial it (``None`` for a client-mode member)
-    address: Address | None
-    bandwidth: float | None = None
-    mode: MemberMode = MemberMode.NODE
-
-
-@dataclass(frozen=True, slots=True)
-class Group:
-    """A group ready to average: its id and members, in the same order for everyone."""
-
-    group_id: bytes
-    members: tuple[GroupMember, ...]
-
-    def index_of(self, peer: PeerID) -> int:
-        for index, member in enumerate(self.members):
-            if member.peer_id == peer:
-                return index
-        raise ValueError(f"{peer} is not a member of this group")
-
-    @property
-    def senders(self) -> list[int]:
-        return [i for i, m in enumerate(self.members) if m.mode is not MemberMode.AUX]
-
-    def span_sizes(self, numel: int, min_vector_size: int = 0) -> list[int]:
-        bandwidths = [
-            0.0 if m.mode is MemberMode.CLIENT or m.address is None else m.bandwidth
-            for m in self.members
-        ]
-        return load_balance(numel, bandwidths, min_vector_size)
-
-
-@dataclass
-class AllReduceResult:
-    """What one member's all-reduce did."""
-
-    #: members (indices) whose values went into the mean with a positive weight
-    contributors: list[int]
-    total_weight: float
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    #: elements this member reduced
-    reduced: int = 0
 
 
 @dataclass
@@ -170,7 +113,7 @@ def _numpy_dtype(name: str) -> np.dtype[Any]:
 _services: weakref.WeakKeyDictionary[Node, AllReduceService] = weakref.WeakKeyDictionary()
 
 
-class AllReduceService:
+class AllReduceService(AllReduceRunner):
     """Runs all-reduce rounds for the members on one node and serves ``avg.allreduce``."""
 
     def __init__(self, node: Node, *, join_wait: float = _JOIN_WAIT) -> None:

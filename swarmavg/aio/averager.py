@@ -27,8 +27,10 @@ import numpy as np
 import numpy.typing as npt
 
 from swarmavg._time import get_dht_time
-from swarmavg.aio.allreduce import AllReduceFailed, AllReduceService, MemberMode
-from swarmavg.aio.matchmaking import DHTMatchmaker, MatchmakingFailed
+from swarmavg.abc._averaging import AllReduceRunner, Matchmaker, MemberMode
+from swarmavg.aio.allreduce import AllReduceService
+from swarmavg.aio.matchmaking import DHTMatchmaker
+from swarmavg.errors import AllReduceFailed, MatchmakingFailed
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
 from swarmavg.proto.matchmaking import next_group_bits, validate_bits
 
@@ -89,6 +91,8 @@ class DecentralizedAverager:
     (the longest a peer waits for its group to fill, not a wait), ``request_timeout``,
     ``averaging_alpha``, ``part_size_bytes``, ``allreduce_timeout`` (finite by default),
     ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the DHT's).
+    ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
+    (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
 
     Use as ``async with DecentralizedAverager(tensors, dht, ...) as averager:``; the DHT must be
     running (``async with swarmavg.aio.DHT(...)``) and outlive the averager.
@@ -112,6 +116,8 @@ class DecentralizedAverager:
         min_vector_size: int = 0,
         auxiliary: bool = False,
         client_mode: bool | None = None,
+        matchmaker: Matchmaker | None = None,
+        allreduce: AllReduceRunner | None = None,
     ) -> None:
         if isinstance(averaged_tensors, Mapping) or not isinstance(averaged_tensors, Sequence):
             raise TypeError("averaged_tensors must be a sequence of tensors")
@@ -145,7 +151,8 @@ class DecentralizedAverager:
             MemberMode.AUX if auxiliary else MemberMode.CLIENT if client else MemberMode.NODE
         )
         self._bits = validate_bits(initial_group_bits)
-        self.matchmaker = DHTMatchmaker(
+        self.allreduce = allreduce
+        self.matchmaker = matchmaker or DHTMatchmaker(
             dht.dht_node,
             prefix=prefix,
             schema=schema_digest(self.specs),
@@ -162,7 +169,8 @@ class DecentralizedAverager:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        AllReduceService.for_node(self.dht.node)
+        if self.allreduce is None:
+            self.allreduce = AllReduceService.for_node(self.dht.node)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -267,8 +275,9 @@ class DecentralizedAverager:
                         raise MatchmakingFailed(f"no group within {budget} s: {exc}") from None
             matched = time.perf_counter()
             buffers = self._to_buffers()
-            service = AllReduceService.for_node(self.dht.node)
-            outcome = await service.run(
+            if self.allreduce is None:
+                raise RuntimeError("enter the averager first: `async with averager:`")
+            outcome = await self.allreduce.run(
                 info.group,
                 buffers,
                 self.layout,

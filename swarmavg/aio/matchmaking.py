@@ -24,16 +24,15 @@ import math
 import os
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import msgpack
 
 from swarmavg._time import get_dht_time
+from swarmavg.abc._averaging import Group, GroupInfo, GroupMember, Matchmaker, MemberMode
 from swarmavg.address import Address
-from swarmavg.aio.allreduce import Group, GroupMember, MemberMode
-from swarmavg.errors import SwarmError
+from swarmavg.errors import MatchmakingFailed, SwarmError
 from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo
 from swarmavg.proto.matchmaking import choose_leader, group_key
 
@@ -49,19 +48,6 @@ logger = logging.getLogger(__name__)
 JOIN_METHOD: Final = "avg.join"
 #: How often a leader re-reads its key for a better leader, and a follower between tries (s).
 _POLL: Final = 0.25
-
-
-class MatchmakingFailed(SwarmError):
-    """No group could be formed in time; the message says why."""
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """A group that formed: its all-reduce :class:`Group` and each member's gathered metadata."""
-
-    group: Group
-    gathered: dict[PeerID, bytes]
-    leader: PeerID
 
 
 def _member_info(info: MemberInfo) -> GroupMember:
@@ -98,7 +84,7 @@ class _Leading:
 _matchmakers: weakref.WeakKeyDictionary[Any, dict[str, DHTMatchmaker]] = weakref.WeakKeyDictionary()
 
 
-class DHTMatchmaker:
+class DHTMatchmaker(Matchmaker):
     """Forms groups of peers that average the same tensors under ``prefix``.
 
     :param dht: the DHT node (its node serves ``avg.join``).

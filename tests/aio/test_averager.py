@@ -7,9 +7,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
+import msgpack
 import pytest
 import torch
 
+from swarmavg.abc import Group, GroupInfo, GroupMember, Matchmaker
 from swarmavg.aio import DHT
 from swarmavg.aio.averager import DecentralizedAverager, MatchmakingFailed, StepResult
 from swarmavg.testing import MemoryNetwork
@@ -122,3 +124,48 @@ async def test_bad_arguments_are_named() -> None:
             DecentralizedAverager(
                 [torch.zeros(3)], dht, prefix="y", target_group_size=2, initial_group_bits="2"
             )
+
+
+class _FixedGroup(Matchmaker):
+    """A matchmaker that hands out one group known in advance (the protocol swapped out)."""
+
+    def __init__(self, group: Group, gathered: dict[Any, bytes]) -> None:
+        self.group = group
+        self.gathered = gathered
+        self.calls: list[str] = []
+
+    async def look_for_group(self, bits: str, *, gather: bytes, begin_at: float) -> GroupInfo:
+        self.calls.append(bits)
+        return GroupInfo(self.group, self.gathered, self.group.members[0].peer_id)
+
+
+async def test_the_matchmaker_can_be_swapped_out() -> None:
+    network = MemoryNetwork()
+    tensors = [[torch.full((20,), float(i))] for i in range(3)]
+    async with AsyncExitStack() as stack:
+        dhts = [
+            await stack.enter_async_context(
+                DHT(transport="memory", transport_options={"network": network})
+            )
+            for _ in range(3)
+        ]
+        group = Group(
+            b"fixed-group-id-0",
+            tuple(GroupMember(d.peer_id, d.node.addresses[0]) for d in dhts),
+        )
+        gathered = {d.peer_id: msgpack.packb(i) for i, d in enumerate(dhts)}
+        fixed = [_FixedGroup(group, gathered) for _ in dhts]
+        averagers = [
+            await stack.enter_async_context(
+                DecentralizedAverager(
+                    own, dht, prefix="fixed", target_group_size=3, matchmaker=matchmaker
+                )
+            )
+            for own, dht, matchmaker in zip(tensors, dhts, fixed, strict=True)
+        ]
+        results = await _step_all(averagers)
+        for averager in averagers:
+            with averager.get_tensors() as own:
+                assert torch.equal(own[0], torch.full((20,), 1.0))
+    assert all(m.calls == [""] for m in fixed)
+    assert dict(results[0]) == {d.peer_id: i for i, d in enumerate(dhts)}

@@ -1,0 +1,137 @@
+"""The averaging protocols: a :class:`Matchmaker` finds a :class:`Group`, an
+:class:`AllReduceRunner` averages over it. The averager takes one of each by composition, so
+either can be swapped (and tested) alone; swarmavg's own are
+:class:`swarmavg.aio.matchmaking.DHTMatchmaker` and
+:class:`swarmavg.aio.allreduce.AllReduceService` (butterfly all-reduce).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from swarmavg.proto.allreduce import FlatLayout, load_balance
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from swarmavg.address import Address
+    from swarmavg.identity import PeerID
+
+__all__ = [
+    "AllReduceResult",
+    "AllReduceRunner",
+    "Group",
+    "GroupInfo",
+    "GroupMember",
+    "Matchmaker",
+    "MemberMode",
+]
+
+
+class MemberMode(enum.Enum):
+    """How a member takes part: ``NODE`` sends and reduces; ``CLIENT`` (nobody can dial it)
+    only sends; ``AUX`` only reduces (it has no values of its own)."""
+
+    NODE = "node"
+    CLIENT = "client"
+    AUX = "aux"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMember:
+    peer_id: PeerID
+    #: where the others dial it (``None`` for a client-mode member)
+    address: Address | None
+    bandwidth: float | None = None
+    mode: MemberMode = MemberMode.NODE
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A group ready to average: its id and members, in the same order for everyone."""
+
+    group_id: bytes
+    members: tuple[GroupMember, ...]
+
+    def index_of(self, peer: PeerID) -> int:
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer:
+                return index
+        raise ValueError(f"{peer} is not a member of this group")
+
+    @property
+    def senders(self) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m.mode is not MemberMode.AUX]
+
+    def span_sizes(self, numel: int, min_vector_size: int = 0) -> list[int]:
+        bandwidths = [
+            0.0 if m.mode is MemberMode.CLIENT or m.address is None else m.bandwidth
+            for m in self.members
+        ]
+        return load_balance(numel, bandwidths, min_vector_size)
+
+
+@dataclass
+class AllReduceResult:
+    """What one member's all-reduce did."""
+
+    #: members (indices) whose values went into the mean with a positive weight
+    contributors: list[int]
+    total_weight: float
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    #: elements this member reduced
+    reduced: int = 0
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A group that formed: its :class:`Group`, each member's gathered metadata (bytes, as
+    the member packed it) and who led it."""
+
+    group: Group
+    gathered: dict[PeerID, bytes]
+    leader: PeerID
+
+
+class Matchmaker(ABC):
+    """Finds groups of peers to average with."""
+
+    @abstractmethod
+    async def look_for_group(self, bits: str, *, gather: bytes, begin_at: float) -> GroupInfo:
+        """A group for this peer under the group key ``bits``, beginning at the latest at
+        ``begin_at`` (DHT time), every member's ``gather`` attached.
+
+        :raises swarmavg.errors.MatchmakingFailed: no group formed in time.
+        """
+
+    def close(self) -> None:  # noqa: B027 (optional: most matchmakers serve nothing)
+        """Stop taking part (serving other peers' requests). Idempotent."""
+
+
+class AllReduceRunner(ABC):
+    """Averages flat buffers over a group."""
+
+    @abstractmethod
+    async def run(
+        self,
+        group: Group,
+        buffers: Sequence[npt.NDArray[Any]],
+        layout: FlatLayout,
+        *,
+        weight: float = 1.0,
+        part_size: int = 1 << 16,
+        averaging_alpha: float = 1.0,
+        min_vector_size: int = 0,
+        timeout: float | None = None,
+    ) -> AllReduceResult:
+        """Average this member's ``buffers`` (one per ``layout`` buffer, updated in place) with
+        the rest of ``group``.
+
+        :raises swarmavg.errors.AllReduceFailed: the average was not computed.
+        """
