@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -225,9 +225,13 @@ async def test_a_member_that_never_comes_fails_the_round_within_the_timeout() ->
             await service.run(group, buffers[0], LAYOUT, timeout=0.5)
 
 
-async def test_a_caller_claiming_another_members_place_is_refused() -> None:
+async def _intrude(
+    members: int, caller: int, messages: Callable[[Group], Sequence[Message]], why: str
+) -> None:
+    """Node 0 runs a round of ``members``; node ``caller`` sends ``messages(group)`` on an
+    all-reduce call to it and must get a RemoteError matching ``why``."""
     rng = np.random.default_rng(7)
-    async with _nodes(3) as nodes:
+    async with _nodes(members) as nodes:
         group = _group(nodes)
         buffers = [_buffers(rng) for _ in nodes]
         for node in nodes:  # every node serves; only node 0 runs the round
@@ -241,11 +245,16 @@ async def test_a_caller_claiming_another_members_place_is_refused() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(honest)
                 await anyio.sleep(0.05)
-                # node 1 claims to be member 2
-                async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
-                    await call.send(AvgBegin(group.group_id, 2, 1.0))
-                    with pytest.raises(RemoteError, match="not the member it claims"):
+                async with nodes[caller].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
+                    for message in messages(group):
+                        await call.send(message)
+                    with pytest.raises(RemoteError, match=why):
                         await call.receive()
+
+
+async def test_a_caller_claiming_another_members_place_is_refused() -> None:
+    # node 1 claims to be member 2
+    await _intrude(3, 1, lambda g: [AvgBegin(g.group_id, 2, 1.0)], "not the member it claims")
 
 
 @pytest.mark.parametrize(
@@ -258,23 +267,4 @@ async def test_a_caller_claiming_another_members_place_is_refused() -> None:
     ],
 )
 async def test_garbage_fails_the_call_with_the_reason(bad: Message, why: str) -> None:
-    rng = np.random.default_rng(8)
-    async with _nodes(2) as nodes:
-        group = _group(nodes)
-        buffers = [_buffers(rng) for _ in nodes]
-        for node in nodes:
-            AllReduceService.for_node(node)
-
-        async def honest() -> None:
-            with pytest.raises(AllReduceFailed):
-                await AllReduceService.for_node(nodes[0]).run(group, buffers[0], LAYOUT, timeout=1)
-
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(honest)
-                await anyio.sleep(0.05)
-                async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
-                    await call.send(AvgBegin(group.group_id, 1, 1.0))
-                    await call.send(bad)
-                    with pytest.raises(RemoteError, match=why):
-                        await call.receive()
+    await _intrude(2, 1, lambda g: [AvgBegin(g.group_id, 1, 1.0), bad], why)
