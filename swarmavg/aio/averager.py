@@ -254,7 +254,12 @@ class DecentralizedAverager:
             raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
         if self.mode is MemberMode.AUX:
             weight = 0.0
-        gathered_bytes: bytes = msgpack.packb(gather, use_bin_type=True)
+        try:
+            gathered_bytes: bytes = msgpack.packb(gather, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"gather must be msgpack-serializable: {exc}") from None
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         budget = self.averaging_expiration + self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         async with self._step_lock:
@@ -294,10 +299,7 @@ class DecentralizedAverager:
             self._bits = next_group_bits(self._bits, info.group.group_id, me, len(members))
             finished = time.perf_counter()
         return StepResult(
-            gathered={
-                peer: msgpack.unpackb(raw, raw=False, strict_map_key=False)
-                for peer, raw in info.gathered.items()
-            },
+            gathered={peer: _unpack_gathered(peer, raw) for peer, raw in info.gathered.items()},
             group_id=info.group.group_id,
             contributors=[members[i].peer_id for i in outcome.contributors],
             total_weight=outcome.total_weight,
@@ -306,3 +308,13 @@ class DecentralizedAverager:
             matchmaking_seconds=matched - started,
             allreduce_seconds=finished - matched,
         )
+
+
+def _unpack_gathered(peer: PeerID, raw: bytes) -> Any:
+    """A member's gathered metadata; ``None`` (and a warning) if it does not decode: another
+    peer's garbage must not fail our step after the average was taken."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        logger.warning("the metadata %s gathered does not decode: %s", peer.short(), exc)
+        return None

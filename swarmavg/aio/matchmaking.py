@@ -59,6 +59,18 @@ def _member_info(info: MemberInfo) -> GroupMember:
     return GroupMember(info.peer_id, address, bandwidth, mode)
 
 
+def _valid_member(info: MemberInfo) -> bool:
+    """Whether a would-be follower's info makes a usable group member."""
+    bandwidth = info.bandwidth
+    if math.isnan(bandwidth) or math.isinf(bandwidth):
+        return False
+    try:
+        _member_info(info)
+    except ValueError:
+        return False
+    return info.mode == "client" or bool(info.addresses)
+
+
 def _group_info(group_id: bytes, members: list[MemberInfo], leader: PeerID) -> GroupInfo:
     group = Group(group_id, tuple(_member_info(m) for m in members))
     return GroupInfo(group, {m.peer_id: m.gather for m in members}, leader)
@@ -248,7 +260,8 @@ class DHTMatchmaker(Matchmaker):
                         return None  # a group without us: not ours
                     return _group_info(reply.group_id, reply.members, leader)
                 return None  # disbanded
-        except (SwarmError, OSError, TimeoutError) as exc:
+        except (SwarmError, OSError, TimeoutError, ValueError) as exc:
+            # (ValueError: a group whose members do not parse, from a faulty leader)
             logger.debug("joining %s failed: %s", leader.short(), exc)
         return None
 
@@ -305,6 +318,8 @@ class DHTMatchmaker(Matchmaker):
             reason = "the group is full"
         elif request.member.mode not in ("node", "client", "aux"):
             reason = "unknown mode"
+        elif not _valid_member(request.member):
+            reason = "an unusable address or bandwidth"
         if reason or leading is None:
             yield JoinReply("rejected", reason, b"", [])
             return

@@ -13,7 +13,12 @@ import torch
 
 from swarmavg.abc import Group, GroupInfo, GroupMember, Matchmaker
 from swarmavg.aio import DHT
-from swarmavg.aio.averager import DecentralizedAverager, MatchmakingFailed, StepResult
+from swarmavg.aio.averager import (
+    DecentralizedAverager,
+    MatchmakingFailed,
+    StepResult,
+    _unpack_gathered,
+)
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
@@ -169,3 +174,16 @@ async def test_the_matchmaker_can_be_swapped_out() -> None:
                 assert torch.equal(own[0], torch.full((20,), 1.0))
     assert all(m.calls == [""] for m in fixed)
     assert dict(results[0]) == {d.peer_id: i for i, d in enumerate(dhts)}
+
+
+async def test_bad_step_arguments_and_garbage_metadata() -> None:
+    async with _averagers([[torch.zeros(3)]], prefix="args", target_group_size=2) as (avg,):
+        with pytest.raises(TypeError, match="gather"):
+            await avg.step(gather=object())
+        with pytest.raises(ValueError, match="timeout"):
+            await avg.step(timeout=-1)
+        with pytest.raises(ValueError, match="weight"):
+            await avg.step(weight=float("nan"))
+    peer = avg.dht.peer_id
+    assert _unpack_gathered(peer, b"\xc1") is None  # never valid msgpack
+    assert _unpack_gathered(peer, msgpack.packb({"a": 1})) == {"a": 1}

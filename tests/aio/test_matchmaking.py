@@ -17,6 +17,7 @@ from swarmavg.aio.dht import DHTNode
 from swarmavg.aio.matchmaking import DHTMatchmaker, GroupInfo, MatchmakingFailed
 from swarmavg.aio.node import Node
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
+from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
@@ -170,3 +171,54 @@ async def test_a_round_end_to_end_matchmaking_then_all_reduce() -> None:
     for own in buffers:
         np.testing.assert_allclose(own[0], expected[0], atol=1e-5)
         np.testing.assert_allclose(own[1], expected[1], atol=1e-12)
+
+
+async def test_a_leader_refuses_followers_it_could_not_average_with() -> None:
+    async with _dhts(2) as dhts:
+        leader, other = _matchmakers(dhts, target=4)
+        begin_at = get_dht_time() + 2
+        bad_members = [
+            MemberInfo(dhts[1].peer_id, ["not an address"], -1.0, "node", b""),
+            MemberInfo(
+                dhts[1].peer_id, [str(dhts[1].node.addresses[0])], float("nan"), "node", b""
+            ),
+            MemberInfo(dhts[1].peer_id, [], -1.0, "node", b""),  # a node nobody can dial
+            MemberInfo(dhts[1].peer_id, [str(dhts[1].node.addresses[0])], -1.0, "boss", b""),
+        ]
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def lead() -> None:
+                    with pytest.raises(MatchmakingFailed):
+                        await leader.look_for_group("", gather=b"", begin_at=begin_at)
+
+                tg.start_soon(lead)
+                await anyio.sleep(0.3)
+                for member in bad_members:
+                    request = JoinRequest("run.0b", SCHEMA, begin_at + 1, member)
+                    async with dhts[1].node.rpc.server_stream(
+                        dhts[0].node.addresses[0], "avg.join", request, response_type=JoinReply
+                    ) as replies:
+                        reply = await anext(replies)
+                    assert reply.code == "rejected"
+                    assert reply.reason
+        del other
+
+
+async def test_a_follower_survives_a_leader_that_sends_garbage() -> None:
+    async with _dhts(2) as dhts:
+        liar = dhts[0]
+
+        async def lie(request: JoinRequest, ctx: Any) -> AsyncIterator[JoinReply]:
+            yield JoinReply("accepted", "", b"", [])
+            garbage = MemberInfo(ctx.peer_id, ["tcp://[nonsense"], 1.0, "node", b"")
+            yield JoinReply("begin", "", b"g" * 16, [garbage])
+
+        liar.node.rpc.register("avg.join", lie, kind="server_stream", request_type=JoinRequest)
+        begin_at = get_dht_time() + 1.0
+        assert await liar.store(
+            "run.0b", {"schema": SCHEMA}, begin_at - 0.5, subkey=liar.peer_id.to_bytes()
+        )
+        (follower,) = _matchmakers(dhts[1:], target=2)
+        with anyio.fail_after(10), pytest.raises(MatchmakingFailed):
+            await follower.look_for_group("", gather=b"", begin_at=begin_at)
