@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
-from swarmavg.aio.averager import StepResult
+from swarmavg.aio.averager import AveragingStage, StepResult
 from swarmavg.aio.node import Node
-from swarmavg.averager import DecentralizedAverager
+from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.dht import DHT
 from swarmavg.errors import (
     AllReduceFailed,
@@ -41,6 +41,7 @@ __all__ = [
     "Address",
     "AllReduceFailed",
     "AveragingError",
+    "AveragingStage",
     "ConnectError",
     "ConnectionLost",
     "DecentralizedAverager",
@@ -53,6 +54,7 @@ __all__ = [
     "PeerIdentityMismatch",
     "ProtocolError",
     "RemoteProtocolError",
+    "StepHandle",
     "StepResult",
     "StreamReset",
     "SwarmError",

@@ -13,20 +13,23 @@ training loop goes on while the group forms and averages::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
+from swarmavg.aio.averager import AveragingStage, StepControl, StepResult
 from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
-from swarmavg.aio.averager import StepResult
-from swarmavg.sync import TaskHandle, call, run_sync
+from swarmavg.sync import TaskHandle, run_sync
+from swarmavg.sync._loop import _start_handle
 
 if TYPE_CHECKING:
     import torch
 
     from swarmavg.dht import DHT
 
-__all__ = ["DecentralizedAverager"]
+__all__ = ["AveragingStage", "DecentralizedAverager", "StepHandle"]
 
 
 class DecentralizedAverager:
@@ -108,6 +111,7 @@ class DecentralizedAverager:
         allow_retries: bool = True,
         wait: Literal[True] = True,
         scheduled_time: float | None = None,
+        require_trigger: bool = False,
     ) -> StepResult: ...
 
     @overload
@@ -120,7 +124,8 @@ class DecentralizedAverager:
         *,
         wait: Literal[False],
         scheduled_time: float | None = None,
-    ) -> TaskHandle[StepResult]: ...
+        require_trigger: bool = False,
+    ) -> StepHandle: ...
 
     def step(
         self,
@@ -130,21 +135,78 @@ class DecentralizedAverager:
         allow_retries: bool = True,
         wait: bool = True,
         scheduled_time: float | None = None,
-    ) -> StepResult | TaskHandle[StepResult]:
+        require_trigger: bool = False,
+    ) -> StepResult | StepHandle:
         """Find a group and average with it (see :meth:`swarmavg.aio.DecentralizedAverager.step`);
-        with ``wait=False``, a handle to the step in progress.
+        with ``wait=False``, a :class:`StepHandle` to the step in progress (its ``stage``,
+        settable ``weight``, ``allow_allreduce()`` for ``require_trigger=True``, ``cancel()``).
 
         :raises MatchmakingFailed: no group formed in time.
         :raises AllReduceFailed: the group formed but the average was not computed.
         """
         if not self._started or self._closed:
             raise RuntimeError("the averager is not running")
-        return call(
-            self._averager.step,
-            gather,
-            weight,
-            timeout,
+        if wait and require_trigger:
+            raise ValueError("require_trigger=True needs wait=False (to call allow_allreduce())")
+        control = self._averager._control(gather, weight, timeout, scheduled_time, require_trigger)
+        handle = _start_handle(
+            functools.partial(StepHandle, control=control),
+            self._averager._run_step,
+            control,
             allow_retries,
-            scheduled_time,
-            wait=wait,
         )
+        if wait:
+            try:
+                return handle.result()
+            except BaseException:
+                handle.cancel()
+                raise
+        return handle
+
+
+class StepHandle(TaskHandle[StepResult]):
+    """A step in progress (``DecentralizedAverager.step(wait=False)``): a :class:`TaskHandle`
+    (``result()``, ``done()``, ``cancel()``, awaitable) that also shows the step's
+    :attr:`stage`, lets the :attr:`weight` change until the all-reduce begins, and starts a
+    ``require_trigger`` step's all-reduce (:meth:`allow_allreduce`). :meth:`cancel` tells the
+    groupmates that this peer leaves, so they stop waiting for it."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        loop_thread_id: int,
+        name: str,
+        *,
+        control: StepControl,
+    ) -> None:
+        super().__init__(loop, loop_thread_id, name)
+        self.control = control
+        control._attach(self.cancel)  # (the averager's shutdown cancels its steps)
+
+    @property
+    def stage(self) -> AveragingStage:
+        return self.control.stage
+
+    @property
+    def weight(self) -> float:
+        return self.control.weight
+
+    @weight.setter
+    def weight(self, value: float) -> None:
+        self.control.weight = value
+
+    @property
+    def scheduled_time(self) -> float | None:
+        return self.control.scheduled_time
+
+    @property
+    def require_trigger(self) -> bool:
+        return self.control.require_trigger
+
+    @property
+    def triggered(self) -> bool:
+        return self.control.triggered
+
+    def allow_allreduce(self) -> None:
+        """Let the step average once its group formed (``require_trigger=True``)."""
+        self.control.allow_allreduce()

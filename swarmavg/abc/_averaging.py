@@ -135,3 +135,11 @@ class AllReduceRunner(ABC):
 
         :raises swarmavg.errors.AllReduceFailed: the average was not computed.
         """
+
+    def expect(self, group: Group) -> None:  # noqa: B027 (optional)
+        """This member will run ``group``'s round, maybe not at once (it waits for its
+        trigger): hold the other members' requests for it until then."""
+
+    async def leave(self, group: Group, reason: str) -> None:  # noqa: B027 (optional)
+        """This member leaves ``group`` before (or while) running its round: tell the others,
+        so that they stop waiting for it. Must not raise; bounded in time."""

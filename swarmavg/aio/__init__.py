@@ -1,7 +1,7 @@
 """The asynchronous API (anyio, asyncio or trio code): the same operations as the synchronous
 facades, as coroutines, with ``async with``."""
 
-from swarmavg.aio.averager import DecentralizedAverager, StepResult
+from swarmavg.aio.averager import AveragingStage, DecentralizedAverager, StepControl, StepResult
 from swarmavg.aio.dht_facade import DHT
 from swarmavg.aio.node import Node
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed
@@ -9,8 +9,10 @@ from swarmavg.errors import AllReduceFailed, MatchmakingFailed
 __all__ = [
     "DHT",
     "AllReduceFailed",
+    "AveragingStage",
     "DecentralizedAverager",
     "MatchmakingFailed",
     "Node",
+    "StepControl",
     "StepResult",
 ]

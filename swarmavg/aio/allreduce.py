@@ -11,8 +11,9 @@ the member's flat buffers in place (``local += alpha · (mean - local)``).
 One :class:`AllReduceService` serves a node: it routes incoming calls to the round (group id)
 they belong to; a call that arrives before its round started waits for it (bounded).
 
-This slice is the happy path: a member that fails, stalls or sends garbage makes the round
-fail with :class:`~swarmavg.errors.AllReduceFailed` (faults are handled later).
+A member that leaves (its step was cancelled) tells the others (``avg.leave``), and their round
+fails at once with :class:`~swarmavg.errors.AllReduceFailed` naming it. A member that fails,
+stalls or sends garbage makes the round fail too (recovering from faults comes later).
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from swarmavg.abc._averaging import (
 )
 from swarmavg.errors import AllReduceFailed, SwarmError
 from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, plan_parts
-from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgPart, AvgWeights
+from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgLeave, AvgPart, AvgWeights
 from swarmavg.proto.codec import Message
 
 if TYPE_CHECKING:
     from swarmavg.aio.node import Node
     from swarmavg.aio.rpc import CallContext
+    from swarmavg.identity import PeerID
 
 __all__ = [
     "AllReduceFailed",
@@ -58,8 +60,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 METHOD: Final = "avg.allreduce"
+LEAVE_METHOD: Final = "avg.leave"
 #: How long a call for a round that has not started here yet waits for it (seconds).
 _JOIN_WAIT: Final = 10.0
+#: ... for a round this node expects to run (its member waits for its trigger); the caller's
+#: own timeout ends the wait sooner.
+_EXPECT_WAIT: Final = 600.0
+#: How long a leaving member spends telling the others (seconds).
+_LEAVE_TIMEOUT: Final = 2.0
+#: Leave notices kept for rounds that have not started here (bounded: they come from the network).
+_LEFT_MEMORY: Final = 256
 #: Rounds a node waits for at once (calls for more unknown rounds are refused).
 _MAX_PENDING_ROUNDS: Final = 64
 #: Finished rounds remembered, so that late calls for them fail at once.
@@ -79,6 +89,9 @@ class _Round:
     results: list[npt.NDArray[Any] | None] = field(default_factory=list)
     weights: dict[int, float] = field(default_factory=dict)
     bytes_received: int = 0
+    #: why the round was aborted (a member left), if it was
+    left: str | None = None
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
     def __post_init__(self) -> None:
         senders = self.group.senders
@@ -105,6 +118,11 @@ class _Round:
             reducer.add_nothing(sender)
             self._settle(index)
 
+    def abort(self, reason: str) -> None:
+        if self.left is None:
+            self.left = reason
+            self.scope.cancel()
+
 
 def _numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(np.float32 if name == "bfloat16" else name)
@@ -121,8 +139,12 @@ class AllReduceService(AllReduceRunner):
         self.join_wait = join_wait
         self._rounds: dict[bytes, _Round] = {}
         self._waiting: dict[bytes, anyio.Event] = {}
+        self._expected: set[bytes] = set()
         self._finished: OrderedDict[bytes, None] = OrderedDict()
+        #: leave notices for rounds not started here: group id -> (who, its index, why)
+        self._left: OrderedDict[bytes, tuple[PeerID, int, str]] = OrderedDict()
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
+        node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
 
     @classmethod
     def for_node(cls, node: Node) -> AllReduceService:
@@ -164,6 +186,13 @@ class AllReduceService(AllReduceRunner):
                     raise ValueError(f"a buffer of {size} {dtype} expected, got {buffer.dtype}")
         spans = group.span_sizes(layout.numel, min_vector_size)
         plans = plan_parts(layout, spans, part_size)
+        self._expected.discard(group.group_id)
+        left = self._left.pop(group.group_id, None)
+        if left is not None:
+            peer, sender, reason = left
+            if 0 <= sender < len(group.members) and group.members[sender].peer_id == peer:
+                self._finish(group.group_id)
+                raise AllReduceFailed(f"member {sender} ({peer.short()}) left the group: {reason}")
         started = time.perf_counter()
         round_ = _Round(group, me, layout, plans[me])
         senders = group.senders
@@ -176,17 +205,20 @@ class AllReduceService(AllReduceRunner):
         result = AllReduceResult([], 0.0)
         weights: dict[int, float] = {}  # each sender's, as the reducers tell them
         try:
-            with anyio.fail_after(timeout):
+            with anyio.fail_after(timeout), round_.scope:
                 await self._run_tasks(
                     group, round_, plans, buffers, weight, averaging_alpha, result, weights
                 )
         except TimeoutError:
             raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
+        except AllReduceFailed:
+            if round_.left is None:
+                raise
         finally:
             del self._rounds[group.group_id]
-            self._finished[group.group_id] = None
-            while len(self._finished) > _FINISHED_MEMORY:
-                self._finished.popitem(last=False)
+            self._finish(group.group_id)
+        if round_.left is not None:
+            raise AllReduceFailed(round_.left)
         result.bytes_received += round_.bytes_received
         result.seconds = time.perf_counter() - started
         result.reduced = spans[me]
@@ -198,6 +230,66 @@ class AllReduceService(AllReduceRunner):
         result.contributors = [i for i in senders if weights.get(i, 0.0) > 0]
         result.total_weight = sum(weights.get(i, 0.0) for i in senders)
         return result
+
+    def _finish(self, group_id: bytes) -> None:
+        """Remember the round as over here; calls waiting for it fail."""
+        self._finished[group_id] = None
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        self._expected.discard(group_id)
+        waiting = self._waiting.pop(group_id, None)
+        if waiting is not None:
+            waiting.set()
+
+    def expect(self, group: Group) -> None:
+        """Hold the other members' calls for ``group``'s round (up to ``_EXPECT_WAIT``) until
+        :meth:`run` starts it here: this member waits for its trigger first."""
+        if group.group_id not in self._rounds and group.group_id not in self._finished:
+            self._expected.add(group.group_id)
+
+    async def leave(self, group: Group, reason: str) -> None:
+        """Leave ``group``'s round (before or while it runs here): tell every other member
+        that can be dialed (``avg.leave``), within ``_LEAVE_TIMEOUT`` seconds, even while
+        being cancelled. Never raises."""
+        me = group.index_of(self.node.peer_id)
+        round_ = self._rounds.get(group.group_id)
+        if round_ is not None:
+            round_.abort(f"this member left: {reason}")
+        else:
+            self._finish(group.group_id)
+        notice = AvgLeave(group.group_id, me, reason[:200])
+
+        async def tell(member: GroupMember) -> None:
+            assert member.address is not None
+            try:
+                await self.node.rpc.call(
+                    member.address, LEAVE_METHOD, notice, timeout=_LEAVE_TIMEOUT
+                )
+            except (SwarmError, OSError) as exc:
+                logger.debug("could not tell %s we left: %s", member.peer_id.short(), exc)
+
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_LEAVE_TIMEOUT):
+            async with anyio.create_task_group() as tg:
+                for index, member in enumerate(group.members):
+                    if index != me and member.address is not None:
+                        tg.start_soon(tell, member)
+
+    async def _serve_leave(self, notice: AvgLeave, ctx: CallContext) -> Message:
+        """A member tells us it left a round: fail the round here (now, or when it starts)."""
+        if not 0 < len(notice.group_id) <= 64 or notice.sender < 0:
+            raise ValueError("a malformed leave notice")
+        reason = notice.reason[:200]
+        round_ = self._rounds.get(notice.group_id)
+        if round_ is not None:
+            members = round_.group.members
+            if not notice.sender < len(members) or members[notice.sender].peer_id != ctx.peer_id:
+                raise ValueError("the caller is not the member it claims to be")
+            round_.abort(f"member {notice.sender} ({ctx.peer_id.short()}) left the group: {reason}")
+        elif notice.group_id not in self._finished:
+            self._left[notice.group_id] = (ctx.peer_id, notice.sender, reason)
+            while len(self._left) > _LEFT_MEMORY:
+                self._left.popitem(last=False)
+        return AvgKeep(-1)
 
     async def _run_tasks(
         self,
@@ -310,11 +402,14 @@ class AllReduceService(AllReduceRunner):
             raise ValueError("that round is over here")
         event = self._waiting.get(group_id)
         if event is None:
-            if len(self._waiting) >= _MAX_PENDING_ROUNDS:
+            if len(self._waiting) >= _MAX_PENDING_ROUNDS and group_id not in self._expected:
                 raise ValueError("too many rounds not started here")
             event = self._waiting[group_id] = anyio.Event()
         with anyio.move_on_after(self.join_wait):
             await event.wait()
+        if not event.is_set() and group_id in self._expected:  # its member waits for a trigger
+            with anyio.move_on_after(_EXPECT_WAIT - self.join_wait):
+                await event.wait()
         round_ = self._rounds.get(group_id)
         if round_ is None:
             if self._waiting.get(group_id) is event:

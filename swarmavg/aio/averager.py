@@ -12,16 +12,20 @@ holds the lock while it updates the tensors never sees a half-written average.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import enum
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import msgpack
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +44,14 @@ if TYPE_CHECKING:
     from swarmavg.aio.dht_facade import DHT
     from swarmavg.identity import PeerID
 
-__all__ = ["AllReduceFailed", "DecentralizedAverager", "MatchmakingFailed", "StepResult"]
+__all__ = [
+    "AllReduceFailed",
+    "AveragingStage",
+    "DecentralizedAverager",
+    "MatchmakingFailed",
+    "StepControl",
+    "StepResult",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +175,7 @@ class DecentralizedAverager:
         )
         self._lock = threading.Lock()  # the tensors' lock (get_tensors); also taken by threads
         self._step_lock = anyio.Lock()
+        self._live: set[StepControl] = set()  # steps in progress (cancelled at close)
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -180,6 +192,8 @@ class DecentralizedAverager:
         """Stop taking part (serving join requests). Idempotent."""
         if not self._closed:
             self._closed = True
+            for control in list(self._live):
+                control.cancel()
             self.matchmaker.close()
 
     # -- tensors and bits ------------------------------------------------------------------------
@@ -225,65 +239,160 @@ class DecentralizedAverager:
 
     # -- stepping --------------------------------------------------------------------------------
 
+    @overload
     async def step(
         self,
         gather: Any = None,
         weight: float | None = None,
         timeout: float | None = None,
         allow_retries: bool = True,
+        wait: Literal[True] = True,
         scheduled_time: float | None = None,
-    ) -> StepResult:
+        require_trigger: bool = False,
+    ) -> StepResult: ...
+
+    @overload
+    async def step(
+        self,
+        gather: Any = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        *,
+        wait: Literal[False],
+        scheduled_time: float | None = None,
+        require_trigger: bool = False,
+    ) -> StepControl: ...
+
+    async def step(
+        self,
+        gather: Any = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        wait: bool = True,
+        scheduled_time: float | None = None,
+        require_trigger: bool = False,
+    ) -> StepResult | StepControl:
         """Find a group and average with it.
 
         :param gather: metadata (msgpack-serializable) to share with the group; the result maps
             each member's PeerID to what it gathered.
         :param weight: this peer's weight in the mean (default 1; 0 takes the mean without
-            contributing; auxiliary peers always 0).
+            contributing; auxiliary peers always 0). Can be changed on the
+            :class:`StepControl` until the all-reduce begins.
         :param timeout: seconds to get into a group, retries included (default:
             ``averaging_expiration`` plus ``request_timeout``).
         :param allow_retries: look again (until ``timeout``) when a group fails to form.
+        :param wait: ``False`` returns a :class:`StepControl` at once (the step runs in the
+            background; ``await control`` for the result).
         :param scheduled_time: DHT time by which the group should begin (default: now +
             ``averaging_expiration``, or the end of ``timeout`` if sooner).
+        :param require_trigger: once in a group, wait for :meth:`StepControl.allow_allreduce`
+            before averaging (so a peer can find its group while it still computes).
         :raises MatchmakingFailed: no group formed in time.
         :raises AllReduceFailed: the group formed but the average was not computed.
         """
+        if wait and require_trigger:
+            raise ValueError("require_trigger=True needs wait=False (to call allow_allreduce())")
+        control = self._control(gather, weight, timeout, scheduled_time, require_trigger)
+        if wait:
+            return await self._run_step(control, allow_retries)
+        if self.allreduce is None:
+            raise RuntimeError("enter the averager first: `async with averager:`")
+        scope = self.dht.node.spawn(self._run_in_background, control, allow_retries)
+        control._attach(scope.cancel)
+        return control
+
+    def _control(
+        self,
+        gather: Any,
+        weight: float | None,
+        timeout: float | None,
+        scheduled_time: float | None,
+        require_trigger: bool,
+    ) -> StepControl:
+        """Check a step's arguments (in the caller's thread) and make its control."""
         if self._closed:
             raise RuntimeError("the averager is closed")
-        weight = 1.0 if weight is None else float(weight)
-        if not (weight >= 0 and math.isfinite(weight)):
-            raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
-        if self.mode is MemberMode.AUX:
-            weight = 0.0
+        weight = 1.0 if weight is None else weight
+        _check_weight(weight)
         try:
-            gathered_bytes: bytes = msgpack.packb(gather, use_bin_type=True)
+            gathered: bytes = msgpack.packb(gather, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(f"gather must be msgpack-serializable: {exc}") from None
-        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        if timeout is not None and not (
+            isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)
+        ):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        if scheduled_time is not None and not (
+            isinstance(scheduled_time, int | float) and math.isfinite(scheduled_time)
+        ):
+            raise ValueError(f"scheduled_time must be a DHT time (seconds), not {scheduled_time!r}")
+        if not isinstance(require_trigger, bool):
+            raise TypeError(f"require_trigger must be a bool, not {require_trigger!r}")
         budget = self.averaging_expiration + self.request_timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        async with self._step_lock:
-            started = time.perf_counter()
-            while True:
-                left = deadline - time.monotonic()
-                begin_at = get_dht_time() + min(self.averaging_expiration, max(left, 0.0))
-                if scheduled_time is not None:
-                    begin_at = min(begin_at, scheduled_time)
-                try:
-                    with anyio.fail_after(max(left, 0.0) + self.request_timeout):
-                        info = await self.matchmaker.look_for_group(
-                            self._bits, gather=gathered_bytes, begin_at=begin_at
-                        )
-                    break
-                except (MatchmakingFailed, TimeoutError) as exc:
-                    if not allow_retries or time.monotonic() >= deadline:
-                        raise MatchmakingFailed(f"no group within {budget} s: {exc}") from None
-            matched = time.perf_counter()
+        return StepControl(
+            gathered=gathered,
+            weight=0.0 if self.mode is MemberMode.AUX else float(weight),
+            budget=float(budget),
+            scheduled_time=scheduled_time,
+            require_trigger=require_trigger,
+            auxiliary=self.mode is MemberMode.AUX,
+        )
+
+    async def _run_in_background(self, control: StepControl, allow_retries: bool) -> None:
+        try:
+            control._set_outcome(await self._run_step(control, allow_retries), None)
+        except anyio.get_cancelled_exc_class():
+            control._set_outcome(None, concurrent.futures.CancelledError("the step was cancelled"))
+            raise
+        except Exception as exc:
+            control._set_outcome(None, exc)
+
+    async def _run_step(self, control: StepControl, allow_retries: bool) -> StepResult:
+        if self.allreduce is None:
+            raise RuntimeError("enter the averager first: `async with averager:`")
+        deadline = time.monotonic() + control.budget
+        self._live.add(control)
+        try:
+            async with self._step_lock:
+                return await self._step_locked(control, allow_retries, deadline)
+        finally:
+            self._live.discard(control)
+            control._set_stage(AveragingStage.FINISHED)
+
+    async def _step_locked(
+        self, control: StepControl, allow_retries: bool, deadline: float
+    ) -> StepResult:
+        assert self.allreduce is not None
+        started = time.perf_counter()
+        control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+        while True:
+            left = deadline - time.monotonic()
+            begin_at = get_dht_time() + min(self.averaging_expiration, max(left, 0.0))
+            if control.scheduled_time is not None:
+                begin_at = min(begin_at, control.scheduled_time)
+            try:
+                with anyio.fail_after(max(left, 0.0) + self.request_timeout):
+                    info = await self.matchmaker.look_for_group(
+                        self._bits, gather=control.gathered, begin_at=begin_at
+                    )
+                break
+            except (MatchmakingFailed, TimeoutError) as exc:
+                if not allow_retries or time.monotonic() >= deadline:
+                    raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
+        matched = time.perf_counter()
+        group = info.group
+        try:
+            if control.require_trigger and not control.triggered:
+                self.allreduce.expect(group)
+                control._set_stage(AveragingStage.AWAITING_TRIGGER)
+                await control._wait_for_trigger()
+            weight = control._begin_allreduce()
             buffers = self._to_buffers()
-            if self.allreduce is None:
-                raise RuntimeError("enter the averager first: `async with averager:`")
             outcome = await self.allreduce.run(
-                info.group,
+                group,
                 buffers,
                 self.layout,
                 weight=weight,
@@ -292,15 +401,18 @@ class DecentralizedAverager:
                 min_vector_size=self.min_vector_size,
                 timeout=self.allreduce_timeout,
             )
-            if self.mode is not MemberMode.AUX and outcome.contributors:
-                self._from_buffers(buffers)
-            members = info.group.members
-            me = info.group.index_of(self.dht.peer_id)
-            self._bits = next_group_bits(self._bits, info.group.group_id, me, len(members))
-            finished = time.perf_counter()
+        except anyio.get_cancelled_exc_class():
+            await self.allreduce.leave(group, "its step was cancelled")
+            raise
+        if self.mode is not MemberMode.AUX and outcome.contributors:
+            self._from_buffers(buffers)
+        members = group.members
+        me = group.index_of(self.dht.peer_id)
+        self._bits = next_group_bits(self._bits, group.group_id, me, len(members))
+        finished = time.perf_counter()
         return StepResult(
             gathered={peer: _unpack_gathered(peer, raw) for peer, raw in info.gathered.items()},
-            group_id=info.group.group_id,
+            group_id=group.group_id,
             contributors=[members[i].peer_id for i in outcome.contributors],
             total_weight=outcome.total_weight,
             bytes_sent=outcome.bytes_sent,
@@ -308,6 +420,159 @@ class DecentralizedAverager:
             matchmaking_seconds=matched - started,
             allreduce_seconds=finished - matched,
         )
+
+
+def _check_weight(weight: object) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise TypeError(f"weight must be a number, not {weight!r}")
+    if not (weight >= 0 and math.isfinite(weight)):
+        raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
+    return float(weight)
+
+
+class AveragingStage(enum.Enum):
+    """Where a step is (:attr:`StepControl.stage`)."""
+
+    IDLE = "idle"
+    LOOKING_FOR_GROUP = "looking_for_group"
+    AWAITING_TRIGGER = "awaiting_trigger"
+    RUNNING_ALLREDUCE = "running_allreduce"
+    FINISHED = "finished"
+
+
+class StepControl:
+    """A step in progress (``step(wait=False)``): its :attr:`stage`, its :attr:`weight`
+    (settable until the all-reduce begins), :meth:`allow_allreduce` (for
+    ``require_trigger=True``) and :meth:`cancel`. ``await control`` gives the step's result.
+
+    Thread-safe: the sync facade's handle drives it from the training thread while the step
+    runs on the event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        gathered: bytes,
+        weight: float,
+        budget: float,
+        scheduled_time: float | None,
+        require_trigger: bool,
+        auxiliary: bool = False,
+    ) -> None:
+        self.gathered = gathered
+        self.budget = budget
+        self.scheduled_time = scheduled_time
+        self.require_trigger = require_trigger
+        self._auxiliary = auxiliary
+        self._lock = threading.Lock()
+        self._stage = AveragingStage.IDLE
+        self._weight = weight
+        self._triggered = False
+        self._wake: Callable[[], None] | None = None  # wakes a step waiting for its trigger
+        self._canceller: Callable[[], object] | None = None
+        self._done = anyio.Event()
+        self._outcome: tuple[StepResult | None, BaseException | None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<StepControl {self.stage.value} weight={self._weight}>"
+
+    @property
+    def stage(self) -> AveragingStage:
+        return self._stage
+
+    @property
+    def weight(self) -> float:
+        """This peer's weight in the mean; settable until the all-reduce begins."""
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: float) -> None:
+        value = _check_weight(value)
+        with self._lock:
+            if self._stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
+                raise RuntimeError(f"the weight cannot change once the step is {self._stage.value}")
+            if not self._auxiliary:
+                self._weight = value
+
+    @property
+    def triggered(self) -> bool:
+        """Whether :meth:`allow_allreduce` was called."""
+        return self._triggered
+
+    def allow_allreduce(self) -> None:
+        """Let the step average as soon as its group formed (``require_trigger=True``; a
+        no-op otherwise). Callable from any thread, before or after the group formed."""
+        with self._lock:
+            self._triggered = True
+            wake, self._wake = self._wake, None
+        if wake is not None:
+            wake()
+
+    def cancel(self) -> bool:
+        """Cancel the step; groupmates are told this peer leaves. ``False`` if it already
+        finished (or runs in the caller's own task: ``step(wait=True)``)."""
+        if self._outcome is not None or self._canceller is None:
+            return False
+        self._canceller()
+        return True
+
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def __await__(self) -> Generator[Any, None, StepResult]:
+        return self._result().__await__()
+
+    async def _result(self) -> StepResult:
+        await self._done.wait()
+        assert self._outcome is not None
+        result, error = self._outcome
+        if error is not None:
+            raise error
+        assert result is not None
+        return result
+
+    # -- driven by the averager (event-loop thread) -----------------------------------------------
+
+    def _attach(self, cancel: Callable[[], object]) -> None:
+        """How :meth:`cancel` cancels the step's task."""
+        self._canceller = cancel
+
+    def _set_outcome(self, result: StepResult | None, error: BaseException | None) -> None:
+        if self._outcome is None:
+            self._outcome = (result, error)
+            self._done.set()
+
+    def _set_stage(self, stage: AveragingStage) -> None:
+        with self._lock:
+            self._stage = stage
+
+    def _begin_allreduce(self) -> float:
+        """Enter RUNNING_ALLREDUCE; the weight from now on."""
+        with self._lock:
+            self._stage = AveragingStage.RUNNING_ALLREDUCE
+            return self._weight
+
+    async def _wait_for_trigger(self) -> None:
+        event = anyio.Event()
+        loop_thread = threading.get_ident()
+        token = anyio.lowlevel.current_token()
+
+        def wake() -> None:
+            if threading.get_ident() == loop_thread:
+                event.set()
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop is gone
+                    anyio.from_thread.run_sync(event.set, token=token)
+
+        with self._lock:
+            if self._triggered:
+                return
+            self._wake = wake
+        try:
+            await event.wait()
+        finally:
+            with self._lock:
+                self._wake = None
 
 
 def _unpack_gathered(peer: PeerID, raw: bytes) -> Any:

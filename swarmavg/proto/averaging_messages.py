@@ -5,7 +5,8 @@ A sender opens one bidirectional call (``avg.allreduce``) to each reducer of its
 reducer's span as :class:`AvgPart` messages, in the order of the reducer's parts; the reducer
 answers first with every sender's weight (:class:`AvgWeights`, known once all have begun), then
 each part, once every sender delivered it, with the weighted mean (:class:`AvgPart`) or
-:class:`AvgKeep` (the part's total weight is 0: everyone keeps their own values).
+:class:`AvgKeep` (the part's total weight is 0: everyone keeps their own values). A member whose
+step is cancelled tells the others with :class:`AvgLeave`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from numpy.typing import NDArray  # runtime import: the codec resolves the annot
 from swarmavg.identity import PeerID
 from swarmavg.proto.codec import Message, message
 
-__all__ = ["AvgBegin", "AvgKeep", "AvgPart", "AvgWeights", "JoinReply", "JoinRequest", "MemberInfo"]
+__all__ = [
+    "AvgBegin",
+    "AvgKeep",
+    "AvgLeave",
+    "AvgPart",
+    "AvgWeights",
+    "JoinReply",
+    "JoinRequest",
+    "MemberInfo",
+]
 
 
 @message("avg.begin")
@@ -56,6 +66,19 @@ class AvgWeights(Message):
     saw them: every member learns who contributed."""
 
     weights: list[float]
+
+
+@message("avg.leave")
+@dataclass(frozen=True, slots=True)
+class AvgLeave(Message):
+    """A member (``sender``, its index) leaves round ``group_id`` before it finished (its step
+    was cancelled): the others fail the round at once instead of waiting for it. Sent as a
+    unary call (``avg.leave``) to every member that can be dialed; answered with
+    :class:`AvgKeep` (index -1) as a plain acknowledgement."""
+
+    group_id: bytes
+    sender: int
+    reason: str
 
 
 @message("avg.member")

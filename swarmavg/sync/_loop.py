@@ -256,9 +256,22 @@ def start_soon(
     :raises RuntimeError: the loop is shutting down (concurrently, or this is one of its tasks
         cleaning up), or was stopped at interpreter exit.
     """
+    return _start_handle(TaskHandle, async_fn, *args)
+
+
+H = TypeVar("H", bound=TaskHandle[Any])
+
+
+def _start_handle(
+    make_handle: Callable[[asyncio.AbstractEventLoop, int, str], H],
+    async_fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+) -> H:
+    """:func:`start_soon` with a handle made by ``make_handle(loop, loop_thread_id, name)`` (a
+    :class:`TaskHandle` subclass with more to it, such as the averager's step handle)."""
     state = _current_state()
     name = getattr(async_fn, "__qualname__", None) or repr(async_fn)
-    handle: TaskHandle[T] = TaskHandle(state.loop, state.thread_id, name)
+    handle = make_handle(state.loop, state.thread_id, name)
     state.submit(handle, async_fn, args)
     return handle
 

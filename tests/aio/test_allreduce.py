@@ -24,7 +24,7 @@ from swarmavg.aio.allreduce import (
 from swarmavg.aio.node import Node
 from swarmavg.errors import RemoteError
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec
-from swarmavg.proto.averaging_messages import AvgBegin, AvgPart
+from swarmavg.proto.averaging_messages import AvgBegin, AvgLeave, AvgPart
 from swarmavg.proto.codec import Message
 from swarmavg.testing import MemoryNetwork
 
@@ -268,3 +268,61 @@ async def test_a_caller_claiming_another_members_place_is_refused() -> None:
 )
 async def test_garbage_fails_the_call_with_the_reason(bad: Message, why: str) -> None:
     await _intrude(2, 1, lambda g: [AvgBegin(g.group_id, 1, 1.0), bad], why)
+
+
+async def test_a_member_that_leaves_fails_the_round_at_once_with_the_reason() -> None:
+    rng = np.random.default_rng(7)
+    async with _nodes(3) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        before = [[b.copy() for b in own] for own in buffers]
+        outcomes: list[BaseException | None] = [None, None]
+        leaver = AllReduceService.for_node(nodes[2])  # serving, never running the round
+
+        async def run(i: int) -> None:
+            try:
+                await AllReduceService.for_node(nodes[i]).run(group, buffers[i], LAYOUT, timeout=20)
+            except AllReduceFailed as exc:
+                outcomes[i] = exc
+
+        started = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0)
+            tg.start_soon(run, 1)
+            await anyio.sleep(0.2)  # both are waiting for member 2, which never runs
+            await leaver.leave(group, "the user cancelled")
+        assert anyio.current_time() - started < 5  # not the 20 s timeout
+    for outcome in outcomes:
+        assert isinstance(outcome, AllReduceFailed)
+        assert "left" in str(outcome)
+        assert "the user cancelled" in str(outcome)
+    for own, old in zip(buffers[:2], before[:2], strict=True):  # nothing half-averaged
+        for got, was in zip(own, old, strict=True):
+            np.testing.assert_array_equal(got, was)
+
+
+async def test_a_leave_notice_before_the_round_starts_fails_it_when_it_starts() -> None:
+    async with _nodes(2) as nodes:
+        group = _group(nodes)
+        services = [AllReduceService.for_node(node) for node in nodes]
+        await services[1].leave(group, "gone")
+        with anyio.fail_after(5), pytest.raises(AllReduceFailed, match="left the group: gone"):
+            await services[0].run(group, _buffers(np.random.default_rng(0)), LAYOUT, timeout=20)
+
+
+async def test_leave_notices_from_strangers_are_refused_or_ignored() -> None:
+    async with _nodes(3) as nodes:
+        group = _group(nodes[:2])
+        services = [AllReduceService.for_node(node) for node in nodes]
+        # node 2 claims to be member 1 of the round: ignored when the round starts
+        forged = Group(group.group_id, (group.members[0], _group(nodes[2:]).members[0]))
+        with anyio.fail_after(5):
+            await services[2].leave(forged, "forged")
+        buffers = [_buffers(np.random.default_rng(i)) for i in range(2)]
+        results = await _run_all(nodes[:2], group, buffers, [1.0, 1.0])
+        assert all(r.contributors == [0, 1] for r in results)
+        # a malformed notice fails only its call
+        with pytest.raises(RemoteError, match="malformed"):
+            await nodes[1].rpc.call(
+                nodes[0].addresses[0], "avg.leave", AvgLeave(b"", 0, "x"), timeout=5
+            )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -14,8 +15,11 @@ import torch
 from swarmavg.abc import Group, GroupInfo, GroupMember, Matchmaker
 from swarmavg.aio import DHT
 from swarmavg.aio.averager import (
+    AllReduceFailed,
+    AveragingStage,
     DecentralizedAverager,
     MatchmakingFailed,
+    StepControl,
     StepResult,
     _unpack_gathered,
 )
@@ -187,3 +191,77 @@ async def test_bad_step_arguments_and_garbage_metadata() -> None:
     peer = avg.dht.peer_id
     assert _unpack_gathered(peer, b"\xc1") is None  # never valid msgpack
     assert _unpack_gathered(peer, msgpack.packb({"a": 1})) == {"a": 1}
+
+
+async def _wait_for_stage(controls: Sequence[StepControl], stage: AveragingStage) -> None:
+    for _ in range(750):  # 15 s
+        if all(c.stage is stage for c in controls):
+            return
+        await anyio.sleep(0.02)
+    raise AssertionError(f"stages {[c.stage for c in controls]}, not all {stage}")
+
+
+async def test_a_triggered_step_waits_in_its_group_and_takes_the_weights_set_meanwhile() -> None:
+    tensors = [[torch.full((20,), float(i))] for i in range(3)]
+    async with _averagers(tensors, prefix="trig", target_group_size=3) as averagers:
+        controls = [await a.step(wait=False, require_trigger=True, timeout=10) for a in averagers]
+        assert all(isinstance(c, StepControl) for c in controls)
+        await _wait_for_stage(controls, AveragingStage.AWAITING_TRIGGER)
+        await anyio.sleep(0.3)  # in a group, yet nothing is averaged before the trigger
+        for i, averager in enumerate(averagers):
+            with averager.get_tensors() as own:
+                assert own[0][0].item() == float(i)
+        for control, weight in zip(controls, [1.0, 0.0, 3.0], strict=True):
+            control.weight = weight
+        with pytest.raises(ValueError, match="weight"):
+            controls[0].weight = -1.0
+        controls[2].allow_allreduce()
+        controls[0].allow_allreduce()
+        await anyio.sleep(0.2)
+        assert controls[0].stage is AveragingStage.RUNNING_ALLREDUCE  # waits for peer 1
+        controls[1].allow_allreduce()
+        with anyio.fail_after(15):
+            results = [await c for c in controls]
+        expected = (0.0 * 1.0 + 2.0 * 3.0) / 4.0
+        for averager in averagers:
+            with averager.get_tensors() as own:
+                torch.testing.assert_close(own[0], torch.full((20,), expected))
+        assert results[0].total_weight == 4.0
+        assert set(results[0].contributors) == {averagers[0].dht.peer_id, averagers[2].dht.peer_id}
+        assert all(c.stage is AveragingStage.FINISHED and c.done() for c in controls)
+        with pytest.raises(RuntimeError, match="weight cannot change"):
+            controls[0].weight = 2.0
+
+
+async def test_cancelling_a_step_in_a_group_tells_the_groupmates() -> None:
+    tensors = [[torch.full((20,), float(i))] for i in range(3)]
+    async with _averagers(
+        tensors, prefix="cancel", target_group_size=3, allreduce_timeout=30
+    ) as averagers:
+        controls = [await a.step(wait=False, require_trigger=True, timeout=10) for a in averagers]
+        await _wait_for_stage(controls, AveragingStage.AWAITING_TRIGGER)
+        controls[0].allow_allreduce()
+        controls[1].allow_allreduce()
+        await anyio.sleep(0.2)  # members 0 and 1 are averaging, waiting for member 2
+        started = anyio.current_time()
+        assert controls[2].cancel()
+        for control in controls[:2]:
+            with anyio.fail_after(10), pytest.raises(AllReduceFailed, match="left the group"):
+                await control
+        assert anyio.current_time() - started < 5  # told, not timed out (30 s)
+        with pytest.raises(concurrent.futures.CancelledError):
+            await controls[2]
+        assert not controls[2].cancel()  # already over
+        for i, averager in enumerate(averagers):  # nobody took a partial average
+            with averager.get_tensors() as own:
+                assert torch.equal(own[0], torch.full((20,), float(i)))
+        # the averagers still work afterwards
+        await _step_all(averagers, timeout=10)
+        with averagers[0].get_tensors() as own:
+            torch.testing.assert_close(own[0], torch.full((20,), 1.0))
+
+
+async def test_a_step_waiting_for_its_trigger_needs_wait_false() -> None:
+    async with _averagers([[torch.zeros(3)]], prefix="t", target_group_size=2) as (avg,):
+        with pytest.raises(ValueError, match="require_trigger"):
+            await avg.step(require_trigger=True)

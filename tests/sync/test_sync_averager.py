@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import ExitStack
 
 import pytest
 import torch
 
-from swarmavg import DHT, DecentralizedAverager
+from swarmavg import DHT, AllReduceFailed, AveragingStage, DecentralizedAverager, StepHandle
 from swarmavg.aio.averager import StepResult
 from swarmavg.sync import TaskHandle
 
@@ -64,3 +65,57 @@ def test_blocking_steps_from_threads_and_shutdown() -> None:
             averager.shutdown()  # idempotent
             with pytest.raises(RuntimeError, match="not running"):
                 averager.step()
+
+
+def _wait_for_stage(handles: list[StepHandle], stage: AveragingStage) -> None:
+    deadline = time.monotonic() + 20
+    while not all(h.stage is stage for h in handles):
+        assert time.monotonic() < deadline, [h.stage for h in handles]
+        time.sleep(0.02)
+
+
+def test_step_handles_wait_for_the_trigger_take_new_weights_and_cancel() -> None:
+    tensors = [[torch.full((100,), float(i))] for i in range(3)]
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        dhts = [first] + [stack.enter_context(DHT(first.get_visible_maddrs())) for _ in range(2)]
+        averagers = [
+            stack.enter_context(
+                DecentralizedAverager(
+                    own, dht, prefix="trigger", target_group_size=3, allreduce_timeout=30
+                )
+            )
+            for own, dht in zip(tensors, dhts, strict=True)
+        ]
+        handles = [a.step(wait=False, require_trigger=True, timeout=20) for a in averagers]
+        assert all(isinstance(h, StepHandle) and h.require_trigger for h in handles)
+        _wait_for_stage(handles, AveragingStage.AWAITING_TRIGGER)
+        handles[0].weight = 3.0
+        handles[1].weight = 1.0
+        handles[2].weight = 0.0
+        for handle in handles:
+            handle.allow_allreduce()
+        results = [h.result(timeout=30) for h in handles]
+        for averager in averagers:
+            with averager.get_tensors() as own:
+                torch.testing.assert_close(own[0], torch.full((100,), 0.25))
+        assert results[1].total_weight == 4.0
+        assert all(h.stage is AveragingStage.FINISHED for h in handles)
+        with pytest.raises(RuntimeError):
+            handles[0].weight = 1.0
+
+        # a peer that cancels in its group: the others learn it at once
+        handles = [a.step(wait=False, require_trigger=True, timeout=20) for a in averagers]
+        _wait_for_stage(handles, AveragingStage.AWAITING_TRIGGER)
+        handles[0].allow_allreduce()
+        handles[1].allow_allreduce()
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert handles[2].cancel()
+        for handle in handles[:2]:
+            with pytest.raises(AllReduceFailed, match="left the group"):
+                handle.result(timeout=10)
+        assert time.monotonic() - started < 5  # not the 30 s all-reduce timeout
+        assert handles[2].cancelled()
+        with pytest.raises(ValueError, match="require_trigger"):
+            averagers[0].step(require_trigger=True)
