@@ -95,9 +95,19 @@ class _Round:
 
     def __post_init__(self) -> None:
         senders = self.group.senders
+        # one accumulator per buffer for the whole span (its parts are contiguous in it)
+        blocks: dict[int, tuple[int, npt.NDArray[Any]]] = {}
+        for part in self.parts:
+            if part.buffer not in blocks:
+                stop = max(p.stop for p in self.parts if p.buffer == part.buffer)
+                dtype = self.layout.buffers[part.buffer][0]
+                accumulate = np.float64 if dtype == "float64" else np.float32
+                blocks[part.buffer] = (part.start, np.empty(stop - part.start, accumulate))
         for part in self.parts:
             dtype = self.layout.buffers[part.buffer][0]
-            self.reducers.append(PartReducer(part.size, dtype, senders))
+            start, block = blocks[part.buffer]
+            out = block[part.start - start : part.stop - start]
+            self.reducers.append(PartReducer(part.size, dtype, senders, out=out))
             self.ready.append(anyio.Event())
             self.results.append(None)
 
@@ -106,7 +116,9 @@ class _Round:
         if reducer.done and not self.ready[index].is_set():
             mean = reducer.result()
             dtype = self.layout.buffers[self.parts[index].buffer][0]
-            self.results[index] = None if mean is None else mean.astype(_numpy_dtype(dtype))
+            self.results[index] = (
+                None if mean is None else mean.astype(_numpy_dtype(dtype), copy=False)
+            )
             self.ready[index].set()
 
     def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:

@@ -55,6 +55,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Bounds of the automatic part size (elements).
+_MIN_PART = 1 << 18
+_MAX_PART = 1 << 22
+
 _TORCH_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
@@ -100,8 +104,10 @@ class DecentralizedAverager:
     Parameters keep hivemind's names and meaning (see ``docs/``): ``prefix``,
     ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``
     (the longest a peer waits for its group to fill, not a wait), ``request_timeout``,
-    ``averaging_alpha``, ``part_size_bytes``, ``allreduce_timeout`` (finite by default),
-    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the DHT's).
+    ``averaging_alpha``, ``part_size_bytes`` (default ``None``: chosen from the tensors' size and
+    the group's; a number must be the same on every peer), ``allreduce_timeout`` (finite by
+    default), ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the
+    DHT's).
     ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
     (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
 
@@ -121,7 +127,7 @@ class DecentralizedAverager:
         averaging_expiration: float = 15.0,
         request_timeout: float = 3.0,
         averaging_alpha: float = 1.0,
-        part_size_bytes: int = 1 << 20,
+        part_size_bytes: int | None = None,
         allreduce_timeout: float | None = 60.0,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
@@ -147,8 +153,13 @@ class DecentralizedAverager:
             )
         if not 0 < averaging_alpha <= 1:
             raise ValueError(f"averaging_alpha must be in (0, 1], not {averaging_alpha!r}")
-        if not (isinstance(part_size_bytes, int) and part_size_bytes >= 1024):
-            raise ValueError(f"part_size_bytes must be an int >= 1024, not {part_size_bytes!r}")
+        if part_size_bytes is not None and not (
+            isinstance(part_size_bytes, int) and part_size_bytes >= 1024
+        ):
+            raise ValueError(
+                f"part_size_bytes must be None (automatic) or an int >= 1024, "
+                f"not {part_size_bytes!r}"
+            )
         self.dht = dht
         self.prefix = prefix
         self.averaging_expiration = float(averaging_expiration)
@@ -176,6 +187,7 @@ class DecentralizedAverager:
         self._lock = threading.Lock()  # the tensors' lock (get_tensors); also taken by threads
         self._step_lock = anyio.Lock()
         self._live: set[StepControl] = set()  # steps in progress (cancelled at close)
+        self._buffers: list[npt.NDArray[Any]] | None = None  # flat copies, one per dtype
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -213,18 +225,23 @@ class DecentralizedAverager:
         self._bits = validate_bits(bits)
 
     def _to_buffers(self) -> list[npt.NDArray[Any]]:
-        buffers = [
-            np.empty(size, dtype=np.float32 if dtype == "bfloat16" else dtype)
-            for dtype, size in self.layout.buffers
-        ]
-        with self._lock:
+        """The tensors' values, copied into the flat buffers (kept from round to round: fresh
+        ones would cost a page fault per 4 KiB each round)."""
+        if self._buffers is None:
+            self._buffers = [
+                np.empty(size, dtype=np.float32 if dtype == "bfloat16" else dtype)
+                for dtype, size in self.layout.buffers
+            ]
+        buffers = self._buffers
+        import torch
+
+        with self._lock, torch.no_grad():
+            # one copy per tensor, whatever its device, dtype (bfloat16 -> float32) or strides
             for tensor, spec, (buffer, offset) in zip(
                 self._tensors, self.specs, self.layout.places, strict=True
             ):
-                flat = tensor.detach().reshape(-1)
-                if spec.dtype == "bfloat16":
-                    flat = flat.float()
-                buffers[buffer][offset : offset + spec.numel] = flat.cpu().numpy()
+                host = torch.from_numpy(buffers[buffer][offset : offset + spec.numel])
+                host.view(tensor.shape).copy_(tensor.detach())
         return buffers
 
     def _from_buffers(self, buffers: list[npt.NDArray[Any]]) -> None:
@@ -235,7 +252,18 @@ class DecentralizedAverager:
                 self._tensors, self.specs, self.layout.places, strict=True
             ):
                 values = torch.from_numpy(buffers[buffer][offset : offset + spec.numel])
-                tensor.copy_(values.view(tensor.shape).to(tensor.dtype))
+                tensor.copy_(values.view(tensor.shape))
+
+    def _part_size(self, group_size: int) -> int:
+        """Elements per part: ``part_size_bytes / 4``, or automatically about a quarter of a
+        span, a power of two between 1 MiB and 16 MiB of float32: enough parts to overlap
+        sending, reducing and receiving, few enough that Python's cost per part stays far
+        below the data's. (Every member must use the same: the automatic size depends only
+        on what all members share, the tensors and the group size.)"""
+        if self.part_size_bytes is not None:
+            return max(1, self.part_size_bytes // 4)
+        quarter_span = max(1, self.layout.numel // (4 * group_size))
+        return min(max(1 << (quarter_span - 1).bit_length(), _MIN_PART), _MAX_PART)
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -396,7 +424,7 @@ class DecentralizedAverager:
                 buffers,
                 self.layout,
                 weight=weight,
-                part_size=max(1, self.part_size_bytes // 4),
+                part_size=self._part_size(len(group.members)),
                 averaging_alpha=self.averaging_alpha,
                 min_vector_size=self.min_vector_size,
                 timeout=self.allreduce_timeout,

@@ -197,6 +197,24 @@ def test_bad_contributions_are_refused_and_change_nothing() -> None:
     np.testing.assert_allclose(reducer.result(), [2.0, 4.0])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_huge_finite_values_are_taken_and_any_non_finite_one_refused(dtype: str) -> None:
+    big = float(np.finfo(dtype).max)
+    values = np.full(1000, big, dtype=dtype)  # their sum overflows; each is finite
+    for bad in (np.inf, -np.inf, np.nan):
+        poisoned = values.copy()
+        poisoned[517] = bad
+        reducer = PartReducer(1000, dtype, senders=[0])
+        with pytest.raises(ValueError, match="non-finite"):
+            reducer.add(0, poisoned, 1.0)
+    reducer = PartReducer(1000, dtype, senders=[0, 1])
+    reducer.add(0, values, 1.0)
+    reducer.add(1, -values, 1.0)
+    mean = reducer.result()
+    assert mean is not None
+    np.testing.assert_array_equal(mean, 0.0)
+
+
 def test_the_schema_digest_tells_schemas_apart() -> None:
     a = [TensorSpec((2, 3), "float32")]
     assert schema_digest(a) == schema_digest([TensorSpec((2, 3), "float32")])
