@@ -265,3 +265,25 @@ async def test_a_step_waiting_for_its_trigger_needs_wait_false() -> None:
     async with _averagers([[torch.zeros(3)]], prefix="t", target_group_size=2) as (avg,):
         with pytest.raises(ValueError, match="require_trigger"):
             await avg.step(require_trigger=True)
+
+
+async def test_bfloat16_and_non_contiguous_tensors_are_averaged_in_place() -> None:
+    torch.manual_seed(3)
+    tensors = []
+    for _ in range(3):
+        base = torch.randn(12, 8)
+        tensors.append([base.t(), torch.randn(5, 4).to(torch.bfloat16), torch.randn(6)[::2]])
+    assert not tensors[0][0].is_contiguous()
+    assert not tensors[0][2].is_contiguous()
+    expected = [sum(t[k].double() for t in tensors) / 3 for k in range(3)]
+    storages = [[t.data_ptr() for t in own] for own in tensors]
+    async with _averagers(tensors, prefix="layouts", target_group_size=3) as averagers:
+        for _ in range(2):  # the flat buffers are reused from round to round
+            await _step_all(averagers, timeout=10)
+        for averager, pointers in zip(averagers, storages, strict=True):
+            with averager.get_tensors() as own:
+                assert [t.data_ptr() for t in own] == pointers  # updated in place
+                torch.testing.assert_close(own[0].double(), expected[0], atol=1e-6, rtol=0)
+                assert own[1].dtype == torch.bfloat16
+                torch.testing.assert_close(own[1].double(), expected[1], atol=2e-2, rtol=0)
+                torch.testing.assert_close(own[2].double(), expected[2], atol=1e-6, rtol=0)
