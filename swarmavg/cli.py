@@ -1,11 +1,14 @@
-"""The ``swarmavg`` command line: start a node, call one, or watch two talk.
+"""The ``swarmavg`` command line: average in a local swarm, serve and ping a node, run a DHT.
 
+``swarmavg demo`` is the main job: it starts a swarm of peer processes on this machine, which
+average random tensors in small groups round after round, and shows how fast they converge to
+the exact mean (a table per round and a plot; see :mod:`swarmavg._demo`).
 ``swarmavg serve`` starts a node that answers ``ping`` calls and takes bulk uploads, and prints
 the address to dial it at (with its PeerID, so the caller can check who answers).
 ``swarmavg ping ADDRESS`` calls such a node: it connects (both sides prove their keys),
 measures the round trip of unary RPC calls and the rate of a bulk upload.
-``swarmavg demo`` does both on this machine: it starts ``swarmavg serve`` in a second process
-on the loopback interface and pings it.
+``swarmavg link-demo`` does both on this machine: it starts ``swarmavg serve`` in a second
+process on the loopback interface and pings it.
 ``swarmavg dht`` runs a long-lived DHT peer (a bootstrap node for a swarm) with a persistent
 identity, prints the addresses to pass as ``initial_peers`` and logs its state every minute.
 """
@@ -20,12 +23,14 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 
 from swarmavg import __version__
+from swarmavg._demo import DemoOptions, option_error, run_demo
 from swarmavg.abc import ConnectionAttribute
 from swarmavg.address import Address
 from swarmavg.aio.node import Node
@@ -77,7 +82,7 @@ async def _serve(
     ) as node:
         node.rpc.register("ping", _pong, request_type=Ping)
         node.rpc.register("upload", _sink, kind="client_stream", request_type=TensorChunk)
-        if until_stdin_closes:  # machine-readable, for `swarmavg demo`
+        if until_stdin_closes:  # machine-readable, for `swarmavg link-demo`
             print(str(node.addresses[0]), flush=True)
         else:
             print(f"serving as {node.peer_id}")
@@ -182,7 +187,7 @@ async def _ping(address: str, calls: int, megabytes: int, encryption: bool) -> N
             )
 
 
-# -- demo ----------------------------------------------------------------------------------------
+# -- link-demo -----------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -212,7 +217,7 @@ def _server_process(encryption: bool, transport: str) -> Iterator[str]:
             child.stdout.close()
 
 
-def _demo(calls: int, megabytes: int, encryption: bool, transport: str) -> None:
+def _link_demo(calls: int, megabytes: int, encryption: bool, transport: str) -> None:
     if transport != "tcp" and not encryption:
         raise SwarmError(f"--no-encryption applies to tcp only; {transport} always encrypts")
     with _server_process(encryption, transport) as address:
@@ -237,6 +242,24 @@ def _non_negative(text: str) -> int:
     return value
 
 
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def _count(text: str) -> int:
+    """A positive count such as ``4000000``, ``4_000_000``, ``4M`` or ``100k``."""
+    scale = _SUFFIXES.get(text[-1:].lower(), 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = round(float(number) * scale) if scale > 1 else int(number)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"not a count: {text!r} (use e.g. 100000, 100k or 4M)"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``swarmavg`` command."""
     parser = argparse.ArgumentParser(prog="swarmavg", description=__doc__.splitlines()[0])
@@ -258,10 +281,64 @@ def main(argv: Sequence[str] | None = None) -> int:
             help="send data in the clear (peers are still authenticated); both ends must agree",
         )
 
-    demo = sub.add_parser("demo", help="serve in a second process on loopback and ping it")
-    measured(demo)
-    encrypted(demo)
+    defaults = DemoOptions()
+    demo = sub.add_parser(
+        "demo",
+        help="average random tensors in a swarm of peer processes on loopback, with a plot",
+        description="Start a swarm of peer processes on this machine that average random "
+        "tensors in small groups (Moshpit), and show each round's groups, timings and distance "
+        "to the exact mean; plot the convergence.",
+    )
     demo.add_argument(
+        "--peers",
+        type=int,
+        default=defaults.peers,
+        help=f"peer processes (default {defaults.peers})",
+    )
+    demo.add_argument(
+        "--rounds", type=int, default=defaults.rounds, help=f"rounds (default {defaults.rounds})"
+    )
+    demo.add_argument(
+        "--size",
+        type=_count,
+        default=defaults.size,
+        help=f"float32 elements per peer, split into a few tensors; 100k, 4M, … are fine "
+        f"(default {defaults.size:_})",
+    )
+    demo.add_argument(
+        "--group-size",
+        type=int,
+        default=defaults.group_size,
+        help=f"peers per averaging group (default {defaults.group_size})",
+    )
+    demo.add_argument(
+        "--transport",
+        choices=("tcp", "quic"),
+        default=defaults.transport,
+        help="transport of the peers (quic needs `pip install swarmavg[quic]`)",
+    )
+    demo.add_argument(
+        "--no-encryption",
+        dest="encryption",
+        action="store_false",
+        help="tcp: send the tensors in the clear (peers are still authenticated)",
+    )
+    demo.add_argument(
+        "--plot",
+        type=Path,
+        default=defaults.plot,
+        help=f"where to write the convergence plot (PNG; default ./{defaults.plot}); a CSV "
+        f"file beside it without matplotlib",
+    )
+    demo.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seed of the peers' random tensors"
+    )
+    link_demo = sub.add_parser(
+        "link-demo", help="serve in a second process on loopback and ping it"
+    )
+    measured(link_demo)
+    encrypted(link_demo)
+    link_demo.add_argument(
         "--transport",
         choices=("tcp", "quic"),
         default="tcp",
@@ -319,7 +396,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "demo":
-            _demo(args.calls, args.megabytes, args.encryption, args.transport)
+            options = DemoOptions(
+                peers=args.peers,
+                rounds=args.rounds,
+                size=args.size,
+                group_size=args.group_size,
+                transport=args.transport,
+                encryption=args.encryption,
+                plot=args.plot,
+                seed=args.seed,
+            )
+            problem = option_error(options)
+            if problem is not None:
+                demo.error(problem)
+            run_demo(options)
+        elif args.command == "link-demo":
+            _link_demo(args.calls, args.megabytes, args.encryption, args.transport)
         elif args.command == "dht":
             if not args.log_interval > 0:
                 parser.error("--log-interval must be a positive number of seconds")

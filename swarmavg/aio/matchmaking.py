@@ -19,6 +19,7 @@ declare or lead; they only follow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -46,8 +47,14 @@ __all__ = ["DHTMatchmaker", "GroupInfo", "MatchmakingFailed"]
 logger = logging.getLogger(__name__)
 
 JOIN_METHOD: Final = "avg.join"
-#: How often a leader re-reads its key for a better leader, and a follower between tries (s).
+#: How often a leader re-reads its key for a better leader, and a client between tries (s):
+#: first after _FIRST_POLL (peers that start together see each other at once), then twice as
+#: long each time, up to _POLL.
 _POLL: Final = 0.25
+_FIRST_POLL: Final = 0.02
+#: A withdrawn declaration expires this much after the one it replaces (a later expiration is
+#: what lets it replace it).
+_WITHDRAWN: Final = 1e-3
 
 
 def _member_info(info: MemberInfo) -> GroupMember:
@@ -181,9 +188,12 @@ class DHTMatchmaker(Matchmaker):
         client = self.mode is MemberMode.CLIENT
         expiration = math.inf if client else begin_at
         rejected: set[PeerID] = set()
+        poll = _FIRST_POLL
+        declared = False
         try:
             if not client:
                 await self._declare(key, begin_at)
+                declared = True
             while True:
                 now = get_dht_time()
                 if now > begin_at + self.request_timeout:
@@ -200,7 +210,8 @@ class DHTMatchmaker(Matchmaker):
                     rejected.add(leader)
                     continue
                 if client:  # a client cannot lead: wait for leaders to declare
-                    await anyio.sleep(_POLL)
+                    await anyio.sleep(poll)
+                    poll = min(2 * poll, _POLL)
                     rejected.clear()
                     continue
                 info = await self._lead(key, begin_at, me)
@@ -210,10 +221,17 @@ class DHTMatchmaker(Matchmaker):
         finally:
             self._looking = False
             self._leading = None
+            if declared:  # (in the background: the group must not wait for it)
+                with contextlib.suppress(RuntimeError):  # the node is closing
+                    self.dht.node.spawn(self._declare, key, begin_at, False)
 
-    async def _declare(self, key: str, begin_at: float) -> None:
-        value = {"schema": self.schema}
-        if not await self.dht.store(key, value, begin_at, subkey=self.peer_id.to_bytes()):
+    async def _declare(self, key: str, begin_at: float, looking: bool = True) -> None:
+        """Declare that we look for a group under ``key`` until ``begin_at``, or (``looking``
+        false) that we stopped: a declaration would otherwise outlive a group that formed
+        early, and the next round's peers would take us for a leader."""
+        value = {"schema": self.schema, "looking": looking}
+        expiration = begin_at if looking else begin_at + _WITHDRAWN
+        if not await self.dht.store(key, value, expiration, subkey=self.peer_id.to_bytes()):
             logger.debug("declaring %s under %s was refused", self.peer_id.short(), key)
 
     async def _candidates(self, key: str) -> list[tuple[PeerID, float]]:
@@ -231,6 +249,8 @@ class DHTMatchmaker(Matchmaker):
                 peer = None
             value = item.value
             if peer is None or not isinstance(value, dict) or value.get("schema") != self.schema:
+                continue
+            if value.get("looking") is not True:
                 continue
             candidates.append((peer, float(item.expiration_time)))
         return candidates
@@ -271,13 +291,15 @@ class DHTMatchmaker(Matchmaker):
         leading = self._leading = _Leading(key, self.schema, self.target_group_size)
         if self.target_group_size == 1:
             leading.full.set()
+        poll = _FIRST_POLL
         try:
             while not leading.full.is_set():
                 left = begin_at - get_dht_time()
                 if left <= 0:
                     break
-                with anyio.move_on_after(min(left, _POLL)):
+                with anyio.move_on_after(min(left, poll)):
                     await leading.full.wait()
+                poll = min(2 * poll, _POLL)
                 if leading.full.is_set():
                     break
                 candidates = await self._candidates(key)

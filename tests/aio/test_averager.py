@@ -287,3 +287,23 @@ async def test_bfloat16_and_non_contiguous_tensors_are_averaged_in_place() -> No
                 assert own[1].dtype == torch.bfloat16
                 torch.testing.assert_close(own[1].double(), expected[1], atol=2e-2, rtol=0)
                 torch.testing.assert_close(own[2].double(), expected[2], atol=1e-6, rtol=0)
+
+
+async def test_a_group_that_formed_early_withdraws_its_declarations() -> None:
+    tensors = [[torch.full((10,), float(i))] for i in range(3)]
+    async with _averagers(
+        tensors, prefix="early", target_group_size=3, averaging_expiration=20
+    ) as averagers:
+        for _ in range(3):  # full groups form long before their declared time (20 s)
+            results = await _step_all(averagers, timeout=25)
+            assert all(r.group_size == 3 for r in results)
+            # stale declarations would pass for leaders and stall the next round for ~20 s
+            assert max(r.matchmaking_seconds for r in results) < 5
+        with anyio.fail_after(10):
+            while True:  # the withdrawals are stored in the background
+                found = await averagers[0].dht.get("early.0b", latest=True)
+                assert isinstance(found, dict)
+                assert len(found) == 3
+                if all(item.value["looking"] is False for item in found.values()):
+                    break
+                await anyio.sleep(0.05)

@@ -1,4 +1,5 @@
-"""The ``swarmavg`` command: the README's main job, and the two-machine commands on loopback."""
+"""The ``swarmavg`` command: ``link-demo`` and the two-machine commands (serve, ping) on loopback
+(``swarmavg demo``, the averaging main job, is tested in ``test_cli_demo.py``)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("encryption", [True, False])
-def test_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
-    args = ["demo", "--calls", "50", "--megabytes", "32"]
+def test_link_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
+    args = ["link-demo", "--calls", "50", "--megabytes", "32"]
     out = _run(*args, *([] if encryption else ["--no-encryption"]))
     assert out.returncode == 0, out.stderr
     address = re.search(r"listening at (tcp://127\.0\.0\.1:\d+/p/(\S+))", out.stdout)
@@ -33,8 +34,8 @@ def test_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
     assert out.stderr == ""
 
 
-def test_demo_runs_two_processes_over_quic() -> None:
-    out = _run("demo", "--transport", "quic", "--calls", "50", "--megabytes", "32")
+def test_link_demo_runs_two_processes_over_quic() -> None:
+    out = _run("link-demo", "--transport", "quic", "--calls", "50", "--megabytes", "32")
     assert out.returncode == 0, out.stderr
     address = re.search(r"listening at (quic://127\.0\.0\.1:\d+/p/(\S+))", out.stdout)
     assert address, out.stdout
@@ -105,8 +106,8 @@ def test_serve_and_ping() -> None:
 @pytest.mark.parametrize(
     ("args", "name"),
     [
-        (["demo", "--megabytes", "-1"], "--megabytes"),
-        (["demo", "--calls", "0"], "--calls"),
+        (["link-demo", "--megabytes", "-1"], "--megabytes"),
+        (["link-demo", "--calls", "0"], "--calls"),
         (["ping", "not an address"], "address"),
     ],
 )
