@@ -69,7 +69,7 @@ class DHT:
     :param identity_path: hivemind's spelling of ``identity=<path>`` (the key file is
         swarmavg's own format, not libp2p's).
     :param transport_options: options for the transport, e.g. ``{"network": memory_network}``
-        for ``"memory"`` or ``{"encrypt": False}`` for ``"tcp"``.
+        for ``"memory"`` or ``{"encryption": False}`` for ``"tcp"``.
     :param node: a running node to attach to instead of making one (its owner closes it; the
         listening arguments are then ignored).
     :param record_validators: extra record validators (owner signatures are always checked).

@@ -190,9 +190,12 @@ class DHTMatchmaker(Matchmaker):
         rejected: set[PeerID] = set()
         poll = _FIRST_POLL
         declared = False
+        fresh: list[tuple[PeerID, float]] | None = None  # candidates read with the declaration
         try:
             if not client:
-                await self._declare(key, begin_at)
+                async with anyio.create_task_group() as tg:  # (a store and a get at once)
+                    tg.start_soon(self._declare, key, begin_at)
+                    fresh = await self._candidates(key)
                 declared = True
             while True:
                 now = get_dht_time()
@@ -200,7 +203,10 @@ class DHTMatchmaker(Matchmaker):
                     raise MatchmakingFailed(
                         f"no group of at least {self.min_group_size} formed under {key!r} in time"
                     )
-                candidates = [c for c in await self._candidates(key) if c[0] not in rejected]
+                if fresh is None:
+                    fresh = await self._candidates(key)
+                candidates = [c for c in fresh if c[0] not in rejected]
+                fresh = None
                 leader = choose_leader(candidates, self.peer_id, expiration)
                 if leader is not None:
                     until = dict(candidates)[leader] + self.request_timeout
