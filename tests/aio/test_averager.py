@@ -307,3 +307,40 @@ async def test_a_group_that_formed_early_withdraws_its_declarations() -> None:
                 if all(item.value["looking"] is False for item in found.values()):
                     break
                 await anyio.sleep(0.05)
+
+
+class _TrainingAverager(DecentralizedAverager):
+    """A subclass, as optimizers make: it must average with plain averagers."""
+
+    steps = 0
+
+    async def step(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).steps += 1
+        return await super().step(*args, **kwargs)
+
+
+async def test_a_subclass_and_its_base_class_average_together() -> None:
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(
+            DHT(transport="memory", transport_options={"network": network})
+        )
+        second = await stack.enter_async_context(
+            DHT(
+                first.get_visible_maddrs(),
+                transport="memory",
+                transport_options={"network": network},
+            )
+        )
+        plain = await stack.enter_async_context(
+            DecentralizedAverager([torch.zeros(4)], first, prefix="mixed", target_group_size=2)
+        )
+        derived = await stack.enter_async_context(
+            _TrainingAverager([torch.ones(4)], second, prefix="mixed", target_group_size=2)
+        )
+        results = await _step_all([plain, derived], timeout=10)
+    assert _TrainingAverager.steps == 1
+    assert all(r.group_size == 2 for r in results)
+    for averager in (plain, derived):
+        with averager.get_tensors() as own:
+            assert torch.equal(own[0], torch.full((4,), 0.5))
