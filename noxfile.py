@@ -85,3 +85,5 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/transport.py", *session.posargs)
     # hivemind's side runs in its own venv (see benchmarks/dht.py); without it, ours alone
     session.run("python", "benchmarks/dht.py", *session.posargs)
+    # beside gloo (torch, installed above) and hivemind's venv, as dht.py
+    session.run("python", "benchmarks/averaging.py", *session.posargs)

@@ -1,0 +1,161 @@
+"""One swarmavg peer process of ``benchmarks/averaging.py``.
+
+The driver starts it (``multiprocessing``, "spawn") with one end of a pipe and sends it requests
+``(seq, op, args)``; it answers each with ``(seq, "ok" | "error", payload)`` (``seq`` 0, sent
+first, says that torch and swarmavg are imported). The operations, methods of :class:`_Peer`:
+
+- ``start(initial_peers, encryption)``: a ``swarmavg.DHT`` over TCP on 127.0.0.1, port 0, with
+  ``transport_options={"encryption": encryption}``; its visible multiaddrs.
+- ``averager(prefix, group_size, size, value, options)``: a ``swarmavg.DecentralizedAverager``
+  over one float32 tensor of ``size`` elements, all ``value``, with ``target_group_size`` and
+  ``min_group_size`` = ``group_size``.
+- ``step(go_at, timeout)``: sleeps until ``go_at`` (``time.monotonic()``, which on Linux is
+  CLOCK_MONOTONIC, one clock for all processes) and then calls ``averager.step(timeout=...)``;
+  returns when it was called and returned (monotonic), this process's CPU seconds over the
+  call (``time.process_time()``: all its threads) and what the ``StepResult`` says, or the
+  error.
+- ``error(expected)``: the largest ``|tensor - expected|`` (is the average right?).
+- ``stop()``: shuts the averager and the DHT down.
+
+The process ignores SIGINT (the driver shuts it down on Ctrl+C) and exits on ``"exit"`` (at once,
+without the interpreter's teardown, once the averager and DHT are shut down), when the driver's
+end of the pipe closes, or after ``idle`` seconds without a request.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+class _Peer:
+    def __init__(self) -> None:
+        self.dht: Any = None
+        self.averager: Any = None
+
+    def start(self, initial_peers: list[str], encryption: bool) -> tuple[float, list[str]]:
+        import swarmavg
+
+        begin = time.perf_counter()
+        self.dht = swarmavg.DHT(
+            initial_peers=initial_peers,
+            transport="tcp",
+            host=HOST,
+            port=0,
+            transport_options={"encryption": encryption},
+        )
+        elapsed = time.perf_counter() - begin
+        return elapsed, [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def averager_(
+        self, prefix: str, group_size: int, size: int, value: float, options: dict[str, Any]
+    ) -> None:
+        import torch
+
+        import swarmavg
+
+        tensor = torch.full((size,), float(value), dtype=torch.float32)
+        self.averager = swarmavg.DecentralizedAverager(
+            [tensor],
+            self.dht,
+            prefix=prefix,
+            target_group_size=group_size,
+            min_group_size=group_size,
+            **options,
+        )
+
+    def step(self, go_at: float, timeout: float) -> dict[str, Any]:
+        wait = go_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        cpu = time.process_time()
+        start = time.monotonic()
+        try:
+            result = self.averager.step(timeout=timeout)
+        except Exception as exc:
+            end = time.monotonic()
+            return {
+                "start": start,
+                "end": end,
+                "cpu": time.process_time() - cpu,
+                "error": f"{type(exc).__name__}: {exc}"[:300],
+            }
+        end = time.monotonic()
+        return {
+            "start": start,
+            "end": end,
+            "cpu": time.process_time() - cpu,
+            "matchmaking_s": float(result.matchmaking_seconds),
+            "allreduce_s": float(result.allreduce_seconds),
+            "group_size": int(result.group_size),
+            "contributors": len(result.contributors),
+            "bytes_sent": int(result.bytes_sent),
+            "bytes_received": int(result.bytes_received),
+        }
+
+    def error(self, expected: float) -> float:
+        with self.averager.get_tensors() as tensors:
+            return float((tensors[0] - expected).abs().max())
+
+    def stop(self) -> None:
+        averager, self.averager = self.averager, None
+        dht, self.dht = self.dht, None
+        try:
+            if averager is not None:
+                averager.shutdown()
+        finally:
+            if dht is not None:
+                dht.shutdown()
+
+
+def peer_main(conn: Connection, idle: float) -> None:
+    """The process: answers the driver's requests until told to exit (see the module doc)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    import swarmavg  # noqa: F401  (imported before the hello: the process is warm from then)
+
+    torch.set_num_threads(1)
+    peer = _Peer()
+    clean = False
+    ops = {
+        "start": peer.start,
+        "averager": peer.averager_,
+        "step": peer.step,
+        "error": peer.error,
+        "stop": peer.stop,
+    }
+    try:
+        conn.send((0, "ok", os.getpid()))
+        while conn.poll(idle):
+            seq, op, args = conn.recv()
+            if op == "exit":
+                peer.stop()
+                conn.send((seq, "ok", None))
+                clean = True
+                break
+            try:
+                conn.send((seq, "ok", ops[op](*args)))
+            except Exception as exc:
+                conn.send((seq, "error", f"{type(exc).__name__}: {exc}"[:500]))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the driver is gone
+    finally:
+        try:
+            peer.stop()
+        finally:
+            conn.close()
+    if clean:
+        # The averager and the DHT are shut down through the library's API: skip the interpreter's
+        # teardown (torch's alone is ~0.6 CPU s a process, and a loaded 2-CPU machine exiting
+        # eight of them at once took longer than the driver waits).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

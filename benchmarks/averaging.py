@@ -1,0 +1,763 @@
+"""Averaging benchmarks: swarmavg's all-reduce, whole round, group formation and CPU per round,
+beside torch.distributed gloo and hivemind 1.1.12 measured in the same run.
+
+    python benchmarks/averaging.py [--quick] [--out results.jsonl] [--peers 4,8] [--size S]
+                                   [--rounds R] [--no-gloo] [--no-hivemind] [--no-plain]
+                                   [--no-encrypted] [--hivemind-python PATH]
+
+hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
+``--hivemind-python`` for another); without one its cells say why they are empty.
+
+Setting: N peers (``--peers``, default 4 and 8), each a process of its own on loopback, each
+averaging one float32 tensor of S elements (``--size``, default 16 Mi = 16·2**20, i.e. 64 MiB;
+``--quick``: 1 Mi). Every process sets ``torch.set_num_threads(1)``. The runs go one after the
+other, never two at once: gloo (each N), then ours (plain TCP at each N, then encrypted TCP at
+each N), then hivemind (at ``--hivemind-peers``, default the largest N).
+
+swarmavg (``_averaging_peer.py``): a pool of max(N) peer processes ("spawn"; torch and swarmavg
+imported before anything is timed), driven over pipes. For each setting the first N of them each
+start a ``swarmavg.DHT(transport="tcp", host="127.0.0.1", port=0,
+transport_options={"encryption": ...})`` (peer 0 the bootstrap, the others joining it one after
+the other) and a ``swarmavg.DecentralizedAverager`` over their tensor (peer i's all equal to i)
+with ``target_group_size = min_group_size = N`` under a fresh prefix. Then, after ``--settle``
+seconds, ``--warmup`` untimed and ``--rounds`` timed rounds, ``--gap`` seconds apart. A round:
+the driver sends every peer a start time 0.2 s ahead (``time.monotonic()``, one clock for all
+processes on Linux); each sleeps until then and calls ``averager.step(timeout=--step-timeout)``
+(the sync facade, as a training loop would). Per peer i: start_i and end_i around the call,
+its ``StepResult.allreduce_seconds`` a_i, its process CPU time over the call. Per round:
+
+- all-reduce, group formed = max_i a_i (from the moment peer i learned its group to the
+  average written back into its tensor, copies in and out included);
+- whole round = max_i end_i - min_i start_i;
+- group formation = max_i (end_i - a_i - start_i): from the step() call until the peer had its
+  group, as its caller sees it;
+- CPU = the sum over peers of their process CPU time (all threads) over the call, and the
+  machine-wide busy CPU seconds (/proc/stat) from the start time until the last answer.
+  Machine-wide figures include whatever else the machine runs: the notes give that load (busy
+  CPU less the CPU of this benchmark's processes, per second; for gloo and hivemind likewise)
+  and warn above 0.25 CPU, as it inflates every timing.
+
+A round counts when every peer's step returned a group of N with N contributors; figures are the
+median and min over the counted rounds. After the rounds every tensor must equal the mean
+(N-1)/2 (the largest deviation is reported).
+
+gloo (``_averaging_gloo.py``): N rank processes, ``init_process_group("gloo", tcp://127.0.0.1)``,
+``--warmup`` untimed ``all_reduce`` calls, then ``--gloo-iters`` times ``barrier()`` and a timed
+``all_reduce(SUM)`` of the same S float32 elements: the time is the max over ranks, CPU the sum
+of the ranks' process CPU over the call; machine-wide busy CPU over the timed loop (barriers
+included) per call.
+
+hivemind (``_averaging_hivemind.py``, under hivemind's Python, a session of its own): N DHTs and
+N ``DecentralizedAverager`` (hivemind's defaults: ``min_matchmaking_time=5``,
+``request_timeout=3``, no compression), same tensors, ``--warmup`` + ``--rounds`` rounds where
+all peers call ``step(wait=False)`` together (a thread barrier) and ``StepControl.stage`` is
+polled every 2 ms: whole round, formation (step() call to RUNNING_ALLREDUCE, max over peers),
+all-reduce and CPU as above (its process CPU is that of its averager and DHT processes and p2pd
+daemons). hivemind always encrypts (libp2p), so it is compared with our encrypted figures.
+
+Targets (issue): all-reduce with the group formed <= 1.5x gloo's time unencrypted and <= 2.5x
+encrypted (N=4 and N=8, S=16 Mi); whole round at N=8 encrypted >= 5x faster than hivemind's,
+group formation >= 4x faster; CPU per round is reported beside gloo's (no target). ratio =
+ours / reference (lower is better for every row).
+
+Every pipe wait, call and subprocess has a timeout; peer and rank processes ignore SIGINT and
+are shut down (killed if they do not exit) in ``finally``, also on Ctrl+C and SIGTERM;
+hivemind's process group is killed at the end of its run. ``--out FILE`` writes JSON lines
+(replacing FILE): one ``meta`` record, one ``row`` per table row, one ``raw`` per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _averaging_common import machine_busy_seconds, stats, tree_cpu_seconds
+from _averaging_gloo import rank_main
+from _averaging_peer import peer_main
+
+HERE = Path(__file__).resolve().parent
+HIVEMIND_PYTHON = Path("/tmp/hm-venv/bin/python")
+MiB = 1 << 20
+SPAWN_TIMEOUT = 180.0  # all peer processes up, torch and swarmavg imported (2 CPUs, 8 imports)
+OP_TIMEOUT = 60.0  # a DHT start, an averager made, a check
+EXIT_TIMEOUT = 15.0  # a process gone after it was told to stop, before it is killed
+WORKER_IDLE = 1800.0  # a peer process gives up when its driver says nothing for this long
+GO_DELAY = 0.2  # a round starts this long after the driver sends the start time
+GLOO_TIMEOUT = 600.0  # one gloo run, spawn to result
+HIVEMIND_TIMEOUT = 900.0  # the whole hivemind run
+#: ratio targets (ours / reference, at most)
+TARGET_ALLREDUCE_PLAIN = 1.5
+TARGET_ALLREDUCE_ENCRYPTED = 2.5
+TARGET_ROUND = 1 / 5
+TARGET_FORMATION = 1 / 4
+#: CPUs busy with other processes' work during the timed part above which the notes warn
+FOREIGN_WARN = 0.25
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- our peer processes ---------------------------------------------------------------------------
+
+
+class _PeerHandle:
+    """The driver's end of one peer process (``_averaging_peer.peer_main``)."""
+
+    def __init__(self, ctx: Any, index: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=peer_main, args=(child, WORKER_IDLE), name=f"avg-peer-{index}", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self._seq = 0
+
+    def send(self, op: str, *args: Any) -> int:
+        self._seq += 1
+        self.conn.send((self._seq, op, args))
+        return self._seq
+
+    def answer(self, seq: int, what: str, deadline: float) -> Any:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.conn.poll(left):
+                raise TimeoutError(f"{self.proc.name}: no answer to {what} in time")
+            got, status, payload = self.conn.recv()
+            if got != seq:
+                continue  # a late answer to an earlier request
+            if status == "error":
+                raise RuntimeError(f"{self.proc.name}: {what}: {payload}")
+            return payload
+
+    def call(self, op: str, *args: Any, timeout: float = OP_TIMEOUT) -> Any:
+        return self.answer(self.send(op, *args), op, time.monotonic() + timeout)
+
+
+class _Pool:
+    """``size`` warm peer processes; a setting uses the first N of them."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.peers: list[_PeerHandle] = []
+        try:
+            for i in range(size):
+                self.peers.append(_PeerHandle(ctx, i))
+            deadline = time.monotonic() + SPAWN_TIMEOUT
+            for peer in self.peers:
+                peer.answer(0, "start-up", deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Tells every process to exit, waits for all of them together (``EXIT_TIMEOUT``; a
+        process in the middle of a step answers after it), kills those still there."""
+        peers, self.peers = self.peers, []
+        for peer in peers:
+            with contextlib.suppress(Exception):  # gone already: nothing to tell
+                peer.send("exit")
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        for peer in peers:
+            peer.proc.join(max(0.0, deadline - time.monotonic()))
+        for peer in peers:
+            if peer.proc.is_alive():
+                _progress(f"killing {peer.proc.name}: it did not exit")
+                peer.proc.kill()
+            peer.proc.join(EXIT_TIMEOUT)
+            peer.conn.close()
+
+
+def _ours_round(
+    peers: list[_PeerHandle], args: argparse.Namespace, n: int, index: int
+) -> dict[str, Any]:
+    go_at = time.monotonic() + GO_DELAY
+    budget = args.step_timeout + args.request_timeout + args.allreduce_timeout + 30.0
+    seqs = [peer.send("step", go_at, args.step_timeout) for peer in peers]
+    time.sleep(max(0.0, go_at - time.monotonic()))
+    busy0 = machine_busy_seconds()
+    tree0 = tree_cpu_seconds(os.getpid(), include_root=True)
+    window = time.monotonic()
+    answers = [
+        peer.answer(seq, "step", go_at + budget) for peer, seq in zip(peers, seqs, strict=True)
+    ]
+    busy1 = machine_busy_seconds()
+    tree1 = tree_cpu_seconds(os.getpid(), include_root=True)
+    window = time.monotonic() - window
+    errors = [f"peer {i}: {a['error']}" for i, a in enumerate(answers) if "error" in a]
+    bad = [
+        f"peer {i}: group of {a['group_size']}, {a['contributors']} contributors"
+        for i, a in enumerate(answers)
+        if "error" not in a and (a["group_size"] != n or a["contributors"] != n)
+    ]
+    out: dict[str, Any] = {"round": index, "ok": not errors and not bad, "errors": errors + bad}
+    starts = [a["start"] for a in answers]
+    ends = [a["end"] for a in answers]
+    out["start_skew_s"] = max(starts) - min(starts)
+    out["process_cpu_s"] = sum(a["cpu"] for a in answers)
+    out["machine_cpu_s"] = None if busy0 is None or busy1 is None else busy1 - busy0
+    if out["machine_cpu_s"] is not None and tree0 is not None and tree1 is not None:
+        # busy CPU of processes that are not this benchmark's: load from elsewhere
+        out["foreign_cpu_s"] = out["machine_cpu_s"] - (tree1 - tree0)
+        out["foreign_per_s"] = out["foreign_cpu_s"] / window if window > 0 else None
+    out["round_s"] = max(ends) - min(starts)
+    if out["ok"]:
+        formed = [a["end"] - a["allreduce_s"] for a in answers]
+        out["allreduce_s"] = max(a["allreduce_s"] for a in answers)
+        out["allreduce_wall_s"] = max(ends) - min(formed)
+        out["formation_s"] = max(f - s for f, s in zip(formed, starts, strict=True))
+        out["matchmaking_s"] = max(a["matchmaking_s"] for a in answers)
+        out["bytes_sent_per_peer"] = max(a["bytes_sent"] for a in answers)
+    return out
+
+
+def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """One setting (N, encryption) on the first N processes of ``pool``: a fresh swarm, rounds,
+    the check; the swarm is shut down again. Raises if a process fails or stops answering (the
+    caller then closes the pool: a process may be stuck, and its swarm is not shut down here)."""
+    peers = pool.peers[:n]
+    result: dict[str, Any] = {
+        "system": "swarmavg",
+        "peers": n,
+        "size": args.size,
+        "encryption": encryption,
+        "rounds": args.rounds,
+    }
+    elapsed, maddrs = peers[0].call("start", [], encryption)
+    starts = [elapsed]
+    for peer in peers[1:]:
+        elapsed, _ = peer.call("start", maddrs, encryption)
+        starts.append(elapsed)
+    result["dht_start_s"] = starts
+    prefix = f"avgbench_{n}_{'enc' if encryption else 'plain'}_{uuid.uuid4().hex[:8]}"
+    options = {
+        "averaging_expiration": args.averaging_expiration,
+        "request_timeout": args.request_timeout,
+        "allreduce_timeout": args.allreduce_timeout,
+    }
+    for i, peer in enumerate(peers):
+        peer.call("averager", prefix, n, args.size, float(i), options)
+    time.sleep(args.settle)
+    rounds = []
+    for r in range(args.warmup + args.rounds):
+        if r:
+            time.sleep(args.gap)
+        rounds.append(_ours_round(peers, args, n, r))
+        got = rounds[-1]
+        _progress(
+            f"  swarmavg N={n} {'encrypted' if encryption else 'plain'} round {r}"
+            f"{' (warm-up)' if r < args.warmup else ''}: "
+            + (
+                f"all-reduce {got['allreduce_s']:.3f} s, round {got['round_s']:.3f} s, "
+                f"formation {got['formation_s']:.3f} s"
+                if got["ok"]
+                else f"FAILED {got['errors'][:2]}"
+            )
+        )
+    timed = rounds[args.warmup :]
+    good = [r for r in timed if r["ok"]]
+    result["rounds_ok"] = len(good)
+    result["failures"] = [r for r in timed if not r["ok"]]
+    result["warmup_rounds"] = rounds[: args.warmup]
+    result["per_round"] = good
+    for key in (
+        "allreduce_s",
+        "allreduce_wall_s",
+        "round_s",
+        "formation_s",
+        "matchmaking_s",
+        "start_skew_s",
+        "process_cpu_s",
+        "machine_cpu_s",
+        "foreign_cpu_s",
+        "foreign_per_s",
+    ):
+        result[key] = stats([r[key] for r in good if r.get(key) is not None])
+    expected = (n - 1) / 2
+    result["max_abs_error"] = max(peer.call("error", expected) for peer in peers)
+    for peer in peers:
+        peer.call("stop")
+    return result
+
+
+def _run_ours_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every (encryption, N) setting, plain first; ``{"plain-4": {...}, ...}``."""
+    results: dict[str, dict[str, Any]] = {}
+    settings = [
+        (encryption, n)
+        for encryption in (False, True)
+        if (args.encrypted if encryption else args.plain)
+        for n in args.peers
+    ]
+    pool: _Pool | None = None
+    try:
+        for encryption, n in settings:
+            key = f"{'encrypted' if encryption else 'plain'}-{n}"
+            _progress(f"running swarmavg N={n} {key.split('-')[0]} ...")
+            try:
+                if pool is None:
+                    pool = _Pool(max(args.peers))
+                results[key] = _run_ours(pool, n, encryption, args)
+            except Exception as exc:
+                results[key] = {"error": _error(exc)}
+                _progress(f"  failed: {results[key]['error']}")
+                if pool is not None:  # a process may be stuck: start afresh for the next one
+                    pool.close()
+                    pool = None
+    finally:
+        if pool is not None:
+            pool.close()
+    return results
+
+
+# -- gloo -----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _run_gloo(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    procs: list[Any] = []
+    timeout = args.allreduce_timeout + 60.0  # gloo's own timeout for a collective
+    try:
+        port = _free_port()
+        for rank in range(n):
+            proc = ctx.Process(
+                target=rank_main,
+                args=(rank, n, port, args.size, args.gloo_iters, args.warmup, timeout, sender),
+                name=f"gloo-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        sender.close()
+        if not receiver.poll(GLOO_TIMEOUT):
+            raise TimeoutError(f"gloo N={n}: no result within {GLOO_TIMEOUT:.0f} s")
+        raw: dict[str, Any] = receiver.recv()
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        for proc in procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(EXIT_TIMEOUT)
+        receiver.close()
+        sender.close()
+    return {
+        "system": "gloo",
+        "peers": n,
+        "size": args.size,
+        "iters": args.gloo_iters,
+        "init_s": raw["init_s"],
+        "finite": raw["finite"],
+        "allreduce_s": stats(raw["times_s"]),
+        "process_cpu_s": stats(raw["cpu_s"]),
+        "machine_cpu_s": raw["machine_cpu_s"],
+        "foreign_cpu_s": raw["foreign_cpu_s"],
+        "foreign_per_s": raw["foreign_per_s"],
+        "times_s": raw["times_s"],
+    }
+
+
+def _run_gloo_all(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    results: dict[int, dict[str, Any]] = {}
+    for n in args.peers:
+        _progress(f"running gloo N={n} ...")
+        try:
+            results[n] = _run_gloo(n, args)
+            _progress(f"  all_reduce median {results[n]['allreduce_s']['median']:.3f} s")
+        except Exception as exc:
+            results[n] = {"error": _error(exc)}
+            _progress(f"  failed: {results[n]['error']}")
+    return results
+
+
+# -- hivemind -------------------------------------------------------------------------------------
+
+
+def _hivemind_sockets() -> set[Path]:
+    """hivemind's p2pd control sockets (``/tmp/hivemind-p2p*.sock``)."""
+    return set(Path("/tmp").glob("hivemind-p2p*.sock"))
+
+
+def _remove_stale_sockets(before: set[Path]) -> None:
+    """Removes the hivemind sockets made since ``before`` that no live socket is bound to:
+    hivemind leaves its p2p clients' sockets behind even when it shuts down cleanly."""
+    try:
+        bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    except (OSError, IndexError):
+        return  # cannot tell which are in use: leave them
+    for path in _hivemind_sockets() - before:
+        if str(path) not in bound:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
+    """``_averaging_hivemind.py`` under hivemind's Python: its JSON, or ``{"error": ...}``."""
+    python = Path(args.hivemind_python)
+    if not python.exists():
+        return {"error": f"skipped: {python} not found (a venv with hivemind==1.1.12)"}
+    command = [
+        str(python),
+        str(HERE / "_averaging_hivemind.py"),
+        f"--peers={args.hivemind_peers}",
+        f"--size={args.size}",
+        f"--rounds={args.rounds}",
+        f"--warmup={args.warmup}",
+        f"--step-timeout={max(args.step_timeout, 10.0)}",
+        f"--allreduce-timeout={args.allreduce_timeout}",
+        f"--settle={args.settle}",
+        f"--gap={args.gap}",
+    ]
+    sockets_before = _hivemind_sockets()
+    # a session of its own, so that its averager and DHT processes and their p2pd daemons can be
+    # killed as a group if it does not shut them down itself
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        try:
+            out, err = proc.communicate(timeout=HIVEMIND_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # it shuts everything down on SIGTERM
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=30)
+            return {"error": f"timed out after {HIVEMIND_TIMEOUT:.0f} s"}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        _remove_stale_sockets(sockets_before)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit status {proc.returncode}; stderr: {err[-800:]}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+
+def _median(figure: Any) -> float | None:
+    if isinstance(figure, dict) and figure.get("n"):
+        return float(figure["median"])
+    if isinstance(figure, int | float):
+        return float(figure)
+    return None
+
+
+def _row(
+    name: str,
+    ours: Any,
+    ref_name: str,
+    ref: Any,
+    target: float | None,
+    target_text: str = "",
+) -> dict[str, Any]:
+    """A table row: medians (and mins) of ours and the reference, ours/ref, the target."""
+    row: dict[str, Any] = {"name": name, "unit": "s", "reference": ref_name}
+    row["ours"] = _median(ours)
+    row["ours_min"] = ours.get("min") if isinstance(ours, dict) else None
+    row["ref"] = _median(ref)
+    row["ref_min"] = ref.get("min") if isinstance(ref, dict) else None
+    if row["ours"] is not None and row["ref"]:
+        row["ratio"] = row["ours"] / row["ref"]
+    if target is not None:
+        row["target"] = target_text or f"<= {target:.2f}"
+        if "ratio" in row:
+            row["ok"] = row["ratio"] <= target
+    return row
+
+
+def _rows(
+    args: argparse.Namespace,
+    ours: dict[str, dict[str, Any]],
+    gloo: dict[int, dict[str, Any]],
+    hivemind: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    kinds = [k for k, on in (("plain", args.plain), ("encrypted", args.encrypted)) if on]
+    settings = [(kind, n) for kind in kinds for n in args.peers]
+    hm_ok = hivemind is not None and "error" not in hivemind
+    rows: list[dict[str, Any]] = []
+    for kind, n in settings:  # 1. all-reduce with the group formed
+        target = TARGET_ALLREDUCE_ENCRYPTED if kind == "encrypted" else TARGET_ALLREDUCE_PLAIN
+        rows.append(
+            _row(
+                f"all-reduce, group formed, N={n} {kind}",
+                ours.get(f"{kind}-{n}", {}).get("allreduce_s"),
+                "gloo",
+                gloo.get(n, {}).get("allreduce_s"),
+                target,
+            )
+        )
+    for metric, label, target, text in (  # 2. and 3.
+        ("round_s", "whole round", TARGET_ROUND, "<= 0.20 (5x faster)"),
+        ("formation_s", "group formation", TARGET_FORMATION, "<= 0.25 (4x faster)"),
+    ):
+        for kind, n in settings:
+            with_hm = hm_ok and kind == "encrypted" and n == args.hivemind_peers
+            rows.append(
+                _row(
+                    f"{label}, N={n} {kind}",
+                    ours.get(f"{kind}-{n}", {}).get(metric),
+                    "hivemind" if with_hm else "",
+                    hivemind.get(metric) if with_hm and hivemind is not None else None,
+                    target if kind == "encrypted" and n == args.hivemind_peers else None,
+                    text,
+                )
+            )
+    for kind, n in settings:  # 4. CPU per round
+        mine = ours.get(f"{kind}-{n}", {})
+        row = _row(
+            f"CPU s per round, processes, N={n} {kind}",
+            mine.get("process_cpu_s"),
+            "gloo",
+            gloo.get(n, {}).get("process_cpu_s"),
+            None,
+        )
+        row["unit"] = "CPU s"
+        rows.append(row)
+        row = _row(
+            f"CPU s per round, machine busy, N={n} {kind}",
+            mine.get("machine_cpu_s"),
+            "gloo",
+            gloo.get(n, {}).get("machine_cpu_s"),
+            None,
+        )
+        row["unit"] = "CPU s"
+        rows.append(row)
+        if hm_ok and hivemind is not None and kind == "encrypted" and n == args.hivemind_peers:
+            for metric, what in (("process_cpu_s", "processes"), ("machine_cpu_s", "machine busy")):
+                row = _row(
+                    f"CPU s per round, {what}, N={n} {kind}",
+                    mine.get(metric),
+                    "hivemind",
+                    hivemind.get(metric),
+                    None,
+                )
+                row["unit"] = "CPU s"
+                rows.append(row)
+    return rows
+
+
+def _cell(value: float | None, low: float | None) -> str:
+    if value is None:
+        return "-"
+    if low is None:
+        return f"{value:.3f}"
+    return f"{value:.3f} [{low:.3f}]"
+
+
+def _print_table(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    width = max((len(f"{r['name']} ({r['unit']})") for r in rows), default=40)
+    header = (
+        f"{'metric':{width}}  {'swarmavg':>15}  {'reference':>24}  {'ours/ref':>8}  "
+        f"{'target':22} {'met':3}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        ref = _cell(row["ref"], row["ref_min"])
+        ref = f"{row['reference']} {ref}" if row["reference"] and row["ref"] is not None else ref
+        ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
+        met = "" if "ok" not in row else ("yes" if row["ok"] else "NO")
+        print(
+            f"{row['name'] + ' (' + row['unit'] + ')':{width}}  "
+            f"{_cell(row['ours'], row['ours_min']):>15}  {ref:>24}  {ratio:>8}  "
+            f"{row.get('target', ''):22} {met}"
+        )
+    print("  cells: median [min] over the timed rounds; ours/ref: lower is better for every row")
+    for note in notes:
+        print(f"  {note}")
+
+
+def _notes(
+    args: argparse.Namespace,
+    ours: dict[str, dict[str, Any]],
+    gloo: dict[int, dict[str, Any]],
+    hivemind: dict[str, Any] | None,
+) -> list[str]:
+    notes = []
+    foreign: list[tuple[str, float | None]] = []
+    for key, got in ours.items():
+        if "error" in got:
+            notes.append(f"swarmavg {key}: {got['error']}")
+            continue
+        notes.append(
+            f"swarmavg {key}: {got['rounds_ok']}/{got['rounds']} rounds ok, max |tensor - mean| "
+            f"{got['max_abs_error']:.2e}, start skew median "
+            f"{1e3 * (_median(got['start_skew_s']) or 0):.1f} ms, all-reduce wall (first group "
+            f"known to last done) median {_median(got['allreduce_wall_s']) or 0:.3f} s"
+        )
+        foreign.append((f"swarmavg {key}", _median(got.get("foreign_per_s"))))
+        for failure in got["failures"][:2]:
+            notes.append(f"  failed round {failure['round']}: {failure['errors'][:2]}")
+    for n, got in gloo.items():
+        if "error" in got:
+            notes.append(f"gloo N={n}: {got['error']}")
+        else:
+            notes.append(
+                f"gloo N={n}: {got['iters']} timed all_reduce, init {got['init_s']:.2f} s, "
+                f"values finite: {got['finite']}"
+            )
+            foreign.append((f"gloo N={n}", got.get("foreign_per_s")))
+    if hivemind is None:
+        notes.append("hivemind: skipped (--no-hivemind)")
+    elif "error" in hivemind:
+        notes.append(f"hivemind: {hivemind['error']}")
+    else:
+        notes.append(
+            f"hivemind {hivemind['version']} N={hivemind['peers']}: {hivemind['rounds_ok']}/"
+            f"{hivemind['rounds']} rounds ok, max |tensor - mean| "
+            f"{hivemind['max_abs_error']:.2e}, its all-reduce (RUNNING_ALLREDUCE to done) "
+            f"median {_median(hivemind['allreduce_s']) or 0:.3f} s"
+        )
+        for failure in hivemind.get("failures", [])[:2]:
+            notes.append(f"  hivemind failed round: {failure.get('errors', [])[:2]}")
+        foreign.append(("hivemind", _median(hivemind.get("foreign_per_s"))))
+    measured = [(name, load) for name, load in foreign if load is not None]
+    if measured:
+        notes.append(
+            "load from other processes during the timed part (CPUs busy outside this "
+            "benchmark, of "
+            f"{os.cpu_count()}): " + ", ".join(f"{name} {load:.2f}" for name, load in measured)
+        )
+        if max(load for _, load in measured) > FOREIGN_WARN:
+            notes.append(
+                f"WARNING: more than {FOREIGN_WARN} CPU of load from elsewhere: the timings "
+                "are inflated and the comparisons skewed by whichever run it hit; run again "
+                "on a quiet machine"
+            )
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    notes.append(
+        f"S={args.size} float32 ({args.size * 4 / MiB:.0f} MiB) per peer, {args.rounds} timed "
+        f"rounds after {args.warmup} warm-up, {os.cpu_count()} CPUs, load at the end {load}"
+    )
+    return notes
+
+
+def _parse_peers(text: str) -> list[int]:
+    peers = [int(x) for x in text.split(",") if x.strip()]
+    if not peers or min(peers) < 2:
+        raise argparse.ArgumentTypeError("peers: a comma-separated list of counts >= 2")
+    return peers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="S=1 Mi, 2 rounds, 3 gloo iters")
+    parser.add_argument(
+        "--out",
+        "--json",  # the other benchmarks' name (nox -s bench passes the same arguments to all)
+        dest="out",
+        type=Path,
+        help="write JSON lines (rows and raw figures) here",
+    )
+    parser.add_argument("--peers", type=_parse_peers, default=[4, 8], help="e.g. 4,8")
+    parser.add_argument("--size", type=int, help="float32 elements per peer (default 16 Mi)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 3, --quick 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--gloo-iters", type=int, help="timed gloo calls (default 10)")
+    parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--encrypted", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--hivemind", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--hivemind-python", default=str(HIVEMIND_PYTHON))
+    parser.add_argument("--hivemind-peers", type=int, help="default: the largest of --peers")
+    parser.add_argument("--step-timeout", type=float, default=30.0, help="matchmaking, s")
+    parser.add_argument("--allreduce-timeout", type=float, default=120.0)
+    parser.add_argument("--averaging-expiration", type=float, default=15.0)
+    parser.add_argument("--request-timeout", type=float, default=3.0)
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds before the rounds")
+    parser.add_argument("--gap", type=float, default=1.0, help="seconds between rounds")
+    args = parser.parse_args()
+    if args.size is None:
+        args.size = MiB if args.quick else 16 * MiB
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
+    if args.gloo_iters is None:
+        args.gloo_iters = 3 if args.quick else 10
+    if args.hivemind_peers is None:
+        args.hivemind_peers = max(args.peers)
+    if args.size < 1 or args.rounds < 1 or args.warmup < 0 or args.gloo_iters < 1:
+        parser.error("--size and --rounds and --gloo-iters must be >= 1, --warmup >= 0")
+    if args.warmup + args.gloo_iters > 30:  # gloo sums ones in place: N**30 stays finite
+        parser.error("--warmup + --gloo-iters must be <= 30")
+
+    def on_term(signum: int, frame: object) -> None:  # let `finally` shut the processes down
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    started = time.time()
+    try:
+        gloo = _run_gloo_all(args) if args.gloo else {}
+        ours = _run_ours_all(args) if args.plain or args.encrypted else {}
+        hivemind = None
+        if args.hivemind:
+            _progress(f"running hivemind N={args.hivemind_peers} ({args.hivemind_python}) ...")
+            try:
+                hivemind = _run_hivemind(args)
+            except Exception as exc:
+                hivemind = {"error": _error(exc)}
+    except KeyboardInterrupt:  # every process was shut down on the way out
+        _progress("interrupted")
+        return 130
+    rows = _rows(args, ours, gloo, hivemind)
+    notes = _notes(args, ours, gloo, hivemind)
+    notes.append(f"the whole run took {time.time() - started:.0f} s")
+    _print_table(rows, notes)
+    if args.out:
+        meta = {
+            "kind": "meta",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "notes": notes,
+        }
+        lines = [meta, *({"kind": "row", **row} for row in rows)]
+        lines += [{"kind": "raw", "run": f"gloo-{n}", **got} for n, got in gloo.items()]
+        lines += [{"kind": "raw", "run": f"swarmavg-{k}", **got} for k, got in ours.items()]
+        if hivemind is not None:
+            lines.append({"kind": "raw", "run": "hivemind", **hivemind})
+        args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
