@@ -87,3 +87,5 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/dht.py", *session.posargs)
     # beside gloo (torch, installed above) and hivemind's venv, as dht.py
     session.run("python", "benchmarks/averaging.py", *session.posargs)
+    # 1024 peers' Moshpit rounds through the sans-IO averaging code (no network, no clock)
+    session.run("python", "benchmarks/averaging_sim.py")

@@ -55,6 +55,11 @@ _FIRST_POLL: Final = 0.02
 #: A withdrawn declaration expires this much after the one it replaces (a later expiration is
 #: what lets it replace it).
 _WITHDRAWN: Final = 1e-3
+#: A declaration carries at most this many of our addresses (others read the first), each at
+#: most this long; we remember the addresses of this many declared peers.
+_MAX_ADDRESSES: Final = 4
+_MAX_ADDRESS_LENGTH: Final = 512
+_MAX_DECLARED: Final = 4096
 
 
 def _member_info(info: MemberInfo) -> GroupMember:
@@ -144,6 +149,8 @@ class DHTMatchmaker(Matchmaker):
         self.mode = mode
         self.bandwidth = bandwidth
         self._leading: _Leading | None = None
+        self._following: tuple[PeerID, Address | None] | None = None  # the leader we wait for
+        self._declared: dict[PeerID, Address] = {}  # addresses read in declarations
         self._looking = False
         registry = _matchmakers.get(dht.node)
         if registry is None:
@@ -191,6 +198,7 @@ class DHTMatchmaker(Matchmaker):
         poll = _FIRST_POLL
         declared = False
         fresh: list[tuple[PeerID, float]] | None = None  # candidates read with the declaration
+        hint: MemberInfo | None = None  # where a peer that turned us away said the leader is
         try:
             if not client:
                 async with anyio.create_task_group() as tg:  # (a store and a get at once)
@@ -208,12 +216,21 @@ class DHTMatchmaker(Matchmaker):
                 candidates = [c for c in fresh if c[0] not in rejected]
                 fresh = None
                 leader = choose_leader(candidates, self.peer_id, expiration)
-                if leader is not None:
-                    until = dict(candidates)[leader] + self.request_timeout
-                    info = await self._follow(leader, key, expiration, me, until)
-                    if info is not None:
-                        return info
+                tried = leader is not None
+                while leader is not None:  # follow it, and whoever it redirects us to
+                    address = self._address_of(leader)
+                    if hint is not None and hint.peer_id == leader:
+                        address = _member_info(hint).address
+                    until = dict(candidates).get(leader, begin_at) + self.request_timeout
+                    outcome = await self._follow(leader, address, key, expiration, me, until)
+                    if isinstance(outcome, GroupInfo):
+                        return outcome
                     rejected.add(leader)
+                    hint = outcome
+                    leader = None
+                    if hint is not None and hint.peer_id not in rejected | {self.peer_id}:
+                        leader = hint.peer_id
+                if tried:  # turned away: read the declarations again
                     continue
                 if client:  # a client cannot lead: wait for leaders to declare
                     await anyio.sleep(poll)
@@ -235,7 +252,8 @@ class DHTMatchmaker(Matchmaker):
         """Declare that we look for a group under ``key`` until ``begin_at``, or (``looking``
         false) that we stopped: a declaration would otherwise outlive a group that formed
         early, and the next round's peers would take us for a leader."""
-        value = {"schema": self.schema, "looking": looking}
+        addresses = [str(a) for a in self.dht.node.addresses[:_MAX_ADDRESSES]]
+        value = {"schema": self.schema, "looking": looking, "addresses": addresses}
         expiration = begin_at if looking else begin_at + _WITHDRAWN
         if not await self.dht.store(key, value, expiration, subkey=self.peer_id.to_bytes()):
             logger.debug("declaring %s under %s was refused", self.peer_id.short(), key)
@@ -259,14 +277,34 @@ class DHTMatchmaker(Matchmaker):
             if value.get("looking") is not True:
                 continue
             candidates.append((peer, float(item.expiration_time)))
+            declared = value.get("addresses")
+            if isinstance(declared, list) and declared and isinstance(declared[0], str):
+                try:  # (the PeerID goes with it: only that peer can answer there)
+                    address = Address.parse(declared[0][:_MAX_ADDRESS_LENGTH]).with_peer_id(peer)
+                except ValueError:
+                    continue
+                self._declared[peer] = address
+                while len(self._declared) > _MAX_DECLARED:
+                    del self._declared[next(iter(self._declared))]
         return candidates
 
+    def _address_of(self, peer: PeerID) -> Address | None:
+        """Where to dial ``peer``: as our DHT node knows it, else as it declared itself (the
+        DHT node need not know every peer that averages under our key)."""
+        return self.dht._address_of(peer) or self._declared.get(peer)
+
     async def _follow(
-        self, leader: PeerID, key: str, expiration: float, me: MemberInfo, until: float
-    ) -> GroupInfo | None:
-        """Ask ``leader`` to take us in; the group, or ``None`` if it would not, disbanded, or
-        did not begin by ``until`` (DHT time)."""
-        address = self.dht._address_of(leader)
+        self,
+        leader: PeerID,
+        address: Address | None,
+        key: str,
+        expiration: float,
+        me: MemberInfo,
+        until: float,
+    ) -> GroupInfo | MemberInfo | None:
+        """Ask ``leader`` to take us in; the group, or where it said the leader is (it follows
+        one, or disbanded for a better one), or ``None`` if it would not, or did not begin by
+        ``until`` (DHT time)."""
         if address is None:
             return None
         request = JoinRequest(key, self.schema, expiration, me)
@@ -278,14 +316,18 @@ class DHTMatchmaker(Matchmaker):
                     first = await anext(replies, None)
                 if first is None or first.code != "accepted":
                     logger.debug("%s did not take us: %s", leader.short(), first)
-                    return None
-                with anyio.fail_after(max(0.0, until - get_dht_time())):
-                    reply = await anext(replies, None)
+                    return _redirect(first)
+                self._following = (leader, address)
+                try:
+                    with anyio.fail_after(max(0.0, until - get_dht_time())):
+                        reply = await anext(replies, None)
+                finally:
+                    self._following = None
                 if reply is not None and reply.code == "begin":
                     if not any(m.peer_id == self.peer_id for m in reply.members):
                         return None  # a group without us: not ours
                     return _group_info(reply.group_id, reply.members, leader)
-                return None  # disbanded
+                return _redirect(reply)  # disbanded
         except (SwarmError, OSError, TimeoutError, ValueError) as exc:
             # (ValueError: a group whose members do not parse, from a faulty leader)
             logger.debug("joining %s failed: %s", leader.short(), exc)
@@ -309,10 +351,13 @@ class DHTMatchmaker(Matchmaker):
                 if leading.full.is_set():
                     break
                 candidates = await self._candidates(key)
+                if leading.full.is_set():  # filled up while we read: begin
+                    break
                 better = choose_leader(candidates, self.peer_id, begin_at)
                 if better is not None and better not in leading.followers:
                     logger.debug("%s: a better leader %s appeared", key, better.short())
-                    leading.settle(JoinReply("disband", "a better leader appeared", b"", []))
+                    pointer = self._pointer(better, self._address_of(better))
+                    leading.settle(JoinReply("disband", "a better leader appeared", b"", pointer))
                     return None
             self._leading = None  # no more followers from here
             if 1 + len(leading.followers) < self.min_group_size:
@@ -331,12 +376,22 @@ class DHTMatchmaker(Matchmaker):
             if not leading.settled.is_set():
                 leading.settle(JoinReply("disband", "the leader stopped", b"", []))
 
+    def _pointer(self, leader: PeerID, address: Address | None) -> list[MemberInfo]:
+        """Where ``leader`` is, for a peer we turn away (empty if we cannot say)."""
+        if address is None:
+            return []
+        return [MemberInfo(leader, [str(address)], -1.0, MemberMode.NODE.value, b"")]
+
     # -- serving join requests -------------------------------------------------------------------
 
     async def _serve_join(self, request: JoinRequest, ctx: CallContext) -> AsyncIterator[JoinReply]:
         leading = self._leading
         reason = ""
         if leading is None:
+            following = self._following
+            if following is not None and following[0] != request.member.peer_id:
+                yield JoinReply("redirect", "following", b"", self._pointer(*following))
+                return
             reason = "not leading a group"
         elif request.group_key != leading.key or request.schema != leading.schema:
             reason = "another key or schema"
@@ -377,6 +432,17 @@ def _serve_join(registry: dict[str, DHTMatchmaker]) -> Any:
             yield reply
 
     return serve
+
+
+def _redirect(reply: JoinReply | None) -> MemberInfo | None:
+    """The leader a refusal or a disband points to (``redirect``/``disband`` with one member
+    that has a usable address), if any."""
+    if reply is None or reply.code not in ("redirect", "disband") or len(reply.members) != 1:
+        return None
+    pointer = reply.members[0]
+    if pointer.mode != MemberMode.NODE.value or not _valid_member(pointer):
+        return None
+    return pointer
 
 
 def pack_gather(value: Any) -> bytes:
