@@ -87,6 +87,12 @@ _MAX_QUEUED_CONTROL = 1 << 13
 _WRITE_BATCH = 2 << 20
 #: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
 _IOV_BATCH = 512
+#: Most bytes read into the read buffer at once outside bulk transfers, in plaintext. A record
+#: that arrives whole in the read buffer is copied out of it; one that does not is read
+#: straight into its message. Reading little at a time after small records keeps the big ones
+#: that follow out of the buffer (each copy is a pass over the data), at the price of more
+#: reads when many small records come (64 KiB holds hundreds of them).
+_SMALL_READ = 64 << 10
 
 
 class _FifoLock:
@@ -449,6 +455,8 @@ class TcpConnection(Connection):
         # receiving
         rtag = fr.TAG_SIZE if opener is not None else 0
         self._rbuf = bytearray(max(2 * (fr.HEADER_SIZE + settings.max_record_size + rtag), 1 << 20))
+        # (sealed records are opened from the read buffer whatever their size: read big)
+        self._read_size = len(self._rbuf) if rtag else _SMALL_READ
         self._rview = memoryview(self._rbuf)
         self._rpos = 0
         self._rend = 0
@@ -953,11 +961,11 @@ class TcpConnection(Connection):
                         self._rpos = self._rend = 0
                         # after a bulk record, read just the next header: its payload most
                         # likely goes straight into a message buffer, not through ours
-                        end = fr.HEADER_SIZE if self._bulk else len(self._rbuf)
+                        end = fr.HEADER_SIZE if self._bulk else self._read_size
                     else:
                         if self._rend == len(self._rbuf):
                             self._compact()
-                        end = len(self._rbuf)
+                        end = min(len(self._rbuf), self._rend + self._read_size)
                     target = self._rview[self._rend : end]
                 try:
                     n = self._sock.recv_into(target)
