@@ -1,9 +1,9 @@
 """``swarmavg.DecentralizedAverager``: the averager for synchronous code (training loops).
 
 It runs a :class:`swarmavg.aio.DecentralizedAverager` on swarmavg's event-loop thread, attached
-to a :class:`swarmavg.DHT` of this process. ``step(wait=False)`` returns a
-:class:`~swarmavg.sync.TaskHandle` (``result()``, ``done()``, ``cancel()``, awaitable), so the
-training loop goes on while the group forms and averages::
+to a :class:`swarmavg.DHT` of this process. ``step(wait=False)`` returns a :class:`StepHandle`
+(``result()``, ``done()``, ``cancel()``, awaitable, plus ``stage``, a settable ``weight`` and
+``allow_allreduce()``), so the training loop goes on while the group forms and averages::
 
     averager = swarmavg.DecentralizedAverager(model_tensors, dht, prefix="run", target_group_size=4)
     handle = averager.step(wait=False)
