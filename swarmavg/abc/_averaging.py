@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from swarmavg.proto.allreduce import FlatLayout, load_balance
@@ -87,6 +87,17 @@ class AllReduceResult:
     seconds: float = 0.0
     #: elements this member reduced
     reduced: int = 0
+    #: reducers whose span (from part ``part`` on) kept this member's local values, and why:
+    #: ``(reducer, part, reason)`` (it failed or stalled)
+    local_spans: list[tuple[int, int, str]] = field(default_factory=list)
+    #: senders that a reducer left out of its parts from ``part`` on, and why:
+    #: ``(reducer, sender, part, reason)``
+    dropped: list[tuple[int, int, int, str]] = field(default_factory=list)
+
+    @property
+    def incomplete(self) -> bool:
+        """Whether some of the vector was not averaged over every contributor."""
+        return bool(self.local_spans or self.dropped)
 
 
 @dataclass(frozen=True)

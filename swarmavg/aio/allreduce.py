@@ -40,7 +40,14 @@ from swarmavg.abc._averaging import (
 )
 from swarmavg.errors import AllReduceFailed, SwarmError
 from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, plan_parts
-from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgLeave, AvgPart, AvgWeights
+from swarmavg.proto.averaging_messages import (
+    AvgBegin,
+    AvgDropped,
+    AvgKeep,
+    AvgLeave,
+    AvgPart,
+    AvgWeights,
+)
 from swarmavg.proto.codec import Message
 
 if TYPE_CHECKING:
@@ -89,6 +96,9 @@ class _Round:
     results: list[npt.NDArray[Any] | None] = field(default_factory=list)
     weights: dict[int, float] = field(default_factory=dict)
     bytes_received: int = 0
+    sender_timeout: float | None = None
+    #: senders left out of our parts: sender -> (first part left out, why)
+    dropped: dict[int, tuple[int, str]] = field(default_factory=dict)
     #: why the round was aborted (a member left), if it was
     left: str | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
@@ -130,6 +140,25 @@ class _Round:
             reducer.add_nothing(sender)
             self._settle(index)
 
+    def drop(self, sender: int, first: int, reason: str) -> None:
+        """Leave ``sender`` out of our parts ``first`` and later (it failed, stalled or sent
+        bad values): they are reduced without it."""
+        if sender in self.dropped or sender == self.me:
+            return
+        self.dropped[sender] = (first, reason)
+        logger.warning(
+            "all-reduce %s: member %d (%s) left out of parts %d.. of our span: %s",
+            self.group.group_id.hex()[:8],
+            sender,
+            self.group.members[sender].peer_id.short(),
+            first,
+            reason,
+        )
+        for index in range(first, len(self.parts)):
+            if sender not in self.reducers[index].received:
+                self.reducers[index].add_nothing(sender)
+                self._settle(index)
+
     def abort(self, reason: str) -> None:
         if self.left is None:
             self.left = reason
@@ -155,6 +184,7 @@ class AllReduceService(AllReduceRunner):
         self._finished: OrderedDict[bytes, None] = OrderedDict()
         #: leave notices for rounds not started here: group id -> (who, its index, why)
         self._left: OrderedDict[bytes, tuple[PeerID, int, str]] = OrderedDict()
+        self._reducer_timeouts: dict[bytes, float | None] = {}  # of the rounds running here
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
         node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
 
@@ -179,12 +209,20 @@ class AllReduceService(AllReduceRunner):
         averaging_alpha: float = 1.0,
         min_vector_size: int = 0,
         timeout: float | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
     ) -> AllReduceResult:
         """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
         place) with the rest of ``group``.
 
+        A sender that fails, sends bad values, or stalls for ``sender_timeout`` seconds (or has
+        not begun by then) is left out of the parts of our span it had not delivered; a reducer
+        that fails or stalls for ``reducer_timeout`` leaves the rest of its span at our local
+        values. Either makes the result :attr:`~AllReduceResult.incomplete` (saying what).
+
         :param part_size: elements per part.
-        :raises AllReduceFailed: a member failed or the round took more than ``timeout``.
+        :raises AllReduceFailed: the round took more than ``timeout``, a member left it, or no
+            part of the vector was averaged.
         """
         me = group.index_of(self.node.peer_id)
         mode = group.members[me].mode
@@ -216,6 +254,8 @@ class AllReduceService(AllReduceRunner):
             waiting.set()
         result = AllReduceResult([], 0.0)
         weights: dict[int, float] = {}  # each sender's, as the reducers tell them
+        round_.sender_timeout = sender_timeout
+        self._reducer_timeouts[group.group_id] = reducer_timeout
         try:
             with anyio.fail_after(timeout), round_.scope:
                 await self._run_tasks(
@@ -228,12 +268,22 @@ class AllReduceService(AllReduceRunner):
                 raise
         finally:
             del self._rounds[group.group_id]
+            del self._reducer_timeouts[group.group_id]
             self._finish(group.group_id)
         if round_.left is not None:
             raise AllReduceFailed(round_.left)
         result.bytes_received += round_.bytes_received
         result.seconds = time.perf_counter() - started
         result.reduced = spans[me]
+        for sender, (first, reason) in round_.dropped.items():
+            result.dropped.append((me, sender, first, reason))
+        others = [i for i, parts in enumerate(plans) if parts and i != me]
+        failed = {reducer for reducer, first, _ in result.local_spans if first == 0}
+        if mode is not MemberMode.AUX and not round_.parts and others and set(others) <= failed:
+            raise AllReduceFailed(
+                "nothing was averaged: "
+                + "; ".join(f"member {r}: {why}" for r, _, why in result.local_spans)
+            )
         # every member agrees on who contributed: each reducer tells every sender all weights
         if round_.parts:
             weights = dict(round_.weights)
@@ -352,10 +402,24 @@ class AllReduceService(AllReduceRunner):
                 round_.contribute(round_.me, index, buffers[part.buffer][part.start : part.stop])
         elif sending:
             round_.contribute_nothing(round_.me)
-        for index, part in enumerate(round_.parts):
-            await round_.ready[index].wait()
-            if sending:
-                _apply(buffers[part.buffer][part.start : part.stop], round_.results[index], alpha)
+        sender_timeout = round_.sender_timeout
+        async with anyio.create_task_group() as tg:
+            if round_.parts and sender_timeout is not None:
+                tg.start_soon(self._drop_absent, round_, sender_timeout)
+            for index, part in enumerate(round_.parts):
+                await round_.ready[index].wait()
+                if sending:
+                    local = buffers[part.buffer][part.start : part.stop]
+                    _apply(local, round_.results[index], alpha)
+            tg.cancel_scope.cancel()
+
+    @staticmethod
+    async def _drop_absent(round_: _Round, sender_timeout: float) -> None:
+        """Leave out the senders that have not begun within ``sender_timeout``."""
+        await anyio.sleep(sender_timeout)
+        for sender in round_.group.senders:
+            if sender not in round_.weights:
+                round_.drop(sender, 0, f"it did not begin within {sender_timeout} s")
 
     async def _send_to(
         self,
@@ -368,10 +432,59 @@ class AllReduceService(AllReduceRunner):
         result: AllReduceResult,
         weights: dict[int, float],
     ) -> None:
-        """Send our values of ``reducer``'s parts and apply the means it answers with."""
+        """Send our values of ``reducer``'s parts and apply the means it answers with; if it
+        fails or stalls, the rest of its span keeps our local values (and the result says so)."""
+        progress = [0]  # parts answered so far
+        failures: list[BaseException] = []
+        try:
+            await self._exchange(
+                group, reducer, parts, buffers, weight, alpha, result, weights, progress
+            )
+        except* (SwarmError, OSError, TimeoutError, ValueError) as caught:
+            failures.extend(_leaves(caught))
+        if not failures:
+            return
+        exc = failures[0]
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
+        result.local_spans.append((reducer, progress[0], reason))
+        logger.warning(
+            "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local values: %s",
+            group.group_id.hex()[:8],
+            reducer,
+            group.members[reducer].peer_id.short(),
+            progress[0],
+            reason,
+        )
+
+    async def _exchange(
+        self,
+        group: Group,
+        reducer: int,
+        parts: list[Part],
+        buffers: Sequence[npt.NDArray[Any]],
+        weight: float,
+        alpha: float,
+        result: AllReduceResult,
+        weights: dict[int, float],
+        progress: list[int],
+    ) -> None:
         member = group.members[reducer]
         assert member.address is not None  # client-mode members have no span
         me = group.index_of(self.node.peer_id)
+        reducer_timeout = self._reducer_timeouts[group.group_id]
+
+        async def receive() -> Message:
+            with anyio.fail_after(reducer_timeout):
+                answer = await call.receive()
+            while isinstance(answer, AvgDropped):  # (reported before the parts it concerns)
+                if 0 <= answer.sender < len(group.members):
+                    result.dropped.append((reducer, answer.sender, answer.part, answer.reason))
+                with anyio.fail_after(reducer_timeout):
+                    answer = await call.receive()
+            return answer
+
         async with self.node.rpc.open(
             member.address, METHOD, kind="bidi", response_type=Message
         ) as call:
@@ -387,22 +500,25 @@ class AllReduceService(AllReduceRunner):
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(send)
-                told = await call.receive()
+                told = await receive()
                 if not isinstance(told, AvgWeights) or len(told.weights) != len(group.members):
-                    raise AllReduceFailed(f"member {reducer} did not say the weights first")
+                    raise ValueError(f"member {reducer} did not say the weights first")
                 for index, told_weight in enumerate(told.weights):
                     if told_weight > 0 or index not in weights:
                         weights[index] = told_weight
                 for part in parts:
-                    answer = await call.receive()
+                    answer = await receive()
                     if not isinstance(answer, AvgPart | AvgKeep) or answer.index != part.index:
-                        raise AllReduceFailed(f"member {reducer} answered out of order")
+                        raise ValueError(f"member {reducer} answered out of order")
                     local = buffers[part.buffer][part.start : part.stop]
                     if isinstance(answer, AvgPart):
-                        if answer.values.shape != local.shape:
-                            raise AllReduceFailed(f"member {reducer} answered a wrong shape")
+                        if answer.values.shape != local.shape or answer.values.dtype != (
+                            local.dtype
+                        ):
+                            raise ValueError(f"member {reducer} answered a wrong shape or dtype")
                         result.bytes_received += answer.values.nbytes
                         _apply(local, answer.values, alpha)
+                    progress[0] += 1
 
     # -- serving a round -------------------------------------------------------------------------
 
@@ -449,34 +565,56 @@ class AllReduceService(AllReduceRunner):
             raise ValueError(f"member {sender} already called")
         if not (begin.weight >= 0 and math.isfinite(begin.weight)):
             raise ValueError(f"bad weight {begin.weight!r}")
+        if sender in round_.dropped:
+            raise ValueError(f"member {sender} was left out of this round: too late")
         round_.weights[sender] = begin.weight
         count = len(round_.parts)
         answered = 0
+        told: set[int] = set()  # dropped senders this caller was told about
         if begin.weight == 0:
             round_.contribute_nothing(sender)
         else:
             received = 0
-            async for message in requests:
-                if not isinstance(message, AvgPart) or message.index != received:
-                    raise ValueError(f"expected part {received} of {count}")
-                if received >= count:
-                    raise ValueError("more parts than the span has")
-                part = round_.parts[received]
-                dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
-                if message.values.dtype != dtype:
-                    raise ValueError(f"part {received} is {message.values.dtype}, not {dtype}")
-                round_.contribute(sender, received, message.values)
-                round_.bytes_received += message.values.nbytes
-                received += 1
-                while answered < count and round_.ready[answered].is_set():
-                    if answered == 0:
-                        yield _weights(round_)
-                    yield _answer(round_, answered)
-                    answered += 1
-            if received != count:
-                raise ValueError(f"{received} parts of {count} came")
+            sender_timeout = round_.sender_timeout
+            try:
+                while True:
+                    with anyio.fail_after(sender_timeout):
+                        message = await anext(requests, None)
+                    if message is None:
+                        break
+                    if not isinstance(message, AvgPart) or message.index != received:
+                        raise ValueError(f"expected part {received} of {count}")
+                    if received >= count:
+                        raise ValueError("more parts than the span has")
+                    part = round_.parts[received]
+                    dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
+                    if message.values.dtype != dtype:
+                        raise ValueError(f"part {received} is {message.values.dtype}, not {dtype}")
+                    round_.contribute(sender, received, message.values)
+                    round_.bytes_received += message.values.nbytes
+                    received += 1
+                    while answered < count and round_.ready[answered].is_set():
+                        for notice in _drops(round_, answered, told, sender):
+                            yield notice
+                        if answered == 0:
+                            yield _weights(round_)
+                        yield _answer(round_, answered)
+                        answered += 1
+                if received != count:
+                    raise ValueError(f"{received} parts of {count} came")
+            except TimeoutError:
+                round_.drop(sender, received, f"it sent nothing for {sender_timeout} s")
+                raise ValueError(f"nothing came for {sender_timeout} s") from None
+            except ValueError as exc:
+                round_.drop(sender, received, str(exc))
+                raise
+            except BaseException:  # the caller went away (the handler is cancelled), ...
+                round_.drop(sender, received, "its call broke off")
+                raise
         while answered < count:
             await round_.ready[answered].wait()
+            for notice in _drops(round_, answered, told, sender):
+                yield notice
             if answered == 0:
                 yield _weights(round_)
             yield _answer(round_, answered)
@@ -489,6 +627,17 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
     for exc in group.exceptions:
         found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return found
+
+
+def _drops(round_: _Round, index: int, told: set[int], caller: int) -> list[AvgDropped]:
+    """Notices of the senders left out of part ``index`` (or earlier) that ``caller`` was not
+    told about yet."""
+    notices = []
+    for sender, (first, reason) in round_.dropped.items():
+        if first <= index and sender not in told and sender != caller:
+            told.add(sender)
+            notices.append(AvgDropped(sender, first, reason[:200]))
+    return notices
 
 
 def _weights(round_: _Round) -> AvgWeights:

@@ -21,6 +21,7 @@ from swarmavg.proto.codec import Message, message
 
 __all__ = [
     "AvgBegin",
+    "AvgDropped",
     "AvgKeep",
     "AvgLeave",
     "AvgPart",
@@ -57,6 +58,18 @@ class AvgKeep(Message):
     """Part ``index`` had a total weight of 0: keep the local values."""
 
     index: int
+
+
+@message("avg.dropped")
+@dataclass(frozen=True, slots=True)
+class AvgDropped(Message):
+    """The reducer dropped member ``sender`` from its parts ``part`` and later (it failed,
+    stalled or sent bad values): those parts' means leave it out. Sent to every other sender
+    before the answer of part ``part``."""
+
+    sender: int
+    part: int
+    reason: str
 
 
 @message("avg.weights")

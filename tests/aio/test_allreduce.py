@@ -23,7 +23,7 @@ from swarmavg.aio.allreduce import (
 )
 from swarmavg.aio.node import Node
 from swarmavg.errors import RemoteError
-from swarmavg.proto.allreduce import FlatLayout, TensorSpec
+from swarmavg.proto.allreduce import FlatLayout, TensorSpec, plan_parts
 from swarmavg.proto.averaging_messages import AvgBegin, AvgLeave, AvgPart
 from swarmavg.proto.codec import Message
 from swarmavg.testing import MemoryNetwork
@@ -326,3 +326,133 @@ async def test_leave_notices_from_strangers_are_refused_or_ignored() -> None:
             await nodes[1].rpc.call(
                 nodes[0].addresses[0], "avg.leave", AvgLeave(b"", 0, "x"), timeout=5
             )
+
+
+async def _run_some(
+    nodes: Sequence[Node],
+    group: Group,
+    buffers: Sequence[list[npt.NDArray[Any]]],
+    members: Sequence[int],
+    **options: Any,
+) -> dict[int, AllReduceResult | BaseException]:
+    """Run the round on ``members`` only; each one's result or exception."""
+    outcomes: dict[int, AllReduceResult | BaseException] = {}
+    for node in nodes:
+        AllReduceService.for_node(node)  # everyone serves, even those that never run
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = await AllReduceService.for_node(nodes[i]).run(
+                group, buffers[i], LAYOUT, **options
+            )
+        except AllReduceFailed as exc:
+            outcomes[i] = exc
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in members:
+                tg.start_soon(one, i)
+    return outcomes
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "float64", "shape"])
+async def test_a_poisoned_sender_is_left_out_and_the_honest_mean_is_exact(bad: str) -> None:
+    rng = np.random.default_rng(11)
+    async with _nodes(4) as nodes:
+        # member 3 is a client (it reduces nothing): every span is reduced by honest members
+        group = _group(nodes, [MemberMode.NODE] * 3 + [MemberMode.CLIENT])
+        buffers = [_buffers(rng) for _ in nodes]
+        expected = _expected(buffers, [1.0] * 4, [0, 1, 2])
+        plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), 1 << 16)
+        outcomes: dict[int, AllReduceResult] = {}
+        services = [AllReduceService.for_node(node) for node in nodes]
+
+        async def honest(i: int) -> None:
+            outcomes[i] = await services[i].run(group, buffers[i], LAYOUT, timeout=20)
+
+        async def poisoned_through_the_runner() -> None:
+            # (a value that passes the checks counts where it lands: poison every span)
+            for buffer in buffers[3]:
+                buffer[::7] = np.nan if bad == "nan" else np.inf
+            with pytest.raises(AllReduceFailed, match="nothing was averaged"):
+                await services[3].run(group, buffers[3], LAYOUT, timeout=20)
+
+        async def poisoned_by_hand(reducer: int) -> None:
+            # what a modified peer could send: the wrong dtype or size in its first part
+            first = plans[reducer][0]
+            values = buffers[3][first.buffer][first.start : first.stop]
+            values = values.astype(np.float64) if bad == "float64" else values[:-1]
+            address = nodes[reducer].addresses[0]
+            async with nodes[3].rpc.open(address, "avg.allreduce", kind="bidi") as call:
+                await call.send(AvgBegin(group.group_id, 3, 1.0))
+                await call.send(AvgPart(0, values))
+                with pytest.raises(RemoteError):
+                    await call.receive()
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(honest, i)
+                if bad in ("nan", "inf"):
+                    tg.start_soon(poisoned_through_the_runner)
+                else:
+                    for reducer in range(3):
+                        tg.start_soon(poisoned_by_hand, reducer)
+    for i in range(3):
+        result = outcomes[i]
+        assert result.incomplete
+        assert {sender for _, sender, _, _ in result.dropped} == {3}
+        assert not result.local_spans
+        for got, want in zip(buffers[i], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
+
+
+async def test_a_sender_that_never_comes_is_left_out_after_sender_timeout() -> None:
+    rng = np.random.default_rng(13)
+    async with _nodes(4) as nodes:
+        group = _group(nodes, [MemberMode.NODE] * 3 + [MemberMode.CLIENT])
+        buffers = [_buffers(rng) for _ in nodes]
+        expected = _expected(buffers, [1.0] * 4, [0, 1, 2])
+        started = anyio.current_time()
+        outcomes = await _run_some(
+            nodes, group, buffers, range(3), timeout=20, sender_timeout=0.5, reducer_timeout=5
+        )
+        assert anyio.current_time() - started < 5
+    for i in range(3):
+        result = outcomes[i]
+        assert isinstance(result, AllReduceResult), result
+        assert result.incomplete
+        assert not result.local_spans
+        assert all(s == 3 and "did not begin" in why for _, s, _, why in result.dropped)
+        for got, want in zip(buffers[i], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
+
+
+async def test_a_reducer_that_never_comes_leaves_its_span_local() -> None:
+    rng = np.random.default_rng(14)
+    async with _nodes(3) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        before = [[b.copy() for b in own] for own in buffers]
+        expected = _expected(buffers, [1.0] * 3, [0, 1])
+        started = anyio.current_time()
+        outcomes = await _run_some(
+            nodes, group, buffers, range(2), timeout=20, sender_timeout=0.5, reducer_timeout=1
+        )
+        assert anyio.current_time() - started < 5
+        spans = group.span_sizes(LAYOUT.numel)
+    flat_expected = np.concatenate([e.astype(np.float64) for e in expected])
+    lost = slice(spans[0] + spans[1], LAYOUT.numel)  # member 2's span
+    for i in range(2):
+        result = outcomes[i]
+        assert isinstance(result, AllReduceResult), result
+        assert [(r, first) for r, first, _ in result.local_spans] == [(2, 0)]
+        flat = np.concatenate([b.astype(np.float64) for b in buffers[i]])
+        flat_before = np.concatenate([b.astype(np.float64) for b in before[i]])
+        np.testing.assert_array_equal(flat[lost], flat_before[lost])  # kept local
+        np.testing.assert_allclose(
+            flat[: lost.start], flat_expected[: lost.start], rtol=0, atol=2e-3
+        )
+    # with alpha = 1 the survivors agree on everything that was averaged
+    flats = [np.concatenate([b.astype(np.float64) for b in buffers[i]]) for i in range(2)]
+    np.testing.assert_array_equal(flats[0][: lost.start], flats[1][: lost.start])
