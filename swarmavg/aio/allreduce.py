@@ -99,7 +99,11 @@ class _Round:
     sender_timeout: float | None = None
     #: senders left out of our parts: sender -> (first part left out, why)
     dropped: dict[int, tuple[int, str]] = field(default_factory=dict)
-    #: why the round was aborted (a member left), if it was
+    #: members that left the round (told us with ``avg.leave``): index -> why
+    gone: dict[int, str] = field(default_factory=dict)
+    #: our calls to the other reducers, cancelled if one leaves: reducer -> scope
+    exchanges: dict[int, anyio.CancelScope] = field(default_factory=dict)
+    #: why the round was aborted (this member left it), if it was
     left: str | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -158,6 +162,17 @@ class _Round:
             if sender not in self.reducers[index].received:
                 self.reducers[index].add_nothing(sender)
                 self._settle(index)
+
+    def leave(self, member: int, reason: str) -> None:
+        """``member`` left: leave it out of what it had not delivered, stop waiting for its
+        span (our values stay local there)."""
+        self.gone[member] = reason
+        undelivered = [j for j, r in enumerate(self.reducers) if member not in r.received]
+        if member in self.group.senders and undelivered:
+            self.drop(member, undelivered[0], reason)
+        scope = self.exchanges.get(member)
+        if scope is not None:
+            scope.cancel()
 
     def abort(self, reason: str) -> None:
         if self.left is None:
@@ -238,13 +253,12 @@ class AllReduceService(AllReduceRunner):
         plans = plan_parts(layout, spans, part_size)
         self._expected.discard(group.group_id)
         left = self._left.pop(group.group_id, None)
+        started = time.perf_counter()
+        round_ = _Round(group, me, layout, plans[me])
         if left is not None:
             peer, sender, reason = left
             if 0 <= sender < len(group.members) and group.members[sender].peer_id == peer:
-                self._finish(group.group_id)
-                raise AllReduceFailed(f"member {sender} ({peer.short()}) left the group: {reason}")
-        started = time.perf_counter()
-        round_ = _Round(group, me, layout, plans[me])
+                round_.leave(sender, f"it left the group: {reason}")
         senders = group.senders
         if mode is not MemberMode.AUX:
             round_.weights[me] = float(weight)
@@ -337,7 +351,8 @@ class AllReduceService(AllReduceRunner):
                         tg.start_soon(tell, member)
 
     async def _serve_leave(self, notice: AvgLeave, ctx: CallContext) -> Message:
-        """A member tells us it left a round: fail the round here (now, or when it starts)."""
+        """A member tells us it left a round: the round goes on without it here (now, or when
+        it starts)."""
         if not 0 < len(notice.group_id) <= 64 or notice.sender < 0:
             raise ValueError("a malformed leave notice")
         reason = notice.reason[:200]
@@ -346,7 +361,7 @@ class AllReduceService(AllReduceRunner):
             members = round_.group.members
             if not notice.sender < len(members) or members[notice.sender].peer_id != ctx.peer_id:
                 raise ValueError("the caller is not the member it claims to be")
-            round_.abort(f"member {notice.sender} ({ctx.peer_id.short()}) left the group: {reason}")
+            round_.leave(notice.sender, f"it left the group: {reason}")
         elif notice.group_id not in self._finished:
             self._left[notice.group_id] = (ctx.peer_id, notice.sender, reason)
             while len(self._left) > _LEFT_MEMORY:
@@ -373,7 +388,7 @@ class AllReduceService(AllReduceRunner):
                         if reducer != me and parts:
                             tg.start_soon(
                                 self._send_to,
-                                group,
+                                round_,
                                 reducer,
                                 parts,
                                 buffers,
@@ -423,7 +438,7 @@ class AllReduceService(AllReduceRunner):
 
     async def _send_to(
         self,
-        group: Group,
+        round_: _Round,
         reducer: int,
         parts: list[Part],
         buffers: Sequence[npt.NDArray[Any]],
@@ -434,20 +449,27 @@ class AllReduceService(AllReduceRunner):
     ) -> None:
         """Send our values of ``reducer``'s parts and apply the means it answers with; if it
         fails or stalls, the rest of its span keeps our local values (and the result says so)."""
+        group = round_.group
         progress = [0]  # parts answered so far
         failures: list[BaseException] = []
-        try:
-            await self._exchange(
-                group, reducer, parts, buffers, weight, alpha, result, weights, progress
-            )
-        except* (SwarmError, OSError, TimeoutError, ValueError) as caught:
-            failures.extend(_leaves(caught))
-        if not failures:
+        if reducer not in round_.gone:
+            with anyio.CancelScope() as scope:  # (cancelled if the reducer leaves)
+                round_.exchanges[reducer] = scope
+                try:
+                    await self._exchange(
+                        group, reducer, parts, buffers, weight, alpha, result, weights, progress
+                    )
+                except* (SwarmError, OSError, TimeoutError, ValueError) as caught:
+                    failures.extend(_leaves(caught))
+        if reducer in round_.gone and progress[0] < len(parts):
+            reason = round_.gone[reducer]
+        elif not failures:
             return
-        exc = failures[0]
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(exc, TimeoutError):
-            reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
+        else:
+            exc = failures[0]
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if isinstance(exc, TimeoutError):
+                reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
         result.local_spans.append((reducer, progress[0], reason))
         logger.warning(
             "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local values: %s",

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from swarmavg import DHT, AllReduceFailed, AveragingStage, DecentralizedAverager, StepHandle
+from swarmavg import DHT, AveragingStage, DecentralizedAverager, StepHandle
 from swarmavg.aio.averager import StepResult
 from swarmavg.sync import TaskHandle
 
@@ -112,9 +112,8 @@ def test_step_handles_wait_for_the_trigger_take_new_weights_and_cancel() -> None
         time.sleep(0.2)
         started = time.monotonic()
         assert handles[2].cancel()
-        for handle in handles[:2]:
-            with pytest.raises(AllReduceFailed, match="left the group"):
-                handle.result(timeout=10)
+        for handle in handles[:2]:  # they go on without it, at once
+            assert handle.result(timeout=10).group_size == 3
         assert time.monotonic() - started < 5  # not the 30 s all-reduce timeout
         assert handles[2].cancelled()
         with pytest.raises(ValueError, match="require_trigger"):
