@@ -466,3 +466,69 @@ async def test_a_reducer_that_never_comes_leaves_its_span_local() -> None:
     # with alpha = 1 the survivors agree on everything that was averaged
     flats = [np.concatenate([b.astype(np.float64) for b in buffers[i]]) for i in range(2)]
     np.testing.assert_array_equal(flats[0][: lost.start], flats[1][: lost.start])
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right(
+    seed: int,
+) -> None:
+    """Members that never come or leave at a random moment: the others finish within the
+    timeouts, and every part a survivor reports as averaged holds the exact mean of the
+    members its reducer says contributed (alpha = 1), the same for every survivor."""
+    rng = np.random.default_rng(seed)
+    fates = ["run"] * 2 + list(rng.choice(["run", "absent", "leave"], size=2))
+    rng.shuffle(fates)
+    part_size = 97
+    async with _nodes(4) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        original = [np.concatenate([b.astype(np.float64) for b in own]) for own in buffers]
+        plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), part_size)
+        services = [AllReduceService.for_node(node) for node in nodes]
+        outcomes: dict[int, AllReduceResult | AllReduceFailed] = {}
+        options = dict(part_size=part_size, timeout=15, sender_timeout=0.5, reducer_timeout=0.5)
+
+        async def run(i: int) -> None:
+            try:
+                outcomes[i] = await services[i].run(group, buffers[i], LAYOUT, **options)
+            except AllReduceFailed as exc:
+                outcomes[i] = exc
+
+        async def leave(i: int, after: float) -> None:
+            with anyio.move_on_after(after):
+                await services[i].run(group, buffers[i], LAYOUT, **options)
+            await services[i].leave(group, "chaos")
+
+        started = anyio.current_time()
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                for i, fate in enumerate(fates):
+                    if fate == "run":
+                        tg.start_soon(run, i)
+                    elif fate == "leave":
+                        tg.start_soon(leave, i, float(rng.uniform(0, 0.02)))
+        assert anyio.current_time() - started < 10
+    starts = [LAYOUT.buffer_start(b) for b in range(len(LAYOUT.buffers))]
+    averaged: dict[tuple[int, int], npt.NDArray[np.float64]] = {}  # (reducer, part) -> values
+    for i, fate in enumerate(fates):
+        if fate != "run" or isinstance(outcomes[i], AllReduceFailed):
+            continue
+        result = outcomes[i]
+        assert isinstance(result, AllReduceResult)
+        flat = np.concatenate([b.astype(np.float64) for b in buffers[i]])
+        local_from = {r: first for r, first, _ in result.local_spans}
+        dropped = {(r, s): first for r, s, first, _ in result.dropped}
+        for reducer, parts in enumerate(plans):
+            for part in parts:
+                lo, hi = starts[part.buffer] + part.start, starts[part.buffer] + part.stop
+                if part.index >= local_from.get(reducer, len(parts)):
+                    np.testing.assert_array_equal(flat[lo:hi], original[i][lo:hi])  # kept
+                    continue
+                senders = [
+                    s for s in range(4) if part.index < dropped.get((reducer, s), len(parts))
+                ]
+                want = np.mean([original[s][lo:hi] for s in senders], axis=0)
+                np.testing.assert_allclose(flat[lo:hi], want, rtol=0, atol=2e-3)
+                if (reducer, part.index) in averaged:  # every survivor got the same
+                    np.testing.assert_array_equal(averaged[reducer, part.index], flat[lo:hi])
+                averaged[reducer, part.index] = flat[lo:hi]
