@@ -19,9 +19,11 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
+import anyio.to_thread
+
 from swarmavg.aio.averager import AveragingStage, StepControl, StepResult
 from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
-from swarmavg.sync import TaskHandle, run_sync
+from swarmavg.sync import TaskHandle, call, run_sync
 from swarmavg.sync._loop import _start_handle
 
 if TYPE_CHECKING:
@@ -38,7 +40,9 @@ class DecentralizedAverager:
     Takes the arguments of :class:`swarmavg.aio.DecentralizedAverager` (``prefix``,
     ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``,
     ``request_timeout``, ``averaging_alpha``, ``part_size_bytes``, ``allreduce_timeout``,
-    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``) and:
+    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``, ``allow_state_sharing``,
+    ``state_sharing_priority``, ``declare_state_period``, ``next_chunk_timeout``,
+    ``max_state_size``) and:
 
     :param dht: a running :class:`swarmavg.DHT`; the averager shares its node.
     :param start: start at once (otherwise :meth:`run_in_background`).
@@ -55,7 +59,7 @@ class DecentralizedAverager:
         self.dht = dht
 
         async def create() -> AsyncAverager:
-            return AsyncAverager(averaged_tensors, dht._dht, **options)
+            return _FacadeAverager(self, averaged_tensors, dht._dht, **options)
 
         self._averager = run_sync(create)
         self._started = False
@@ -101,6 +105,62 @@ class DecentralizedAverager:
 
     def set_group_bits(self, bits: str) -> None:
         self._averager.set_group_bits(bits)
+
+    # -- state sharing ---------------------------------------------------------------------------
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Whether this peer serves its state (:meth:`get_current_state`) to peers that
+        :meth:`load_state_from_peers`; settable (see the async averager's)."""
+        return self._averager.allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        async def set_it() -> None:
+            self._averager.allow_state_sharing = value
+
+        run_sync(set_it)
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Takers try donors with a higher priority first; settable."""
+        return self._averager.state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        async def set_it() -> None:
+            self._averager.state_sharing_priority = value
+
+        run_sync(set_it)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        """What this peer serves: ``(metadata, tensors)``; by default ``(None, copies of the
+        averaged tensors)``, taken under :meth:`get_tensors`'s lock. Override it to share more;
+        it is called in a worker thread (see
+        :meth:`swarmavg.aio.DecentralizedAverager.get_current_state`)."""
+        return None, self._averager._copy_tensors()
+
+    @overload
+    def load_state_from_peers(
+        self, wait: Literal[True] = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | None: ...
+
+    @overload
+    def load_state_from_peers(
+        self, wait: Literal[False], timeout: float | None = None
+    ) -> TaskHandle[tuple[Any, list[torch.Tensor]] | None]: ...
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | TaskHandle[tuple[Any, list[torch.Tensor]] | None] | None:
+        """Download the state of a peer that shares it: ``(metadata, tensors)`` or ``None``
+        (see :meth:`swarmavg.aio.DecentralizedAverager.load_state_from_peers`); with
+        ``wait=False``, a :class:`~swarmavg.sync.TaskHandle` to the download."""
+        if not self._started or self._closed:
+            raise RuntimeError("the averager is not running")
+        return call(self._averager.load_state_from_peers, True, timeout, wait=wait)
+
+    # -- stepping --------------------------------------------------------------------------------
 
     @overload
     def step(
@@ -210,3 +270,18 @@ class StepHandle(TaskHandle[StepResult]):
     def allow_allreduce(self) -> None:
         """Let the step average once its group formed (``require_trigger=True``)."""
         self.control.allow_allreduce()
+
+
+class _FacadeAverager(AsyncAverager):
+    """The facade's async averager: serves the facade's :meth:`get_current_state` (run in a
+    worker thread) when a subclass of the facade overrides it."""
+
+    def __init__(self, facade: DecentralizedAverager, *args: Any, **options: Any) -> None:
+        self._facade = facade
+        super().__init__(*args, **options)
+
+    async def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        facade = self._facade
+        if type(facade).get_current_state is DecentralizedAverager.get_current_state:
+            return await super().get_current_state()
+        return await anyio.to_thread.run_sync(facade.get_current_state)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import logging
 import math
 import threading
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, overload
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import msgpack
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +36,7 @@ from swarmavg._time import get_dht_time
 from swarmavg.abc._averaging import AllReduceRunner, Matchmaker, MemberMode
 from swarmavg.aio.allreduce import AllReduceService
 from swarmavg.aio.matchmaking import DHTMatchmaker
+from swarmavg.aio.state import DEFAULT_MAX_STATE_SIZE, StateLoad, StateSharer, load_state
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
 from swarmavg.proto.matchmaking import next_group_bits, validate_bits
@@ -49,6 +52,7 @@ __all__ = [
     "AveragingStage",
     "DecentralizedAverager",
     "MatchmakingFailed",
+    "StateLoad",
     "StepControl",
     "StepResult",
 ]
@@ -111,6 +115,14 @@ class DecentralizedAverager:
     ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
     (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
 
+    State sharing (:meth:`load_state_from_peers`): ``allow_state_sharing`` (default ``None``: on
+    unless in client mode or auxiliary, as hivemind; a client-mode peer cannot share),
+    ``state_sharing_priority`` (donors are tried highest first), ``declare_state_period``
+    (seconds between declarations in the DHT, each valid for one period),
+    ``next_chunk_timeout`` (a download moves to the next donor when no chunk came in this many
+    seconds; default ``request_timeout``), ``max_state_size`` (bytes; larger states are refused
+    before anything is allocated).
+
     Use as ``async with DecentralizedAverager(tensors, dht, ...) as averager:``; the DHT must be
     running (``async with swarmavg.aio.DHT(...)``) and outlive the averager.
     """
@@ -135,6 +147,11 @@ class DecentralizedAverager:
         client_mode: bool | None = None,
         matchmaker: Matchmaker | None = None,
         allreduce: AllReduceRunner | None = None,
+        allow_state_sharing: bool | None = None,
+        state_sharing_priority: float = 0.0,
+        declare_state_period: float = 30.0,
+        next_chunk_timeout: float | None = None,
+        max_state_size: int = DEFAULT_MAX_STATE_SIZE,
     ) -> None:
         if isinstance(averaged_tensors, Mapping) or not isinstance(averaged_tensors, Sequence):
             raise TypeError("averaged_tensors must be a sequence of tensors")
@@ -189,12 +206,20 @@ class DecentralizedAverager:
         self._live: set[StepControl] = set()  # steps in progress (cancelled at close)
         self._buffers: list[npt.NDArray[Any]] | None = None  # flat copies, one per dtype
         self._closed = False
+        self._init_state_sharing(
+            allow_state_sharing,
+            state_sharing_priority,
+            declare_state_period,
+            next_chunk_timeout,
+            max_state_size,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
         if self.allreduce is None:
             self.allreduce = AllReduceService.for_node(self.dht.node)
+        self._state_sharer.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -207,6 +232,7 @@ class DecentralizedAverager:
             for control in list(self._live):
                 control.cancel()
             self.matchmaker.close()
+            self._state_sharer.stop()
 
     # -- tensors and bits ------------------------------------------------------------------------
 
@@ -264,6 +290,141 @@ class DecentralizedAverager:
             return max(1, self.part_size_bytes // 4)
         quarter_span = max(1, self.layout.numel // (4 * group_size))
         return min(max(1 << (quarter_span - 1).bit_length(), _MIN_PART), _MAX_PART)
+
+    # -- state sharing ---------------------------------------------------------------------------
+
+    def _init_state_sharing(
+        self,
+        allow: bool | None,
+        priority: float,
+        period: float,
+        next_chunk_timeout: float | None,
+        max_state_size: int,
+    ) -> None:
+        if allow is None:
+            allow = self.mode is MemberMode.NODE
+        if not isinstance(allow, bool):
+            raise TypeError(f"allow_state_sharing must be a bool or None, not {allow!r}")
+        if allow and self.mode is MemberMode.CLIENT:
+            raise ValueError("a client-mode averager cannot share its state (it cannot be dialed)")
+        for name, value in (
+            ("declare_state_period", period),
+            (
+                "next_chunk_timeout",
+                self.request_timeout if next_chunk_timeout is None else next_chunk_timeout,
+            ),
+        ):
+            if isinstance(value, bool) or not (
+                isinstance(value, int | float) and value > 0 and math.isfinite(value)
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if isinstance(max_state_size, bool) or not (
+            isinstance(max_state_size, int) and max_state_size >= 0
+        ):
+            raise ValueError(f"max_state_size must be an int >= 0 (bytes), not {max_state_size!r}")
+        self.next_chunk_timeout = float(
+            self.request_timeout if next_chunk_timeout is None else next_chunk_timeout
+        )
+        self.max_state_size = max_state_size
+        self._state_sharer = StateSharer(
+            self.dht,
+            self.prefix,
+            self.get_current_state,
+            enabled=allow,
+            priority=priority,
+            declare_period=float(period),
+        )
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Whether this peer declares itself in the DHT and serves its state
+        (:meth:`get_current_state`) to peers that :meth:`load_state_from_peers`. Settable (on
+        the event loop's thread): turning it off withdraws the declaration."""
+        return self._state_sharer._enabled
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"allow_state_sharing must be a bool, not {value!r}")
+        if value and self.mode is MemberMode.CLIENT:
+            raise ValueError("a client-mode averager cannot share its state (it cannot be dialed)")
+        self._state_sharer.enabled = value
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Takers try donors with a higher priority first. Settable (declared again at once)."""
+        return self._state_sharer.priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._state_sharer.priority = value
+
+    async def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        """What this peer serves to peers that load its state: ``(metadata, tensors)``, metadata
+        anything msgpack serializes, tensors of any shape and of a plain dtype (float, int,
+        bool, complex). Override it to share more (an optimizer's state, a step count).
+
+        By default ``(None, copies of the averaged tensors)`` taken under the
+        :meth:`get_tensors` lock (in a worker thread, so that a training thread holding the
+        lock does not stall the event loop). The tensors returned are sent as they are after
+        this returns: return copies, or tensors that do not change during the transfer (else
+        the checksum fails and the taker moves on to another donor)."""
+        return None, await anyio.to_thread.run_sync(self._copy_tensors)
+
+    def _copy_tensors(self) -> list[torch.Tensor]:
+        with self._lock:
+            return [tensor.detach().to("cpu", copy=True) for tensor in self._tensors]
+
+    @overload
+    async def load_state_from_peers(
+        self, wait: Literal[True] = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | None: ...
+
+    @overload
+    async def load_state_from_peers(
+        self, wait: Literal[False], timeout: float | None = None
+    ) -> StateLoad: ...
+
+    async def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | StateLoad | None:
+        """Download the state of a peer that shares it under our prefix: ``(metadata,
+        tensors)`` (CPU tensors), or ``None`` when no peer shares it, every donor failed or
+        ``timeout`` passed. The averaged tensors are not changed: copy what you need.
+
+        Donors are tried by :attr:`state_sharing_priority`, highest first, never this peer; a
+        donor that fails, sends garbage (checked before allocating, and by checksum) or sends
+        no chunk within ``next_chunk_timeout`` seconds is replaced by the next one.
+
+        :param timeout: seconds for the whole (``None``: each donor is still bounded by its
+            own timeouts).
+        :param wait: ``False`` returns a :class:`~swarmavg.aio.state.StateLoad` at once
+            (``await`` it for the result).
+        """
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout))
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        if self._closed:
+            raise RuntimeError("the averager is closed")
+        if wait:
+            return await self._load_state(timeout)
+        load = StateLoad()
+        scope = self.dht.node.spawn(load._run, functools.partial(self._load_state, timeout))
+        load._canceller = scope.cancel
+        return load
+
+    async def _load_state(self, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
+            return await load_state(
+                self.dht,
+                self.prefix,
+                chunk_timeout=self.next_chunk_timeout,
+                max_bytes=self.max_state_size,
+            )
+        logger.warning("loading the state of %s took over %s s", self.prefix, timeout)
+        return None
 
     # -- stepping --------------------------------------------------------------------------------
 
