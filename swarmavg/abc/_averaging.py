@@ -140,9 +140,12 @@ class AllReduceRunner(ABC):
         averaging_alpha: float = 1.0,
         min_vector_size: int = 0,
         timeout: float | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
     ) -> AllReduceResult:
         """Average this member's ``buffers`` (one per ``layout`` buffer, updated in place) with
-        the rest of ``group``.
+        the rest of ``group``. A sender silent for ``sender_timeout`` or a reducer silent for
+        ``reducer_timeout`` is done without (the result says what stayed local).
 
         :raises swarmavg.errors.AllReduceFailed: the average was not computed.
         """

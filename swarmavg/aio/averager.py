@@ -80,6 +80,17 @@ class StepResult(Mapping["PeerID", Any]):
     bytes_received: int = 0
     matchmaking_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    #: members whose span kept our local values (from some part on), and why: they failed,
+    #: stalled or left
+    local_spans: list[tuple[PeerID, str]] = field(default_factory=list)
+    #: senders left out of (part of) a member's span, and why: ``(reducer, sender, why)``
+    dropped: list[tuple[PeerID, PeerID, str]] = field(default_factory=list)
+
+    @property
+    def incomplete(self) -> bool:
+        """Whether some of the tensors were not averaged over every member (see
+        :attr:`local_spans` and :attr:`dropped`)."""
+        return bool(self.local_spans or self.dropped)
 
     def __getitem__(self, peer: PeerID) -> Any:
         return self.gathered[peer]
@@ -110,8 +121,9 @@ class DecentralizedAverager:
     (the longest a peer waits for its group to fill, not a wait), ``request_timeout``,
     ``averaging_alpha``, ``part_size_bytes`` (default ``None``: chosen from the tensors' size and
     the group's; a number must be the same on every peer), ``allreduce_timeout`` (finite by
-    default), ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the
-    DHT's).
+    default), ``sender_timeout`` and ``reducer_timeout`` (a member silent that long is done
+    without, its part kept local; default a quarter and a half of ``allreduce_timeout``),
+    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the DHT's).
     ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
     (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
 
@@ -141,6 +153,8 @@ class DecentralizedAverager:
         averaging_alpha: float = 1.0,
         part_size_bytes: int | None = None,
         allreduce_timeout: float | None = 60.0,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
         auxiliary: bool = False,
@@ -184,6 +198,21 @@ class DecentralizedAverager:
         self.averaging_alpha = float(averaging_alpha)
         self.part_size_bytes = part_size_bytes
         self.allreduce_timeout = allreduce_timeout
+        for name, bound in (
+            ("sender_timeout", sender_timeout),
+            ("reducer_timeout", reducer_timeout),
+        ):
+            if bound is not None and not (
+                isinstance(bound, int | float) and bound > 0 and math.isfinite(bound)
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds or None")
+        quarter = None if allreduce_timeout is None else allreduce_timeout / 4
+        self.sender_timeout = quarter if sender_timeout is None else float(sender_timeout)
+        self.reducer_timeout = (
+            (None if quarter is None else 2 * quarter)
+            if reducer_timeout is None
+            else float(reducer_timeout)
+        )
         self.min_vector_size = min_vector_size
         client = dht.client_mode if client_mode is None else client_mode
         self.mode = (
@@ -589,6 +618,8 @@ class DecentralizedAverager:
                 averaging_alpha=self.averaging_alpha,
                 min_vector_size=self.min_vector_size,
                 timeout=self.allreduce_timeout,
+                sender_timeout=self.sender_timeout,
+                reducer_timeout=self.reducer_timeout,
             )
         except anyio.get_cancelled_exc_class():
             await self.allreduce.leave(group, "its step was cancelled")
@@ -599,7 +630,22 @@ class DecentralizedAverager:
         me = group.index_of(self.dht.peer_id)
         self._bits = next_group_bits(self._bits, group.group_id, me, len(members))
         finished = time.perf_counter()
+        local_spans = [(members[r].peer_id, why) for r, _, why in outcome.local_spans]
+        dropped = [
+            (members[r].peer_id, members[d].peer_id, why) for r, d, _, why in outcome.dropped
+        ]
+        if local_spans or dropped:
+            logger.warning(
+                "averaged with %d peers, incompletely: %s",
+                len(members),
+                "; ".join(
+                    [f"{p.short()}'s span stayed local ({why})" for p, why in local_spans]
+                    + [f"{d.short()} left out by {r.short()} ({why})" for r, d, why in dropped]
+                ),
+            )
         return StepResult(
+            local_spans=local_spans,
+            dropped=dropped,
             gathered={peer: _unpack_gathered(peer, raw) for peer, raw in info.gathered.items()},
             group_id=group.group_id,
             contributors=[members[i].peer_id for i in outcome.contributors],

@@ -354,3 +354,39 @@ async def test_a_subclass_and_its_base_class_average_together() -> None:
     for averager in (plain, derived):
         with averager.get_tensors() as own:
             assert torch.equal(own[0], torch.full((4,), 0.5))
+
+
+async def test_a_groupmate_that_goes_silent_is_done_without_and_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tensors = [[torch.full((30,), float(i))] for i in range(3)]
+    async with _averagers(
+        tensors,
+        prefix="silent",
+        target_group_size=3,
+        sender_timeout=0.5,
+        reducer_timeout=1.0,
+        allreduce_timeout=30,
+    ) as averagers:
+        controls = [await a.step(wait=False, require_trigger=True, timeout=10) for a in averagers]
+        await _wait_for_stage(controls, AveragingStage.AWAITING_TRIGGER)
+        started = anyio.current_time()
+        controls[0].allow_allreduce()
+        controls[1].allow_allreduce()  # member 2 never comes (and never says so)
+        with anyio.fail_after(10):
+            results = [await control for control in controls[:2]]
+        assert anyio.current_time() - started < 5  # the timeouts, not allreduce_timeout
+        silent = averagers[2].dht.peer_id
+        for result in results:
+            assert result.incomplete
+            assert [peer for peer, _ in result.local_spans] == [silent]
+            assert {sender for _, sender, _ in result.dropped} == {silent}
+        values = []
+        for averager in averagers[:2]:
+            with averager.get_tensors() as own:
+                values.append(own[0].clone())
+        averaged = values[0] == 0.5
+        assert averaged.any()
+        assert torch.equal(averaged, values[1] == 0.5)  # the same parts, for both
+        assert "incompletely" in caplog.text
+        controls[2].cancel()
