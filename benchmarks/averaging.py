@@ -4,6 +4,7 @@ beside torch.distributed gloo and hivemind 1.1.12 measured in the same run.
     python benchmarks/averaging.py [--quick] [--out results.jsonl] [--peers 4,8] [--size S]
                                    [--rounds R] [--no-gloo] [--no-hivemind] [--no-plain]
                                    [--no-encrypted] [--hivemind-python PATH]
+                                   [--faults] [--state]
 
 hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
 ``--hivemind-python`` for another); without one its cells say why they are empty.
@@ -60,6 +61,23 @@ encrypted (N=4 and N=8, S=16 Mi); whole round at N=8 encrypted >= 5x faster than
 group formation >= 4x faster; CPU per round is reported beside gloo's (no target). ratio =
 ours / reference (lower is better for every row).
 
+Issue 7 rows, off unless asked for (add ``--no-gloo --no-hivemind --no-plain --no-encrypted``
+for them alone):
+
+- ``--faults``: on a fresh pool of ``--fault-peers`` (4) processes with ``--fault-size`` (16 Mi)
+  float32 elements each, plain TCP, ``sender_timeout=1``, ``reducer_timeout=2``,
+  ``allreduce_timeout=20``: a warm-up round, a clean round, then a round where the last peer's
+  process is SIGKILLed ``--kill-after`` (0.1) s after every peer's step reached
+  ``RUNNING_ALLREDUCE`` (``step(wait=False)``, stage polled every 2 ms). Rows: the whole round
+  of the survivors; kill -> last survivor done, beside the same moment -> last done in the
+  clean round; all-reduce began -> last done. ``--fault-repeats`` fresh swarms.
+- ``--state``: a taker and k donor processes (k in ``--state-donors``, 1,2,4) on plain TCP, each
+  donor sharing one float32 tensor of ``--state-mb`` (256) MiB; the taker times
+  ``load_state_from_peers()`` ``--state-repeats`` times (MB/s = 10**6 bytes/s). It downloads
+  from one donor at a time (no parallel chunks yet), so more donors only give it more to choose
+  from. Reference: the same bytes over one plain asyncio TCP connection between two processes
+  (``_averaging_bulk.py``), in the same run.
+
 Every pipe wait, call and subprocess has a timeout; peer and rank processes ignore SIGINT and
 are shut down (killed if they do not exit) in ``finally``, also on Ctrl+C and SIGTERM;
 hivemind's process group is killed at the end of its run. ``--out FILE`` writes JSON lines
@@ -85,6 +103,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _averaging_bulk import measure as bulk_reference_seconds
 from _averaging_common import machine_busy_seconds, stats, tree_cpu_seconds
 from _averaging_gloo import rank_main
 from _averaging_peer import peer_main
@@ -326,6 +345,221 @@ def _run_ours_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if pool is not None:
             pool.close()
     return results
+
+
+# -- issue 7: a peer killed mid-all-reduce (--faults), state download (--state) -------------------
+
+
+def _watch_round(
+    peers: list[_PeerHandle], args: argparse.Namespace, victim: int | None
+) -> dict[str, Any]:
+    """One round through ``step_watch``; with ``victim``, that peer's process is SIGKILLed
+    ``--kill-after`` seconds after every peer said its all-reduce began. Figures over the
+    survivors (everyone in a clean round)."""
+    go_at = time.monotonic() + GO_DELAY
+    budget = args.step_timeout + args.request_timeout + args.allreduce_timeout + 30.0
+    seqs = [peer.send("step_watch", go_at, args.step_timeout) for peer in peers]
+    began = []
+    for peer, seq in zip(peers, seqs, strict=True):
+        while True:  # its first message: the all-reduce began (or the step ended)
+            left = go_at + budget - time.monotonic()
+            if left <= 0 or not peer.conn.poll(left):
+                raise TimeoutError(f"{peer.proc.name}: no all-reduce in time")
+            got, status, payload = peer.conn.recv()
+            if got == seq and status == "event":
+                began.append(payload)
+                break
+            if got == seq:
+                raise RuntimeError(f"{peer.proc.name}: step_watch: {payload}")
+    last_began = max(began)
+    moment = last_began + args.kill_after  # the kill, or the same moment of a clean round
+    killed_at = None
+    if victim is not None:
+        time.sleep(max(0.0, moment - time.monotonic()))
+        peers[victim].proc.kill()
+        killed_at = time.monotonic()
+    alive = [i for i in range(len(peers)) if i != victim]
+    answers = {i: peers[i].answer(seqs[i], "step_watch", go_at + budget) for i in alive}
+    errors = [f"peer {i}: {a['error']}" for i, a in answers.items() if "error" in a]
+    ends = [a["end"] for a in answers.values()]
+    out: dict[str, Any] = {
+        "ok": not errors,
+        "errors": errors,
+        "round_s": max(ends) - min(a["start"] for a in answers.values()),
+        "allreduce_wall_s": max(ends) - min(began),
+        "after_moment_s": max(ends) - (killed_at if killed_at is not None else moment),
+        "killed_after_began_s": None if killed_at is None else killed_at - last_began,
+        "incomplete": sum(bool(a.get("incomplete")) for a in answers.values()),
+        "local_spans": [a.get("local_spans") for a in answers.values()],
+        "dropped": [a.get("dropped") for a in answers.values()],
+    }
+    return out
+
+
+def _run_faults(args: argparse.Namespace) -> dict[str, Any]:
+    """``--fault-repeats`` times, on a fresh pool of N processes: a warm-up round, a clean round,
+    then a round where peer N-1 is killed ``--kill-after`` s after all began the all-reduce."""
+    n, size = args.fault_peers, args.fault_size
+    options = {
+        "averaging_expiration": args.averaging_expiration,
+        "request_timeout": args.request_timeout,
+        "allreduce_timeout": args.fault_allreduce_timeout,
+        "sender_timeout": args.sender_timeout,
+        "reducer_timeout": args.reducer_timeout,
+    }
+    clean: list[dict[str, Any]] = []
+    killed: list[dict[str, Any]] = []
+    for repeat in range(args.fault_repeats):
+        pool = _Pool(n)
+        try:
+            peers = pool.peers
+            _, maddrs = peers[0].call("start", [], False)
+            for peer in peers[1:]:
+                peer.call("start", maddrs, False)
+            prefix = f"avgfault_{uuid.uuid4().hex[:8]}"
+            for i, peer in enumerate(peers):
+                peer.call("averager", prefix, n, size, float(i), options)
+            time.sleep(args.settle)
+            _watch_round(peers, args, None)  # warm-up
+            time.sleep(args.gap)
+            clean.append(_watch_round(peers, args, None))
+            time.sleep(args.gap)
+            killed.append(_watch_round(peers, args, n - 1))
+            for name, got in (("clean", clean[-1]), ("killed", killed[-1])):
+                _progress(
+                    f"  faults {repeat} {name}: round {got['round_s']:.3f} s, "
+                    f"{got['after_moment_s']:.3f} s after the (kill) moment, "
+                    f"incomplete {got['incomplete']}, {got['errors'][:2]}"
+                )
+        finally:
+            pool.close()
+    result: dict[str, Any] = {"peers": n, "size": size, "clean": clean, "killed": killed}
+    for key in ("round_s", "allreduce_wall_s", "after_moment_s"):
+        result[f"clean_{key}"] = stats([r[key] for r in clean if r["ok"]])
+        result[f"killed_{key}"] = stats([r[key] for r in killed if r["ok"]])
+    return result
+
+
+def _run_state(args: argparse.Namespace) -> dict[str, Any]:
+    """The raw TCP bulk reference, then for each donor count k: k donor processes sharing a
+    state of ``--state-mb`` MB (one float32 tensor), one taker timing ``load_state_from_peers``
+    ``--state-repeats`` times."""
+    total = args.state_mb * MiB
+    size = total // 4
+    result: dict[str, Any] = {"bytes": total}
+    _progress(f"  raw asyncio TCP bulk, {args.state_mb} MiB ...")
+    result["raw_s"] = stats([bulk_reference_seconds(total) for _ in range(args.state_repeats)])
+    pool = _Pool(max(args.state_donors) + 1)
+    try:
+        taker, donors = pool.peers[0], pool.peers[1:]
+        for k in args.state_donors:
+            _, maddrs = taker.call("start", [], False)
+            for donor in donors[:k]:
+                donor.call("start", maddrs, False)
+            prefix = f"avgstate_{uuid.uuid4().hex[:8]}"
+            taker.call("averager", prefix, 2, 1, 0.0, {"allow_state_sharing": False})
+            for i, donor in enumerate(donors[:k]):
+                donor.call("averager", prefix, 2, size, float(i + 1), {"allow_state_sharing": True})
+            time.sleep(args.settle)
+            loads = []
+            for _ in range(args.state_repeats):
+                got = taker.call("load_state", args.state_timeout, timeout=args.state_timeout + 30)
+                _progress(f"  {k} donor(s): {got}")
+                loads.append(got)
+            result[f"donors_{k}"] = loads
+            good = [g["seconds"] for g in loads if g.get("bytes") == total]
+            result[f"donors_{k}_s"] = stats(good)
+            for peer in [taker, *donors[:k]]:
+                peer.call("stop")
+    finally:
+        pool.close()
+    return result
+
+
+def _mb_per_s(total: int, seconds: Any) -> dict[str, Any] | None:
+    """Seconds (stats) as MB/s (median of the rate = rate of the median; min = the best)."""
+    if not isinstance(seconds, dict) or not seconds.get("n"):
+        return None
+    return {"n": seconds["n"], "median": total / 1e6 / seconds["median"], "min": None}
+
+
+def _issue7_rows(
+    args: argparse.Namespace, faults: dict[str, Any] | None, state: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    rows = []
+    if faults is not None and "error" not in faults:
+        n, size = faults["peers"], faults["size"]
+        setting = f"N={n} S={size // MiB}M plain"
+        rows.append(
+            _row(
+                f"round, peer killed mid-all-reduce (survivors), {setting}",
+                faults["killed_round_s"],
+                "clean",
+                faults["clean_round_s"],
+                None,
+            )
+        )
+        rows.append(
+            _row(
+                f"kill -> last survivor done (clean: same moment -> done), {setting}",
+                faults["killed_after_moment_s"],
+                "clean",
+                faults["clean_after_moment_s"],
+                None,
+            )
+        )
+        rows.append(
+            _row(
+                f"all-reduce began -> last done, peer killed, {setting}",
+                faults["killed_allreduce_wall_s"],
+                "clean",
+                faults["clean_allreduce_wall_s"],
+                None,
+            )
+        )
+    if state is not None and "error" not in state:
+        total = state["bytes"]
+        raw = _mb_per_s(total, state["raw_s"])
+        for k in args.state_donors:
+            row = _row(
+                f"state download {total // MiB} MiB, {k} donor(s) available",
+                _mb_per_s(total, state.get(f"donors_{k}_s")),
+                "raw TCP",
+                raw,
+                None,
+            )
+            row["unit"] = "MB/s"
+            rows.append(row)
+    return rows
+
+
+def _issue7_notes(faults: dict[str, Any] | None, state: dict[str, Any] | None) -> list[str]:
+    notes = []
+    if faults is not None:
+        if "error" in faults:
+            notes.append(f"faults: {faults['error']}")
+        else:
+            for r in faults["killed"]:
+                notes.append(
+                    f"faults: killed {r['killed_after_began_s']:.3f} s after the last peer began "
+                    f"its all-reduce; survivors incomplete {r['incomplete']}/"
+                    f"{len(r['local_spans'])}, local spans {r['local_spans']}, dropped "
+                    f"{r['dropped']}, errors {r['errors'][:2]}"
+                )
+    if state is not None:
+        if "error" in state:
+            notes.append(f"state: {state['error']}")
+        else:
+            notes.append(
+                "state: load_state_from_peers downloads from ONE donor at a time (no parallel "
+                "chunks), so 2 and 4 donors available still download from one; MB/s rows: "
+                "higher is better (ours/ref < 1 is slower than raw TCP)"
+            )
+            for k in (1, 2, 4):
+                for got in state.get(f"donors_{k}", []):
+                    if got.get("bytes") != state["bytes"]:
+                        notes.append(f"state: {k} donor(s): a load failed: {got}")
+    return notes
 
 
 # -- gloo -----------------------------------------------------------------------------------------
@@ -678,6 +912,13 @@ def _parse_peers(text: str) -> list[int]:
     return peers
 
 
+def _parse_peers_any(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("a comma-separated list of counts >= 1")
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S=1 Mi, 2 rounds, 3 gloo iters")
@@ -705,6 +946,20 @@ def main() -> int:
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before the rounds")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between rounds")
+    issue7 = parser.add_argument_group("issue 7 (off unless asked for)")
+    issue7.add_argument("--faults", action="store_true", help="a peer killed mid-all-reduce")
+    issue7.add_argument("--fault-peers", type=int, default=4)
+    issue7.add_argument("--fault-size", type=int, default=16 * MiB, help="float32 elements")
+    issue7.add_argument("--fault-repeats", type=int, default=1, help="fresh swarms, one kill each")
+    issue7.add_argument("--kill-after", type=float, default=0.1, help="s after all began")
+    issue7.add_argument("--sender-timeout", type=float, default=1.0)
+    issue7.add_argument("--reducer-timeout", type=float, default=2.0)
+    issue7.add_argument("--fault-allreduce-timeout", type=float, default=20.0)
+    issue7.add_argument("--state", action="store_true", help="state download MB/s")
+    issue7.add_argument("--state-mb", type=int, default=256, help="MiB of state")
+    issue7.add_argument("--state-donors", type=_parse_peers_any, default=[1, 2, 4])
+    issue7.add_argument("--state-repeats", type=int, default=2)
+    issue7.add_argument("--state-timeout", type=float, default=120.0)
     args = parser.parse_args()
     if args.size is None:
         args.size = MiB if args.quick else 16 * MiB
@@ -727,6 +982,19 @@ def main() -> int:
     try:
         gloo = _run_gloo_all(args) if args.gloo else {}
         ours = _run_ours_all(args) if args.plain or args.encrypted else {}
+        faults = state = None
+        if args.faults:
+            _progress(f"running faults N={args.fault_peers} S={args.fault_size} ...")
+            try:
+                faults = _run_faults(args)
+            except Exception as exc:
+                faults = {"error": _error(exc)}
+        if args.state:
+            _progress(f"running state download {args.state_mb} MiB ...")
+            try:
+                state = _run_state(args)
+            except Exception as exc:
+                state = {"error": _error(exc)}
         hivemind = None
         if args.hivemind:
             _progress(f"running hivemind N={args.hivemind_peers} ({args.hivemind_python}) ...")
@@ -737,8 +1005,10 @@ def main() -> int:
     except KeyboardInterrupt:  # every process was shut down on the way out
         _progress("interrupted")
         return 130
-    rows = _rows(args, ours, gloo, hivemind)
-    notes = _notes(args, ours, gloo, hivemind)
+    rows = _rows(args, ours, gloo, hivemind) + _issue7_rows(args, faults, state)
+    main_table = args.gloo or args.hivemind or args.plain or args.encrypted
+    notes = _notes(args, ours, gloo, hivemind) if main_table else []
+    notes += _issue7_notes(faults, state)
     notes.append(f"the whole run took {time.time() - started:.0f} s")
     _print_table(rows, notes)
     if args.out:
@@ -755,6 +1025,10 @@ def main() -> int:
         lines += [{"kind": "raw", "run": f"swarmavg-{k}", **got} for k, got in ours.items()]
         if hivemind is not None:
             lines.append({"kind": "raw", "run": "hivemind", **hivemind})
+        if faults is not None:
+            lines.append({"kind": "raw", "run": "faults", **faults})
+        if state is not None:
+            lines.append({"kind": "raw", "run": "state", **state})
         args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return 0
 

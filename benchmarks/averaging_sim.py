@@ -3,6 +3,9 @@ event loop, no real time).
 
     python benchmarks/averaging_sim.py [--peers 1024] [--group-size 2] [--size 256]
                                        [--part-size 64] [--bandwidths equal|random] [--seed 0]
+    python benchmarks/averaging_sim.py --random-bits [--bits 6,8,12] [--peers 1024]
+                                       [--group-size 16] [--size 64] [--max-rounds 6]
+                                       [--tolerance 1e-3] [--seed 0]
 
 What runs is the library's own arithmetic, only the I/O is left out:
 
@@ -24,6 +27,20 @@ The script checks that (and that every round keeps the mean and forms only full 
 prints, per round: the groups formed, the spread (max - min over peers and elements), and the
 values the busiest member sent and received (what bounds a real round's time). It exits with
 status 1 if a check fails.
+
+``--random-bits`` (the issue's scale test): no grid. Every peer starts with ``--bits`` random
+group bits (a comma-separated list runs each length in turn). Each round the peers with equal
+bits form groups: a set larger than ``--group-size`` is shuffled (seeded) and cut into groups of
+``--group-size`` in that order, what is left forming one smaller group (a leftover of one peer
+averages alone); members are ordered by PeerID, each group's mean is computed exactly (float64
+numpy mean, no parts) and written back, and every member moves on with
+``next_group_bits(bits, group_id, index, len(group))``. Per round it prints the groups, their
+sizes, and the largest distance of any peer's value to the global mean relative to the initial
+one (max over peers and elements of ``|x - mean|``, divided by its value before round 1). A bit
+length passes when that is at most ``--tolerance`` within ``--max-rounds`` rounds; the script
+exits with status 1 unless every length passes. A real deployment would take about
+``log2(N / group_size)`` bits (one key per full group: 6 for 1024 peers in 16s), i.e. two or
+three rounds' worth of 4-bit moves (``log_16 1024 = 2.5``: 8 or 12 bits).
 """
 
 from __future__ import annotations
@@ -192,6 +209,107 @@ def check(stats: list[RoundStats], peers: int, group_size: int) -> list[str]:
     return problems
 
 
+@dataclass
+class RandomRound:
+    groups: int
+    sizes: list[int]
+    alone: int
+    relative_distance: float
+    mean_error: float
+
+
+def run_random(
+    peers: int, group_size: int, bits: int, size: int, max_rounds: int, tolerance: float, seed: int
+) -> list[RandomRound]:
+    """Moshpit from random initial bits of length ``bits`` (see the module doc); stops early
+    once the relative distance is within ``tolerance``."""
+    rng = random.Random(seed)
+    ids = [PeerID.from_public_key(rng.randbytes(32)) for _ in range(peers)]
+    order = sorted(range(peers), key=lambda i: ids[i].to_bytes())  # (index within a group)
+    rank = {peer: position for position, peer in enumerate(order)}
+    peer_bits = [format(rng.getrandbits(bits), f"0{bits}b") if bits else "" for _ in ids]
+    values = np.random.default_rng(rng.getrandbits(64)).standard_normal((peers, size))
+    target = values.mean(axis=0)
+    initial = float(np.abs(values - target).max())
+    stats = []
+    for _ in range(max_rounds):
+        by_key: dict[str, list[int]] = {}
+        for i in range(peers):
+            by_key.setdefault(group_key(PREFIX, peer_bits[i]), []).append(i)
+        groups: list[list[int]] = []
+        for key in sorted(by_key):
+            members = by_key[key]
+            rng.shuffle(members)
+            groups.extend(members[k : k + group_size] for k in range(0, len(members), group_size))
+        for members in groups:
+            members.sort(key=rank.__getitem__)
+            values[members] = values[members].mean(axis=0)
+            group_id = rng.randbytes(16)
+            for index, i in enumerate(members):
+                peer_bits[i] = next_group_bits(peer_bits[i], group_id, index, len(members))
+        sizes = sorted(len(m) for m in groups)
+        stats.append(
+            RandomRound(
+                groups=len(groups),
+                sizes=sizes,
+                alone=sizes.count(1),
+                relative_distance=float(np.abs(values - target).max()) / initial,
+                mean_error=float(np.abs(values.mean(axis=0) - target).max()),
+            )
+        )
+        if stats[-1].relative_distance <= tolerance:
+            break
+    return stats
+
+
+def main_random(args: argparse.Namespace) -> int:
+    lengths = [int(x) for x in args.bits.split(",") if x.strip()]
+    print(
+        f"{args.peers} peers, groups of up to {args.group_size} from random initial bits"
+        f" ({', '.join(map(str, lengths))} bits), {args.size} float64 values each; goal:"
+        f" max |x - mean| <= {args.tolerance:g} x its initial value within {args.max_rounds}"
+        " rounds"
+    )
+    failed = []
+    for bits in lengths:
+        started = time.perf_counter()
+        stats = run_random(
+            args.peers,
+            args.group_size,
+            bits,
+            args.size,
+            args.max_rounds,
+            args.tolerance,
+            args.seed,
+        )
+        elapsed = time.perf_counter() - started
+        print(f"-- {bits} bits ({1 << bits} keys)")
+        print(
+            f"{'round':>5} {'groups':>7} {'alone':>6} {'sizes (min/median/max)':>23}"
+            f" {'rel. distance':>13} {'mean moved':>10}"
+        )
+        for number, round_ in enumerate(stats, 1):
+            sizes = round_.sizes
+            spread = f"{sizes[0]}/{sizes[len(sizes) // 2]}/{sizes[-1]}"
+            print(
+                f"{number:>5} {round_.groups:>7} {round_.alone:>6} {spread:>23}"
+                f" {round_.relative_distance:>13.2e} {round_.mean_error:>10.1e}"
+            )
+        reached = stats[-1].relative_distance <= args.tolerance
+        moved = max(r.mean_error for r in stats)
+        if reached and moved <= 1e-9:
+            print(f"within {args.tolerance:g} after {len(stats)} rounds ({elapsed:.2f} s)")
+        else:
+            failed.append(bits)
+            why = (
+                f"the mean moved by {moved:.2e}"
+                if reached
+                else f"{stats[-1].relative_distance:.2e} after {len(stats)} rounds"
+            )
+            print(f"FAILED with {bits} bits: {why}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=1024, help="N (a power of --group-size)")
@@ -200,7 +318,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part-size", type=int, default=64, help="elements per part")
     parser.add_argument("--bandwidths", choices=["equal", "random"], default="random")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--random-bits", action="store_true", help="the scale test: random initial bits"
+    )
+    parser.add_argument("--bits", default="2,3", help="--random-bits: bit lengths to try")
+    parser.add_argument("--max-rounds", type=int, default=6, help="--random-bits: round limit")
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="--random-bits: goal")
     args = parser.parse_args(argv)
+    if args.random_bits:
+        if argv is None and "--group-size" not in sys.argv:
+            args.group_size = 16
+        if args.group_size < 2 or args.peers < 2 or args.size < 1 or args.max_rounds < 1:
+            parser.error("--group-size and --peers must be >= 2, --size and --max-rounds >= 1")
+        return main_random(args)
     try:
         rounds = grid_dimensions(args.peers, args.group_size)
     except ValueError as exc:

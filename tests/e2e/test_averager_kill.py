@@ -1,0 +1,183 @@
+"""A peer SIGKILLed in the middle of an all-reduce, with real processes over TCP on 127.0.0.1:
+four peer processes (``_kill_peer.py``, the sync facade ``swarmavg.DHT`` +
+``swarmavg.DecentralizedAverager``, driven by JSON lines) step together with
+``sender_timeout=1``, ``reducer_timeout=2``; one is killed ~0.1 s after all four report that
+their all-reduce began. The three survivors must finish soon after, each with a result that is
+incomplete and names the dead peer (or complete, if the dead peer's part was done), and any two
+of them must hold exactly the same values wherever neither kept its own.
+
+Peer ``i``'s tensor is all ``10**i``: the mean of any two or more of them is none of those, so
+an element a survivor kept local is exactly one that still holds its own value."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+PEER = Path(__file__).with_name("_kill_peer.py")
+PEERS = 4
+SIZE = 8 << 20  # float32 elements: a round of ~0.5 s or more on loopback
+STEP_TIMEOUT = 15.0
+FINISH_WITHIN = 10.0  # survivors done this long after the kill
+OPTIONS = {
+    "sender_timeout": 1.0,
+    "reducer_timeout": 2.0,
+    "allreduce_timeout": 20.0,
+    "request_timeout": 3.0,
+    "averaging_expiration": 5.0,
+}
+
+
+class _Proc:
+    """A peer process and a thread that reads its JSON lines into a queue."""
+
+    def __init__(self, index: int, log: Path) -> None:
+        self.index = index
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def send(self, **request: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, event: str, deadline: float) -> dict[str, Any]:
+        while True:
+            try:
+                got = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"peer {self.index}: no {event!r} in time") from None
+            if got is None:
+                raise RuntimeError(f"peer {self.index} exited (code {self.proc.poll()})")
+            if got.get("event") == event:
+                return got
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._log.close()
+
+
+def _run(tmp_path: Path, victim: int, kill_after: float) -> None:
+    procs: list[_Proc] = []
+    try:
+        procs = [_Proc(i, tmp_path / f"peer{i}.log") for i in range(PEERS)]
+        deadline = time.monotonic() + 90
+        prefix = f"kill_{uuid.uuid4().hex[:8]}"
+        ids: list[str] = []
+        seeds: list[str] = []
+        for i, proc in enumerate(procs):
+            proc.send(
+                op="start",
+                initial_peers=seeds,
+                size=SIZE,
+                value=10.0**i,
+                prefix=prefix,
+                group_size=PEERS,
+                options=OPTIONS,
+            )
+            started = proc.expect("started", deadline)
+            ids.append(started["peer_id"])
+            if not seeds:
+                seeds = started["maddrs"]
+        for i, proc in enumerate(procs):
+            proc.send(op="step", timeout=STEP_TIMEOUT, out=str(tmp_path / f"peer{i}.npy"))
+        deadline = time.monotonic() + STEP_TIMEOUT + 10
+        for proc in procs:
+            proc.expect("stepping", deadline)
+        time.sleep(kill_after)
+        procs[victim].proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        procs[victim].proc.wait(timeout=10)
+        survivors = [i for i in range(PEERS) if i != victim]
+        results = {}
+        for i in survivors:
+            results[i] = procs[i].expect("result", killed_at + FINISH_WITHIN + 5)
+        dead = ids[victim]
+        for i, got in results.items():
+            assert "error" not in got, f"peer {i}: {got['error']}"
+            assert got["t"] - killed_at < FINISH_WITHIN, f"peer {i} took {got['t'] - killed_at}"
+            assert sorted(got["group"]) == sorted(ids)
+            named = {p for p, _ in got["local_spans"]} | {s for _, s, _ in got["dropped"]}
+            if got["incomplete"]:
+                assert dead in named, f"peer {i}: {got['local_spans']} {got['dropped']}"
+                # nobody else is blamed: only the dead peer failed
+                assert {p for p, _ in got["local_spans"]} <= {dead}, got["local_spans"]
+                assert {s for _, s, _ in got["dropped"]} <= {dead}, got["dropped"]
+        values = {i: 10.0**i for i in range(PEERS)}
+        everyone = np.float32(sum(values.values()) / PEERS)
+        without = np.float32(sum(v for i, v in values.items() if i != victim) / (PEERS - 1))
+        tensors = {i: np.load(tmp_path / f"peer{i}.npy") for i in survivors}
+        kept = {}
+        for i, tensor in tensors.items():
+            assert tensor.shape == (SIZE,)
+            kept[i] = tensor == np.float32(values[i])
+            averaged = (tensor == everyone) | (tensor == without)
+            assert (kept[i] | averaged).all(), f"peer {i}: values that are no mean of the group"
+            if kept[i].any():
+                assert results[i]["incomplete"], f"peer {i}"
+                assert results[i]["local_spans"], f"peer {i}"
+            if not results[i]["incomplete"]:
+                assert (tensor == everyone).all(), f"peer {i}: complete but not the mean"
+        for a in survivors:
+            for b in survivors:
+                if a < b:
+                    both = ~kept[a] & ~kept[b]
+                    assert np.array_equal(tensors[a][both], tensors[b][both]), (a, b)
+        print(
+            f"victim {victim} killed {kill_after} s in:",
+            {
+                i: (
+                    f"{got['t'] - killed_at:.2f} s after the kill, incomplete={got['incomplete']},"
+                    f" kept local {kept[i].mean():.0%}"
+                )
+                for i, got in results.items()
+            },
+        )
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("victim", "kill_after"),
+    [
+        pytest.param(3, 0.1, id="last-peer"),
+        pytest.param(0, 0.1, id="bootstrap-peer"),
+        pytest.param(1, 0.3, id="later-kill"),
+    ],
+)
+def test_survivors_finish_and_agree(tmp_path: Path, victim: int, kill_after: float) -> None:
+    _run(tmp_path, victim, kill_after)
