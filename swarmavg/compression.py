@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from typing import Any, ClassVar, Final, TypeAlias
 
 import numpy as np
@@ -861,6 +861,12 @@ class ErrorFeedback:
             self._residuals.clear()
         else:
             self._residuals.pop(key, None)
+
+    def retain(self, keys: Collection[Hashable]) -> None:
+        """Forget the residuals of every key not in ``keys`` (e.g. the tensors were split
+        differently this time)."""
+        for key in [k for k in self._residuals if k not in keys]:
+            del self._residuals[key]
 
 
 # --------------------------------------------------------------------------------------------

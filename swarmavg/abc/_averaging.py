@@ -13,6 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from swarmavg.compression import (
+    AdaptiveCompression,
+    CompressionBase,
+    ErrorFeedback,
+    NoCompression,
+    TensorInfo,
+)
 from swarmavg.proto.allreduce import FlatLayout, load_balance
 
 if TYPE_CHECKING:
@@ -125,6 +132,9 @@ class Matchmaker(ABC):
         """Stop taking part (serving other peers' requests). Idempotent."""
 
 
+_NO_COMPRESSION = NoCompression()
+
+
 class AllReduceRunner(ABC):
     """Averages flat buffers over a group."""
 
@@ -142,10 +152,18 @@ class AllReduceRunner(ABC):
         timeout: float | None = None,
         sender_timeout: float | None = None,
         reducer_timeout: float | None = None,
+        compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
+        tensor_infos: Sequence[TensorInfo] | None = None,
+        error_feedback: ErrorFeedback | None = None,
     ) -> AllReduceResult:
         """Average this member's ``buffers`` (one per ``layout`` buffer, updated in place) with
         the rest of ``group``. A sender silent for ``sender_timeout`` or a reducer silent for
         ``reducer_timeout`` is done without (the result says what stayed local).
+
+        ``compression`` (a codec, or a chooser given one ``tensor_infos`` entry per tensor of
+        ``layout``) compresses what travels; ``error_feedback`` (kept by the caller from round
+        to round) carries what it lost to the next round. (The averager passes these three
+        only when it compresses, so runners written without them keep working uncompressed.)
 
         :raises swarmavg.errors.AllReduceFailed: the average was not computed.
         """

@@ -11,23 +11,42 @@ the member's flat buffers in place (``local += alpha · (mean - local)``).
 One :class:`AllReduceService` serves a node: it routes incoming calls to the round (group id)
 they belong to; a call that arrives before its round started waits for it (bounded).
 
-A member that leaves (its step was cancelled) tells the others (``avg.leave``), and their round
-fails at once with :class:`~swarmavg.errors.AllReduceFailed` naming it. A member that fails,
-stalls or sends garbage makes the round fail too (recovering from faults comes later).
+Compression (``compression=``, a codec or a per-tensor chooser with ``tensor_infos=``): every
+part has one codec, the one chosen for the tensor that holds most of the part's elements (the
+first such tensor on a tie; a part is a slice of a flat per-dtype buffer and may span several
+tensors). A sender compresses its values of a part, the reducer compresses the part's mean once
+and sends that to every sender, and applies to its own buffer what that decodes to, so that
+every member ends with the same values. The codec name travels with each part
+(:class:`AvgCompressedPart`; :class:`NoCompression` parts stay plain :class:`AvgPart`), and
+receivers decode whatever codec was sent, after checking the declared shape and dtype against
+the part (a sender whose part fails the checks is left out). Big parts are (de)compressed in a
+worker thread. With ``error_feedback=`` (a :class:`~swarmavg.compression.ErrorFeedback`, kept
+from round to round by the caller), what compression lost is added to the values sent next
+time (both a sender's values and a reducer's means; keyed by the part's place in its buffer).
+
+Faults: a sender that fails, sends bad values or stalls (``sender_timeout``) is left out of the
+parts it had not delivered, and the other senders are told (:class:`AvgDropped`); a reducer that
+fails or stalls (``reducer_timeout``) leaves the rest of its span at local values; a member that
+leaves (its step was cancelled) tells the others (``avg.leave``), who go on without it at once.
+The result says what stayed local and who was left out (``incomplete``).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 import math
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
+import anyio.abc
+import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
@@ -38,10 +57,20 @@ from swarmavg.abc._averaging import (
     GroupMember,
     MemberMode,
 )
+from swarmavg.compression import (
+    AdaptiveCompression,
+    CompressedTensor,
+    CompressionBase,
+    ErrorFeedback,
+    NoCompression,
+    TensorInfo,
+    decompress,
+)
 from swarmavg.errors import AllReduceFailed, SwarmError
 from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, plan_parts
 from swarmavg.proto.averaging_messages import (
     AvgBegin,
+    AvgCompressedPart,
     AvgDropped,
     AvgKeep,
     AvgLeave,
@@ -81,6 +110,9 @@ _LEFT_MEMORY: Final = 256
 _MAX_PENDING_ROUNDS: Final = 64
 #: Finished rounds remembered, so that late calls for them fail at once.
 _FINISHED_MEMORY: Final = 256
+#: Parts bigger than this (bytes) are compressed and decompressed in a worker thread.
+_THREAD_THRESHOLD: Final = 1 << 20
+_NO_COMPRESSION: Final = NoCompression()
 
 
 @dataclass
@@ -106,6 +138,14 @@ class _Round:
     #: why the round was aborted (this member left it), if it was
     left: str | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    #: the codec of each of our parts (the means we answer are compressed with it)
+    codecs: list[CompressionBase] = field(default_factory=list)
+    feedback: ErrorFeedback | None = None
+    #: each part's answer once ready (``None``: the plain mean in ``results``, or keep)
+    answers: list[AvgCompressedPart | None] = field(default_factory=list)
+    settling: list[bool] = field(default_factory=list)
+    #: where big means are compressed (while the round's tasks run)
+    tasks: anyio.abc.TaskGroup | None = None
 
     def __post_init__(self) -> None:
         senders = self.group.senders
@@ -124,16 +164,60 @@ class _Round:
             self.reducers.append(PartReducer(part.size, dtype, senders, out=out))
             self.ready.append(anyio.Event())
             self.results.append(None)
+            self.answers.append(None)
+            self.settling.append(False)
+        if not self.codecs:
+            self.codecs = [_NO_COMPRESSION] * len(self.parts)
 
     def _settle(self, index: int) -> None:
         reducer = self.reducers[index]
-        if reducer.done and not self.ready[index].is_set():
+        if reducer.done and not self.settling[index]:
+            self.settling[index] = True
             mean = reducer.result()
-            dtype = self.layout.buffers[self.parts[index].buffer][0]
-            self.results[index] = (
-                None if mean is None else mean.astype(_numpy_dtype(dtype), copy=False)
-            )
-            self.ready[index].set()
+            part = self.parts[index]
+            dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
+            codec = self.codecs[index]
+            if mean is None or isinstance(codec, NoCompression):
+                self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
+                self.ready[index].set()
+                return
+            mean = mean.astype(dtype, copy=False)
+            if self.tasks is not None and mean.nbytes > _THREAD_THRESHOLD:
+                self.tasks.start_soon(self._settle_compressed, index, mean, codec)
+            else:
+                self._answer_with(index, mean, *self._compress_mean(index, mean, codec))
+
+    def _compress_mean(
+        self, index: int, mean: npt.NDArray[Any], codec: CompressionBase
+    ) -> tuple[CompressedTensor | None, npt.NDArray[Any] | None]:
+        """The mean compressed and what that decodes to (``None, None``: it cannot be
+        compressed, e.g. float64 magnitudes beyond float32's; it is sent as it is)."""
+        part = self.parts[index]
+        key = ("mean", part.buffer, part.start, part.stop)
+        tensor = _compress(codec, mean, self.feedback, key)
+        if tensor is None:
+            return None, None
+        return tensor, decompress(tensor)
+
+    async def _settle_compressed(
+        self, index: int, mean: npt.NDArray[Any], codec: CompressionBase
+    ) -> None:
+        tensor, decoded = await anyio.to_thread.run_sync(self._compress_mean, index, mean, codec)
+        self._answer_with(index, mean, tensor, decoded)
+
+    def _answer_with(
+        self,
+        index: int,
+        mean: npt.NDArray[Any],
+        tensor: CompressedTensor | None,
+        decoded: npt.NDArray[Any] | None,
+    ) -> None:
+        if tensor is None or decoded is None:
+            self.results[index] = mean
+        else:  # we apply what the senders will decode: every member ends with the same values
+            self.answers[index] = AvgCompressedPart.of(index, tensor)
+            self.results[index] = decoded
+        self.ready[index].set()
 
     def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:
         self.reducers[index].add(sender, values, self.weights[sender])
@@ -184,6 +268,94 @@ def _numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(np.float32 if name == "bfloat16" else name)
 
 
+def _compress(
+    codec: CompressionBase,
+    values: npt.NDArray[Any],
+    feedback: ErrorFeedback | None,
+    key: Hashable,
+) -> CompressedTensor | None:
+    """``values`` compressed (plus the residual under ``key``), or ``None`` where ``codec``
+    cannot compress them (float64 magnitudes beyond float32's: sent as they are)."""
+    try:
+        if feedback is None:
+            return codec.compress(values)
+        return feedback.compress(codec, values, key)
+    except ValueError:
+        return None
+
+
+async def _in_thread_if_big(nbytes: int, fn: Callable[[], Any]) -> Any:
+    """``fn()``, in a worker thread if ``nbytes`` is big (numpy releases the GIL)."""
+    if nbytes > _THREAD_THRESHOLD:
+        return await anyio.to_thread.run_sync(fn)
+    return fn()
+
+
+async def _decode_part(
+    message: AvgCompressedPart, size: int, dtype: np.dtype[Any]
+) -> npt.NDArray[Any]:
+    """The values of a compressed part from the network: its declared shape and dtype must
+    be the part's (checked before anything is decoded), the rest is checked by
+    :meth:`AvgCompressedPart.tensor`. :class:`ValueError` if anything is off."""
+    if message.shape != [size]:
+        raise ValueError(
+            f"part {message.index} is declared as shape {message.shape[:4]}, not [{size}]"
+        )
+    if message.dtype != dtype.name:
+        raise ValueError(f"part {message.index} is declared {message.dtype[:16]}, not {dtype}")
+    decoded: npt.NDArray[Any] = await _in_thread_if_big(
+        size * dtype.itemsize, lambda: decompress(message.tensor())
+    )
+    return decoded
+
+
+def part_codecs(
+    layout: FlatLayout,
+    parts: Sequence[Part],
+    compression: CompressionBase | AdaptiveCompression,
+    tensor_infos: Sequence[TensorInfo] | None = None,
+) -> list[CompressionBase]:
+    """The codec of each part: ``compression`` itself, or what an adaptive ``compression``
+    chooses for the tensor that holds most of the part's elements (the first one on a tie),
+    described by its ``tensor_infos`` entry (default: role ``unspecified``, its size)."""
+    if isinstance(compression, CompressionBase):
+        return [compression] * len(parts)
+    infos = _tensor_infos(layout, tensor_infos)
+    offsets: dict[int, list[int]] = {}
+    tensors: dict[int, list[int]] = {}
+    for t, (buffer, offset) in enumerate(layout.places):
+        offsets.setdefault(buffer, []).append(offset)
+        tensors.setdefault(buffer, []).append(t)
+    chosen: dict[int, CompressionBase] = {}
+    codecs = []
+    for part in parts:
+        starts, ids = offsets[part.buffer], tensors[part.buffer]
+        i = max(bisect.bisect_right(starts, part.start) - 1, 0)
+        best, most = ids[i], -1
+        while i < len(starts) and starts[i] < part.stop:
+            t = ids[i]
+            overlap = min(part.stop, starts[i] + layout.specs[t].numel) - max(part.start, starts[i])
+            if overlap > most:
+                best, most = t, overlap
+            i += 1
+        if best not in chosen:
+            chosen[best] = compression.choose(infos[best])
+        codecs.append(chosen[best])
+    return codecs
+
+
+def _tensor_infos(
+    layout: FlatLayout, tensor_infos: Sequence[TensorInfo] | None
+) -> Sequence[TensorInfo]:
+    if tensor_infos is None:
+        return [TensorInfo(size=spec.numel) for spec in layout.specs]
+    if len(tensor_infos) != len(layout.specs) or not all(
+        isinstance(info, TensorInfo) for info in tensor_infos
+    ):
+        raise ValueError(f"tensor_infos must hold one TensorInfo per tensor ({len(layout.specs)})")
+    return tensor_infos
+
+
 _services: weakref.WeakKeyDictionary[Node, AllReduceService] = weakref.WeakKeyDictionary()
 
 
@@ -226,9 +398,16 @@ class AllReduceService(AllReduceRunner):
         timeout: float | None = None,
         sender_timeout: float | None = None,
         reducer_timeout: float | None = None,
+        compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
+        tensor_infos: Sequence[TensorInfo] | None = None,
+        error_feedback: ErrorFeedback | None = None,
     ) -> AllReduceResult:
         """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
         place) with the rest of ``group``.
+
+        Parts are compressed with ``compression`` (a codec, or a chooser given each tensor's
+        ``tensor_infos`` entry: see :func:`part_codecs`); ``error_feedback`` keeps what
+        compression lost for the next round (see the module docstring).
 
         A sender that fails, sends bad values, or stalls for ``sender_timeout`` seconds (or has
         not begun by then) is left out of the parts of our span it had not delivered; a reducer
@@ -249,12 +428,26 @@ class AllReduceService(AllReduceRunner):
             for (dtype, size), buffer in zip(layout.buffers, buffers, strict=True):
                 if buffer.shape != (size,) or buffer.dtype != _numpy_dtype(dtype):
                     raise ValueError(f"a buffer of {size} {dtype} expected, got {buffer.dtype}")
+        if not isinstance(compression, CompressionBase | AdaptiveCompression):
+            raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
+        _tensor_infos(layout, tensor_infos)
         spans = group.span_sizes(layout.numel, min_vector_size)
         plans = plan_parts(layout, spans, part_size)
+        codecs = [part_codecs(layout, parts, compression, tensor_infos) for parts in plans]
+        if error_feedback is not None:
+            error_feedback.retain(
+                {
+                    ("send", p.buffer, p.start, p.stop)
+                    for r, ps in enumerate(plans)
+                    if r != me
+                    for p in ps
+                }
+                | {("mean", p.buffer, p.start, p.stop) for p in plans[me]}
+            )
         self._expected.discard(group.group_id)
         left = self._left.pop(group.group_id, None)
         started = time.perf_counter()
-        round_ = _Round(group, me, layout, plans[me])
+        round_ = _Round(group, me, layout, plans[me], codecs=codecs[me], feedback=error_feedback)
         if left is not None:
             peer, sender, reason = left
             if 0 <= sender < len(group.members) and group.members[sender].peer_id == peer:
@@ -273,7 +466,7 @@ class AllReduceService(AllReduceRunner):
         try:
             with anyio.fail_after(timeout), round_.scope:
                 await self._run_tasks(
-                    group, round_, plans, buffers, weight, averaging_alpha, result, weights
+                    group, round_, plans, codecs, buffers, weight, averaging_alpha, result, weights
                 )
         except TimeoutError:
             raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
@@ -373,6 +566,7 @@ class AllReduceService(AllReduceRunner):
         group: Group,
         round_: _Round,
         plans: list[list[Part]],
+        codecs: list[list[CompressionBase]],
         buffers: Sequence[npt.NDArray[Any]],
         weight: float,
         alpha: float,
@@ -383,6 +577,7 @@ class AllReduceService(AllReduceRunner):
         sending = group.members[me].mode is not MemberMode.AUX
         try:
             async with anyio.create_task_group() as tg:
+                round_.tasks = tg
                 if sending:
                     for reducer, parts in enumerate(plans):
                         if reducer != me and parts:
@@ -391,6 +586,7 @@ class AllReduceService(AllReduceRunner):
                                 round_,
                                 reducer,
                                 parts,
+                                codecs[reducer],
                                 buffers,
                                 weight,
                                 alpha,
@@ -401,6 +597,8 @@ class AllReduceService(AllReduceRunner):
         except* (SwarmError, OSError, ValueError) as failures:
             reasons = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(failures))
             raise AllReduceFailed(f"the all-reduce failed: {reasons}") from None
+        finally:
+            round_.tasks = None
 
     async def _reduce_own(
         self,
@@ -441,6 +639,7 @@ class AllReduceService(AllReduceRunner):
         round_: _Round,
         reducer: int,
         parts: list[Part],
+        codecs: list[CompressionBase],
         buffers: Sequence[npt.NDArray[Any]],
         weight: float,
         alpha: float,
@@ -457,7 +656,16 @@ class AllReduceService(AllReduceRunner):
                 round_.exchanges[reducer] = scope
                 try:
                     await self._exchange(
-                        group, reducer, parts, buffers, weight, alpha, result, weights, progress
+                        round_,
+                        reducer,
+                        parts,
+                        codecs,
+                        buffers,
+                        weight,
+                        alpha,
+                        result,
+                        weights,
+                        progress,
                     )
                 except* (SwarmError, OSError, TimeoutError, ValueError) as caught:
                     failures.extend(_leaves(caught))
@@ -482,9 +690,10 @@ class AllReduceService(AllReduceRunner):
 
     async def _exchange(
         self,
-        group: Group,
+        round_: _Round,
         reducer: int,
         parts: list[Part],
+        codecs: list[CompressionBase],
         buffers: Sequence[npt.NDArray[Any]],
         weight: float,
         alpha: float,
@@ -492,6 +701,7 @@ class AllReduceService(AllReduceRunner):
         weights: dict[int, float],
         progress: list[int],
     ) -> None:
+        group = round_.group
         member = group.members[reducer]
         assert member.address is not None  # client-mode members have no span
         me = group.index_of(self.node.peer_id)
@@ -514,10 +724,21 @@ class AllReduceService(AllReduceRunner):
             async def send() -> None:
                 await call.send(AvgBegin(group.group_id, me, float(weight)))
                 if weight > 0:
-                    for part in parts:
+                    for part, codec in zip(parts, codecs, strict=True):
                         values = buffers[part.buffer][part.start : part.stop]
-                        await call.send(AvgPart(part.index, values))
-                        result.bytes_sent += values.nbytes
+                        tensor = None
+                        if not isinstance(codec, NoCompression):
+                            key = ("send", part.buffer, part.start, part.stop)
+                            tensor = await _in_thread_if_big(
+                                values.nbytes,
+                                functools.partial(_compress, codec, values, round_.feedback, key),
+                            )
+                        if tensor is None:
+                            await call.send(AvgPart(part.index, values))
+                            result.bytes_sent += values.nbytes
+                        else:
+                            await call.send(AvgCompressedPart.of(part.index, tensor))
+                            result.bytes_sent += tensor.nbytes
                 await call.done_sending()
 
             async with anyio.create_task_group() as tg:
@@ -530,10 +751,20 @@ class AllReduceService(AllReduceRunner):
                         weights[index] = told_weight
                 for part in parts:
                     answer = await receive()
-                    if not isinstance(answer, AvgPart | AvgKeep) or answer.index != part.index:
+                    if (
+                        not isinstance(answer, AvgPart | AvgKeep | AvgCompressedPart)
+                        or answer.index != part.index
+                    ):
                         raise ValueError(f"member {reducer} answered out of order")
                     local = buffers[part.buffer][part.start : part.stop]
-                    if isinstance(answer, AvgPart):
+                    if isinstance(answer, AvgCompressedPart):
+                        try:
+                            mean = await _decode_part(answer, part.size, local.dtype)
+                        except ValueError as exc:
+                            raise ValueError(f"member {reducer} answered garbage: {exc}") from None
+                        result.bytes_received += answer.nbytes
+                        _apply(local, mean, alpha)
+                    elif isinstance(answer, AvgPart):
                         if answer.values.shape != local.shape or answer.values.dtype != (
                             local.dtype
                         ):
@@ -604,16 +835,24 @@ class AllReduceService(AllReduceRunner):
                         message = await anext(requests, None)
                     if message is None:
                         break
-                    if not isinstance(message, AvgPart) or message.index != received:
+                    if (
+                        not isinstance(message, AvgPart | AvgCompressedPart)
+                        or message.index != received
+                    ):
                         raise ValueError(f"expected part {received} of {count}")
                     if received >= count:
                         raise ValueError("more parts than the span has")
                     part = round_.parts[received]
                     dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
-                    if message.values.dtype != dtype:
-                        raise ValueError(f"part {received} is {message.values.dtype}, not {dtype}")
-                    round_.contribute(sender, received, message.values)
-                    round_.bytes_received += message.values.nbytes
+                    if isinstance(message, AvgCompressedPart):
+                        values = await _decode_part(message, part.size, dtype)
+                        round_.bytes_received += message.nbytes
+                    else:
+                        values = message.values
+                        if values.dtype != dtype:
+                            raise ValueError(f"part {received} is {values.dtype}, not {dtype}")
+                        round_.bytes_received += values.nbytes
+                    round_.contribute(sender, received, values)
                     received += 1
                     while answered < count and round_.ready[answered].is_set():
                         for notice in _drops(round_, answered, told, sender):
@@ -669,6 +908,9 @@ def _weights(round_: _Round) -> AvgWeights:
 
 
 def _answer(round_: _Round, index: int) -> Message:
+    compressed = round_.answers[index]
+    if compressed is not None:
+        return compressed
     mean = round_.results[index]
     return AvgKeep(index) if mean is None else AvgPart(index, mean)
 

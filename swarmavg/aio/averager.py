@@ -37,6 +37,13 @@ from swarmavg.abc._averaging import AllReduceRunner, Matchmaker, MemberMode
 from swarmavg.aio.allreduce import AllReduceService
 from swarmavg.aio.matchmaking import DHTMatchmaker
 from swarmavg.aio.state import DEFAULT_MAX_STATE_SIZE, StateLoad, StateSharer, load_state
+from swarmavg.compression import (
+    AdaptiveCompression,
+    CompressionBase,
+    ErrorFeedback,
+    NoCompression,
+    TensorInfo,
+)
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
 from swarmavg.proto.matchmaking import next_group_bits, validate_bits
@@ -113,6 +120,9 @@ def _spec_of(tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(tensor.shape), dtype)
 
 
+_NO_COMPRESSION = NoCompression()
+
+
 class DecentralizedAverager:
     """Averages ``averaged_tensors`` with other peers under ``prefix`` (async API).
 
@@ -126,6 +136,13 @@ class DecentralizedAverager:
     ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the DHT's).
     ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
     (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
+
+    Compression: ``compression`` (a codec of :mod:`swarmavg.compression`, or a chooser such as
+    :class:`~swarmavg.compression.SizeAdaptiveCompression` given ``tensor_infos``, one
+    :class:`~swarmavg.compression.TensorInfo` per averaged tensor; default: role
+    ``unspecified``, the tensor's size). Each part of the all-reduce uses the codec chosen for
+    the tensor holding most of its elements. ``error_feedback=True`` keeps what compression
+    lost and adds it to the next round's values.
 
     State sharing (:meth:`load_state_from_peers`): ``allow_state_sharing`` (default ``None``: on
     unless in client mode or auxiliary, as hivemind; a client-mode peer cannot share),
@@ -166,12 +183,26 @@ class DecentralizedAverager:
         declare_state_period: float = 30.0,
         next_chunk_timeout: float | None = None,
         max_state_size: int = DEFAULT_MAX_STATE_SIZE,
+        compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
+        tensor_infos: Sequence[TensorInfo] | None = None,
+        error_feedback: bool = False,
     ) -> None:
         if isinstance(averaged_tensors, Mapping) or not isinstance(averaged_tensors, Sequence):
             raise TypeError("averaged_tensors must be a sequence of tensors")
         self._tensors = list(averaged_tensors)
         self.specs = tuple(_spec_of(t) for t in self._tensors)
         self.layout = FlatLayout(self.specs)
+        if not isinstance(compression, CompressionBase | AdaptiveCompression):
+            raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
+        if tensor_infos is not None:
+            tensor_infos = list(tensor_infos)
+            if len(tensor_infos) != len(self._tensors) or not all(
+                isinstance(info, TensorInfo) for info in tensor_infos
+            ):
+                raise ValueError("tensor_infos must hold one TensorInfo per averaged tensor")
+        self.compression = compression
+        self.tensor_infos = tensor_infos
+        self.error_feedback = ErrorFeedback() if error_feedback else None
         for name, value in (
             ("averaging_expiration", averaging_expiration),
             ("request_timeout", request_timeout),
@@ -609,6 +640,13 @@ class DecentralizedAverager:
                 await control._wait_for_trigger()
             weight = control._begin_allreduce()
             buffers = self._to_buffers()
+            compressing: dict[str, Any] = {}  # (left out when off: runners that predate it)
+            if not isinstance(self.compression, NoCompression):
+                compressing = {
+                    "compression": self.compression,
+                    "tensor_infos": self.tensor_infos,
+                    "error_feedback": self.error_feedback,
+                }
             outcome = await self.allreduce.run(
                 group,
                 buffers,
@@ -620,6 +658,7 @@ class DecentralizedAverager:
                 timeout=self.allreduce_timeout,
                 sender_timeout=self.sender_timeout,
                 reducer_timeout=self.reducer_timeout,
+                **compressing,
             )
         except anyio.get_cancelled_exc_class():
             await self.allreduce.leave(group, "its step was cancelled")

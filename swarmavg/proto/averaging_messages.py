@@ -5,8 +5,9 @@ A sender opens one bidirectional call (``avg.allreduce``) to each reducer of its
 reducer's span as :class:`AvgPart` messages, in the order of the reducer's parts; the reducer
 answers first with every sender's weight (:class:`AvgWeights`, known once all have begun), then
 each part, once every sender delivered it, with the weighted mean (:class:`AvgPart`) or
-:class:`AvgKeep` (the part's total weight is 0: everyone keeps their own values). A member whose
-step is cancelled tells the others with :class:`AvgLeave`.
+:class:`AvgKeep` (the part's total weight is 0: everyone keeps their own values). A part whose
+codec compresses travels as :class:`AvgCompressedPart` instead of :class:`AvgPart`, either way.
+A member whose step is cancelled tells the others with :class:`AvgLeave`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from numpy.typing import NDArray  # runtime import: the codec resolves the annotations
 
+from swarmavg.compression import CompressedTensor
 from swarmavg.identity import PeerID
 from swarmavg.proto.codec import Message, message
 
 __all__ = [
     "AvgBegin",
+    "AvgCompressedPart",
     "AvgDropped",
     "AvgKeep",
     "AvgLeave",
@@ -50,6 +54,66 @@ class AvgPart(Message):
 
     index: int
     values: NDArray[Any]
+
+
+@message("avg.cpart")
+@dataclass(frozen=True, slots=True, eq=False)
+class AvgCompressedPart(Message):
+    """Part ``index`` of the reducer's span, compressed (a sender's values or the reducer's
+    result): the fields of :meth:`swarmavg.compression.CompressedTensor.to_parts`, the three
+    payloads as arrays (sent zero-copy, after the header). The codec is whatever the sender
+    chose; the receiver checks the declared shape and dtype against the part before anything
+    else, then :meth:`tensor` validates the rest."""
+
+    index: int
+    codec: str
+    shape: list[int]
+    dtype: str
+    data: NDArray[Any]
+    scales: NDArray[Any]
+    codebook: NDArray[Any]
+    block_size: int
+
+    @classmethod
+    def of(cls, index: int, tensor: CompressedTensor) -> AvgCompressedPart:
+        """The message for part ``index`` compressed as ``tensor``."""
+        return cls(
+            index,
+            tensor.codec,
+            list(tensor.shape),
+            tensor.dtype,
+            tensor.data,
+            tensor.scales,
+            tensor.codebook,
+            tensor.block_size,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """The payload size in bytes."""
+        return int(self.data.nbytes + self.scales.nbytes + self.codebook.nbytes)
+
+    def tensor(self) -> CompressedTensor:
+        """The compressed tensor, rebuilt with
+        :meth:`~swarmavg.compression.CompressedTensor.from_parts` (every field and byte length
+        checked against the declared shape, then the values); :class:`ValueError` if anything
+        is off."""
+        return CompressedTensor.from_parts(
+            {
+                "codec": self.codec,
+                "shape": self.shape,
+                "dtype": self.dtype,
+                "data": _raw(self.data),
+                "scales": _raw(self.scales),
+                "codebook": _raw(self.codebook),
+                "block_size": self.block_size,
+            }
+        )
+
+
+def _raw(array: NDArray[Any]) -> memoryview:
+    """The bytes of ``array`` (as received: little-endian), without a copy where possible."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 @message("avg.keep")

@@ -22,6 +22,12 @@ from swarmavg.aio.averager import (
     StepResult,
     _unpack_gathered,
 )
+from swarmavg.compression import (
+    Float16Compression,
+    RoleAdaptiveCompression,
+    TensorInfo,
+    Uniform8BitQuantization,
+)
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
@@ -390,3 +396,48 @@ async def test_a_groupmate_that_goes_silent_is_done_without_and_reported(
         assert torch.equal(averaged, values[1] == 0.5)  # the same parts, for both
         assert "incompletely" in caplog.text
         controls[2].cancel()
+
+
+async def test_compressed_averaging_ends_identical_with_per_tensor_codecs() -> None:
+    torch.manual_seed(1)
+    tensors = [[torch.randn(3000), torch.randn(200, dtype=torch.float64)] for _ in range(4)]
+    expected = [sum(t[k].double() for t in tensors) / 4 for k in range(2)]
+    compression = RoleAdaptiveCompression(
+        gradient=Uniform8BitQuantization(), default=Float16Compression()
+    )
+    infos = [TensorInfo("gradient", 3000), TensorInfo("parameter", 200)]
+    async with _averagers(
+        tensors,
+        prefix="compressed",
+        target_group_size=4,
+        compression=compression,
+        tensor_infos=infos,
+        error_feedback=True,
+        part_size_bytes=4096,
+    ) as averagers:
+        results = await _step_all(averagers)
+        own = []
+        for averager in averagers:
+            with averager.get_tensors() as values:
+                own.append([v.clone() for v in values])
+    assert all(r.group_size == 4 and not r.incomplete for r in results)
+    for values in own[1:]:
+        for got, first in zip(values, own[0], strict=True):
+            assert torch.equal(got, first)
+    assert (own[0][0].double() - expected[0]).abs().max() < 0.1
+    assert 0 < (own[0][1] - expected[1]).abs().max() < 3e-3
+
+
+async def test_compression_arguments_are_checked() -> None:
+    with pytest.raises(TypeError, match="codec or a chooser"):
+        async with _averagers([[torch.zeros(3)]], prefix="x", target_group_size=2, compression=1):
+            pass
+    with pytest.raises(ValueError, match="one TensorInfo per averaged tensor"):
+        async with _averagers(
+            [[torch.zeros(3)]],
+            prefix="x",
+            target_group_size=2,
+            compression=RoleAdaptiveCompression(),
+            tensor_infos=[TensorInfo(), TensorInfo()],
+        ):
+            pass
