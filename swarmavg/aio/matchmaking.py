@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_METHOD: Final = "avg.join"
 #: How often a leader re-reads its key for a better leader, and a client between tries (s):
-#: first after _FIRST_POLL (peers that start together see each other at once), then twice as
+#: first after _FIRST_POLL (peers that start together see each other at once), then 1.5 times as
 #: long each time, up to _POLL.
 _POLL: Final = 0.25
 _FIRST_POLL: Final = 0.02
@@ -234,7 +234,7 @@ class DHTMatchmaker(Matchmaker):
                     continue
                 if client:  # a client cannot lead: wait for leaders to declare
                     await anyio.sleep(poll)
-                    poll = min(2 * poll, _POLL)
+                    poll = min(1.5 * poll, _POLL)
                     rejected.clear()
                     continue
                 info = await self._lead(key, begin_at, me)
@@ -347,7 +347,7 @@ class DHTMatchmaker(Matchmaker):
                     break
                 with anyio.move_on_after(min(left, poll)):
                     await leading.full.wait()
-                poll = min(2 * poll, _POLL)
+                poll = min(1.5 * poll, _POLL)
                 if leading.full.is_set():
                     break
                 candidates = await self._candidates(key)
