@@ -855,11 +855,8 @@ class AllReduceService(AllReduceRunner):
                     round_.contribute(sender, received, values)
                     received += 1
                     while answered < count and round_.ready[answered].is_set():
-                        for notice in _drops(round_, answered, told, sender):
-                            yield notice
-                        if answered == 0:
-                            yield _weights(round_)
-                        yield _answer(round_, answered)
+                        for reply in _replies(round_, answered, told, sender):
+                            yield reply
                         answered += 1
                 if received != count:
                     raise ValueError(f"{received} parts of {count} came")
@@ -874,11 +871,8 @@ class AllReduceService(AllReduceRunner):
                 raise
         while answered < count:
             await round_.ready[answered].wait()
-            for notice in _drops(round_, answered, told, sender):
-                yield notice
-            if answered == 0:
-                yield _weights(round_)
-            yield _answer(round_, answered)
+            for reply in _replies(round_, answered, told, sender):
+                yield reply
             answered += 1
 
 
@@ -888,6 +882,16 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
     for exc in group.exceptions:
         found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return found
+
+
+def _replies(round_: _Round, index: int, told: set[int], caller: int) -> list[Message]:
+    """What to send ``caller`` once part ``index`` is reduced: news of senders left out, every
+    sender's weight (before the first part), then the part's answer."""
+    replies: list[Message] = list(_drops(round_, index, told, caller))
+    if index == 0:
+        replies.append(_weights(round_))
+    replies.append(_answer(round_, index))
+    return replies
 
 
 def _drops(round_: _Round, index: int, told: set[int], caller: int) -> list[AvgDropped]:
