@@ -32,8 +32,9 @@ status 1 if a check fails.
 group bits (a comma-separated list runs each length in turn). Each round the peers with equal
 bits form groups: a set larger than ``--group-size`` is shuffled (seeded) and cut into groups of
 ``--group-size`` in that order, what is left forming one smaller group (a leftover of one peer
-averages alone); members are ordered by PeerID, each group's mean is computed exactly (float64
-numpy mean, no parts) and written back, and every member moves on with
+finds no group and, as the averager does then, moves to other random bits of the same length);
+members are ordered by PeerID, each group's mean is computed exactly (float64 numpy mean, no
+parts) and written back, and every member moves on with
 ``next_group_bits(bits, group_id, index, len(group))``. Per round it prints the groups, their
 sizes, and the largest distance of any peer's value to the global mean relative to the initial
 one (max over peers and elements of ``|x - mean|``, divided by its value before round 1). A bit
@@ -245,6 +246,15 @@ def run_random(
             members.sort(key=rank.__getitem__)
             values[members] = values[members].mean(axis=0)
             group_id = rng.randbytes(16)
+            if len(members) == 1:  # no group: the averager moves to other random bits
+                i = members[0]
+                if peer_bits[i]:
+                    width = len(peer_bits[i])
+                    moved = peer_bits[i]
+                    while moved == peer_bits[i]:
+                        moved = format(rng.getrandbits(width), f"0{width}b")
+                    peer_bits[i] = moved
+                continue
             for index, i in enumerate(members):
                 peer_bits[i] = next_group_bits(peer_bits[i], group_id, index, len(members))
         sizes = sorted(len(m) for m in groups)

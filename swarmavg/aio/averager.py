@@ -18,6 +18,7 @@ import enum
 import functools
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -340,6 +341,19 @@ class DecentralizedAverager:
                 values = torch.from_numpy(buffers[buffer][offset : offset + spec.numel])
                 tensor.copy_(values.view(tensor.shape))
 
+    def _move_on(self) -> None:
+        """After a step found no group: move to other group bits (of the same length, drawn
+        at random), so that a peer left alone under its key (the groups there filled up
+        without it) does not stay alone there round after round (Moshpit would stall)."""
+        if self._bits:
+            width = len(self._bits)
+            while True:
+                bits = format(secrets.randbits(width), f"0{width}b")
+                if bits != self._bits:
+                    break
+            logger.info("no group under %s: moving to group bits %s", self._bits, bits)
+            self._bits = bits
+
     def _part_size(self, group_size: int) -> int:
         """Elements per part: ``part_size_bytes / 4``, or automatically about a quarter of a
         span, a power of two between 1 MiB and 16 MiB of float32: enough parts to overlap
@@ -630,6 +644,7 @@ class DecentralizedAverager:
                 break
             except (MatchmakingFailed, TimeoutError) as exc:
                 if not allow_retries or time.monotonic() >= deadline:
+                    self._move_on()
                     raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
         matched = time.perf_counter()
         group = info.group

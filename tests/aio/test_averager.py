@@ -441,3 +441,17 @@ async def test_compression_arguments_are_checked() -> None:
             tensor_infos=[TensorInfo(), TensorInfo()],
         ):
             pass
+
+
+async def test_a_peer_that_finds_no_group_moves_to_other_bits() -> None:
+    async with _averagers([[torch.zeros(3)]], prefix="alone", target_group_size=2) as (avg,):
+        avg.set_group_bits("0110")
+        with pytest.raises(MatchmakingFailed):
+            await avg.step(timeout=0.3)
+        bits = avg.get_group_bits()
+        assert len(bits) == 4
+        assert bits != "0110"
+        avg.set_group_bits("")  # no bits: nowhere else to go
+        with pytest.raises(MatchmakingFailed):
+            await avg.step(timeout=0.3)
+        assert avg.get_group_bits() == ""
