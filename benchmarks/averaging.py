@@ -59,7 +59,7 @@ daemons). hivemind always encrypts (libp2p), so it is compared with our encrypte
 Targets (issue): all-reduce with the group formed <= 1.5x gloo's time unencrypted and <= 2.5x
 encrypted (N=4 and N=8, S=16 Mi); whole round at N=8 encrypted >= 5x faster than hivemind's,
 group formation >= 4x faster; CPU per round is reported beside gloo's (no target). ratio =
-ours / reference (lower is better for every row).
+ours / reference (lower is better, but for the MB/s rows, where higher is).
 
 Issue 7 rows, off unless asked for (add ``--no-gloo --no-hivemind --no-plain --no-encrypted``
 for them alone):
@@ -835,7 +835,7 @@ def _print_table(rows: list[dict[str, Any]], notes: list[str]) -> None:
             f"{_cell(row['ours'], row['ours_min']):>15}  {ref:>24}  {ratio:>8}  "
             f"{row.get('target', ''):22} {met}"
         )
-    print("  cells: median [min] over the timed rounds; ours/ref: lower is better for every row")
+    print("  cells: median [min] over timed rounds; ours/ref: lower is better (MB/s: higher)")
     for note in notes:
         print(f"  {note}")
 
