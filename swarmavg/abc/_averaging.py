@@ -100,6 +100,8 @@ class AllReduceResult:
     #: senders that a reducer left out of its parts from ``part`` on, and why:
     #: ``(reducer, sender, part, reason)``
     dropped: list[tuple[int, int, int, str]] = field(default_factory=list)
+    #: senders whose contributions to this member's span were clipped (``clip_norm``)
+    clipped: list[int] = field(default_factory=list)
 
     @property
     def incomplete(self) -> bool:
@@ -155,10 +157,14 @@ class AllReduceRunner(ABC):
         compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: ErrorFeedback | None = None,
+        clip_norm: float | None = None,
     ) -> AllReduceResult:
         """Average this member's ``buffers`` (one per ``layout`` buffer, updated in place) with
-        the rest of ``group``. A sender silent for ``sender_timeout`` or a reducer silent for
-        ``reducer_timeout`` is done without (the result says what stayed local).
+        the rest of ``group``. With ``clip_norm``, every contribution this member reduces is
+        scaled down to an L2 norm of ``clip_norm`` over the whole vector (enforced part by part,
+        in proportion to the part's length; passed only when set). A sender silent for
+        ``sender_timeout`` or a reducer silent for ``reducer_timeout`` is done without (the
+        result says what stayed local).
 
         ``compression`` (a codec, or a chooser given one ``tensor_infos`` entry per tensor of
         ``layout``) compresses what travels; ``error_feedback`` (kept by the caller from round

@@ -129,6 +129,10 @@ class _Round:
     weights: dict[int, float] = field(default_factory=dict)
     bytes_received: int = 0
     sender_timeout: float | None = None
+    #: each part's largest contribution norm (``None``: no clipping)
+    max_norms: list[float | None] = field(default_factory=list)
+    #: senders whose contributions were clipped
+    clipped: set[int] = field(default_factory=set)
     #: senders left out of our parts: sender -> (first part left out, why)
     dropped: dict[int, tuple[int, str]] = field(default_factory=dict)
     #: members that left the round (told us with ``avg.leave``): index -> why
@@ -220,7 +224,9 @@ class _Round:
         self.ready[index].set()
 
     def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:
-        self.reducers[index].add(sender, values, self.weights[sender])
+        max_norm = self.max_norms[index] if self.max_norms else None
+        if self.reducers[index].add(sender, values, self.weights[sender], max_norm):
+            self.clipped.add(sender)
         self._settle(index)
 
     def contribute_nothing(self, sender: int) -> None:
@@ -401,9 +407,15 @@ class AllReduceService(AllReduceRunner):
         compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: ErrorFeedback | None = None,
+        clip_norm: float | None = None,
     ) -> AllReduceResult:
         """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
         place) with the rest of ``group``.
+
+        With ``clip_norm``, each contribution to a part of our span (ours included) is scaled
+        down to an L2 norm of ``clip_norm · sqrt(part size / vector size)`` if longer: a
+        contribution's norm over the whole vector is then at most ``clip_norm`` (its parts are
+        clipped independently, so a long one loses more where it is longest).
 
         Parts are compressed with ``compression`` (a codec, or a chooser given each tensor's
         ``tensor_infos`` entry: see :func:`part_codecs`); ``error_feedback`` keeps what
@@ -462,6 +474,11 @@ class AllReduceService(AllReduceRunner):
         result = AllReduceResult([], 0.0)
         weights: dict[int, float] = {}  # each sender's, as the reducers tell them
         round_.sender_timeout = sender_timeout
+        if clip_norm is not None:
+            if not (clip_norm >= 0 and math.isfinite(clip_norm)):
+                raise ValueError(f"clip_norm must be a finite number >= 0, not {clip_norm!r}")
+            total = max(layout.numel, 1)
+            round_.max_norms = [clip_norm * math.sqrt(p.size / total) for p in round_.parts]
         self._reducer_timeouts[group.group_id] = reducer_timeout
         try:
             with anyio.fail_after(timeout), round_.scope:
@@ -482,6 +499,13 @@ class AllReduceService(AllReduceRunner):
         result.bytes_received += round_.bytes_received
         result.seconds = time.perf_counter() - started
         result.reduced = spans[me]
+        result.clipped = sorted(round_.clipped)
+        if round_.clipped:
+            logger.info(
+                "all-reduce %s: clipped the contributions of members %s to our span",
+                group.group_id.hex()[:8],
+                result.clipped,
+            )
         for sender, (first, reason) in round_.dropped.items():
             result.dropped.append((me, sender, first, reason))
         others = [i for i, parts in enumerate(plans) if parts and i != me]

@@ -134,6 +134,8 @@ class DecentralizedAverager:
     the group's; a number must be the same on every peer), ``allreduce_timeout`` (finite by
     default), ``sender_timeout`` and ``reducer_timeout`` (a member silent that long is done
     without, its part kept local; default a quarter and a half of ``allreduce_timeout``),
+    ``clip_norm`` (each contribution this peer reduces is scaled down to this L2 norm over the
+    whole vector, part by part; off by default),
     ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the DHT's).
     ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
     (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
@@ -173,6 +175,7 @@ class DecentralizedAverager:
         allreduce_timeout: float | None = 60.0,
         sender_timeout: float | None = None,
         reducer_timeout: float | None = None,
+        clip_norm: float | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
         auxiliary: bool = False,
@@ -238,6 +241,11 @@ class DecentralizedAverager:
                 isinstance(bound, int | float) and bound > 0 and math.isfinite(bound)
             ):
                 raise ValueError(f"{name} must be a positive number of seconds or None")
+        if clip_norm is not None and not (
+            isinstance(clip_norm, int | float) and clip_norm >= 0 and math.isfinite(clip_norm)
+        ):
+            raise ValueError(f"clip_norm must be a finite number >= 0 or None, not {clip_norm!r}")
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
         quarter = None if allreduce_timeout is None else allreduce_timeout / 4
         self.sender_timeout = quarter if sender_timeout is None else float(sender_timeout)
         self.reducer_timeout = (
@@ -662,6 +670,8 @@ class DecentralizedAverager:
                     "tensor_infos": self.tensor_infos,
                     "error_feedback": self.error_feedback,
                 }
+            if self.clip_norm is not None:
+                compressing["clip_norm"] = self.clip_norm
             outcome = await self.allreduce.run(
                 group,
                 buffers,

@@ -261,9 +261,17 @@ class PartReducer:
         """Whether every expected sender contributed."""
         return self.received >= self.expected
 
-    def add(self, sender: int, values: npt.NDArray[np.floating], weight: float) -> None:
-        """Add ``sender``'s values with ``weight`` (>= 0).
+    def add(
+        self,
+        sender: int,
+        values: npt.NDArray[np.floating],
+        weight: float,
+        max_norm: float | None = None,
+    ) -> bool:
+        """Add ``sender``'s values with ``weight`` (>= 0), scaled down to an L2 norm of
+        ``max_norm`` first if they are longer.
 
+        :returns: whether the values were clipped.
         :raises ValueError: an unexpected or repeated sender, a wrong size, a bad weight or
             non-finite values (nothing is added then).
         """
@@ -277,6 +285,14 @@ class PartReducer:
             raise ValueError(f"a weight is a finite number >= 0, not {weight!r}")
         if weight > 0 and not _all_finite(values):
             raise ValueError(f"member {sender} sent non-finite values")
+        if max_norm is not None and not (max_norm >= 0 and math.isfinite(max_norm)):
+            raise ValueError(f"max_norm is a finite number >= 0, not {max_norm!r}")
+        clipped = False
+        if max_norm is not None and weight > 0 and self.size:
+            norm = _norm(values)
+            if norm > max_norm:
+                values = (values * (max_norm / norm)).astype(self._accumulator.dtype)
+                clipped = True
         self.received.add(sender)
         if weight > 0 and self.size:
             accumulator = self._accumulator
@@ -291,6 +307,7 @@ class PartReducer:
             self._empty = False
         if weight > 0:
             self.total_weight += weight
+        return clipped
 
     def add_nothing(self, sender: int) -> None:
         """``sender`` takes part with weight 0 and sends no values.
@@ -331,6 +348,16 @@ def _add_scaled(
         np.copyto(product, values[start:stop])  # (widens float16 fast; ufuncs cast slowly)
         product *= weight
         np.add(accumulator[start:stop], product, out=accumulator[start:stop])
+
+
+def _norm(values: npt.NDArray[np.floating]) -> float:
+    """The L2 norm of finite ``values``, in float64 when float32's sum of squares overflows."""
+    with np.errstate(over="ignore"):
+        squares = float(np.dot(values, values))
+    if not math.isfinite(squares):
+        wide = values.astype(np.float64)
+        squares = float(np.dot(wide, wide))
+    return math.sqrt(squares)
 
 
 def _all_finite(values: npt.NDArray[np.floating]) -> bool:

@@ -455,3 +455,16 @@ async def test_a_peer_that_finds_no_group_moves_to_other_bits() -> None:
         with pytest.raises(MatchmakingFailed):
             await avg.step(timeout=0.3)
         assert avg.get_group_bits() == ""
+
+
+async def test_clip_norm_bounds_what_one_loud_peer_can_do_to_the_mean() -> None:
+    tensors = [[torch.full((100,), 1.0)], [torch.full((100,), 1.0)], [torch.full((100,), 1e6)]]
+    async with _averagers(tensors, prefix="clip", target_group_size=3, clip_norm=20.0) as avgs:
+        await _step_all(avgs, timeout=10)
+        for averager in avgs:
+            with averager.get_tensors() as own:
+                # honest ones have norm 10 (kept); the loud one is cut to norm 20 (2 each)
+                torch.testing.assert_close(own[0], torch.full((100,), 4.0 / 3.0))
+    with pytest.raises(ValueError, match="clip_norm"):
+        async with _averagers([[torch.zeros(2)]], prefix="c", target_group_size=2, clip_norm=-1):
+            pass

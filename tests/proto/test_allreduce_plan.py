@@ -222,3 +222,25 @@ def test_the_schema_digest_tells_schemas_apart() -> None:
     assert schema_digest(a) != schema_digest([TensorSpec((2, 3), "float64")])
     with pytest.raises(TypeError, match="int64"):
         TensorSpec((1,), "int64")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_a_contribution_longer_than_max_norm_is_scaled_down(dtype: str) -> None:
+    reducer = PartReducer(4, dtype, senders=[0, 1])
+    honest = np.array([0.6, 0.8, 0.0, 0.0], dtype=dtype)  # norm 1
+    loud = np.array([300.0, 0.0, 0.0, 400.0], dtype=dtype)  # norm 500
+    assert not reducer.add(0, honest, 1.0, max_norm=2.0)
+    assert reducer.add(1, loud, 1.0, max_norm=2.0)  # scaled to norm 2
+    mean = reducer.result()
+    assert mean is not None
+    np.testing.assert_allclose(mean, [(0.6 + 1.2) / 2, 0.4, 0.0, 1.6 / 2], atol=2e-3)
+    with pytest.raises(ValueError, match="max_norm"):
+        PartReducer(1, dtype, senders=[0]).add(0, np.ones(1, dtype=dtype), 1.0, max_norm=-1)
+
+
+def test_clipping_survives_a_sum_of_squares_that_overflows_float32() -> None:
+    reducer = PartReducer(2, "float32", senders=[0])
+    assert reducer.add(0, np.array([3e38, 3e38], dtype=np.float32), 1.0, max_norm=1.0)
+    mean = reducer.result()
+    assert mean is not None
+    np.testing.assert_allclose(mean, [2**-0.5, 2**-0.5], rtol=1e-6)
