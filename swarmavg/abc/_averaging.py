@@ -102,6 +102,9 @@ class AllReduceResult:
     dropped: list[tuple[int, int, int, str]] = field(default_factory=list)
     #: senders whose contributions to this member's span were clipped (``clip_norm``)
     clipped: list[int] = field(default_factory=list)
+    #: parts of a reducer's span that it did not answer here but another member relayed
+    #: (it had applied them): ``(reducer, first part, stop, member that relayed)``
+    relayed: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def incomplete(self) -> bool:

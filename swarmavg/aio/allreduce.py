@@ -29,6 +29,16 @@ parts it had not delivered, and the other senders are told (:class:`AvgDropped`)
 fails or stalls (``reducer_timeout``) leaves the rest of its span at local values; a member that
 leaves (its step was cancelled) tells the others (``avg.leave``), who go on without it at once.
 The result says what stayed local and who was left out (``incomplete``).
+
+Relay: a reducer that dies (or stalls, or leaves out a sender) while answering may have
+answered some members more parts than others. So that survivors do not end disagreeing, a
+member left with part of a reducer's span unanswered asks the other members (``avg.relay``)
+how much of that span they applied, and fetches the rest from the one that applied most; with
+``averaging_alpha=1`` a member's buffer there holds exactly the mean it was answered. A member
+answers for a round in progress once it is done with that span, and for a finished round as
+long as its buffers hold the round's results (until its next round; at most ``_RELAY_KEEP``
+seconds). Members with another ``averaging_alpha`` neither relay nor are relayed to the
+wrong values: they answer that they have nothing.
 """
 
 from __future__ import annotations
@@ -72,9 +82,11 @@ from swarmavg.proto.averaging_messages import (
     AvgBegin,
     AvgCompressedPart,
     AvgDropped,
+    AvgHave,
     AvgKeep,
     AvgLeave,
     AvgPart,
+    AvgRelay,
     AvgWeights,
 )
 from swarmavg.proto.codec import Message
@@ -97,6 +109,13 @@ logger = logging.getLogger(__name__)
 
 METHOD: Final = "avg.allreduce"
 LEAVE_METHOD: Final = "avg.leave"
+RELAY_METHOD: Final = "avg.relay"
+#: How long a member asks its groupmates for the parts a reducer did not answer (seconds;
+#: also bounded by the reducer timeout and what is left of the round's timeout).
+_RELAY_TIMEOUT: Final = 10.0
+#: How long a finished round's results can be relayed (seconds), and how many rounds.
+_RELAY_KEEP: Final = 120.0
+_RELAY_ROUNDS: Final = 8
 #: How long a call for a round that has not started here yet waits for it (seconds).
 _JOIN_WAIT: Final = 10.0
 #: ... for a round this node expects to run (its member waits for its trigger); the caller's
@@ -113,6 +132,43 @@ _FINISHED_MEMORY: Final = 256
 #: Parts bigger than this (bytes) are compressed and decompressed in a worker thread.
 _THREAD_THRESHOLD: Final = 1 << 20
 _NO_COMPRESSION: Final = NoCompression()
+
+
+@dataclass
+class _Applied:
+    """What a member applied of each reducer's span in a round (its own span included), for
+    groupmates that missed some of it (``avg.relay``): valid while its buffers hold them."""
+
+    group: Group
+    plans: list[list[Part]]
+    buffers: Sequence[npt.NDArray[Any]]
+    #: whether these buffers hold the means (``averaging_alpha=1``, not auxiliary)
+    relayable: bool
+    #: parts of each reducer's span applied here (from part 0 on)
+    got: dict[int, int] = field(default_factory=dict)
+    #: ... of those, the parts answered with AvgKeep (the local values stayed)
+    kept: dict[int, set[int]] = field(default_factory=dict)
+    #: set once this member is done with each reducer's span
+    settled: dict[int, anyio.Event] = field(default_factory=dict)
+    #: the senders each reducer left out: ``(reducer, sender, part, reason)``
+    dropped: list[tuple[int, int, int, str]] = field(default_factory=list)
+    until: float = math.inf
+
+    def __post_init__(self) -> None:
+        for reducer in range(len(self.plans)):
+            self.settled[reducer] = anyio.Event()
+            self.kept[reducer] = set()
+
+    def applied(self, reducer: int, keep: bool) -> None:
+        """One more part of ``reducer``'s span applied here."""
+        count = self.got.get(reducer, 0)
+        if keep:
+            self.kept[reducer].add(count)
+        self.got[reducer] = count + 1
+
+    def close(self) -> None:
+        for event in self.settled.values():
+            event.set()
 
 
 @dataclass
@@ -150,6 +206,7 @@ class _Round:
     settling: list[bool] = field(default_factory=list)
     #: where big means are compressed (while the round's tasks run)
     tasks: anyio.abc.TaskGroup | None = None
+    applied: _Applied | None = None
 
     def __post_init__(self) -> None:
         senders = self.group.senders
@@ -378,8 +435,13 @@ class AllReduceService(AllReduceRunner):
         #: leave notices for rounds not started here: group id -> (who, its index, why)
         self._left: OrderedDict[bytes, tuple[PeerID, int, str]] = OrderedDict()
         self._reducer_timeouts: dict[bytes, float | None] = {}  # of the rounds running here
+        #: finished rounds whose results can still be relayed (see the module docstring)
+        self._recent: OrderedDict[bytes, _Applied] = OrderedDict()
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
         node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
+        node.rpc.register(
+            RELAY_METHOD, self._serve_relay, kind="server_stream", request_type=AvgRelay
+        )
 
     @classmethod
     def for_node(cls, node: Node) -> AllReduceService:
@@ -459,7 +521,16 @@ class AllReduceService(AllReduceRunner):
         self._expected.discard(group.group_id)
         left = self._left.pop(group.group_id, None)
         started = time.perf_counter()
+        self._forget_results(buffers)
         round_ = _Round(group, me, layout, plans[me], codecs=codecs[me], feedback=error_feedback)
+        result = AllReduceResult([], 0.0)
+        round_.applied = applied = _Applied(
+            group,
+            plans,
+            buffers,
+            relayable=averaging_alpha == 1.0 and mode is not MemberMode.AUX,
+            dropped=result.dropped,
+        )
         if left is not None:
             peer, sender, reason = left
             if 0 <= sender < len(group.members) and group.members[sender].peer_id == peer:
@@ -471,7 +542,6 @@ class AllReduceService(AllReduceRunner):
         waiting = self._waiting.pop(group.group_id, None)
         if waiting is not None:
             waiting.set()
-        result = AllReduceResult([], 0.0)
         weights: dict[int, float] = {}  # each sender's, as the reducers tell them
         round_.sender_timeout = sender_timeout
         if clip_norm is not None:
@@ -480,11 +550,18 @@ class AllReduceService(AllReduceRunner):
             total = max(layout.numel, 1)
             round_.max_norms = [clip_norm * math.sqrt(p.size / total) for p in round_.parts]
         self._reducer_timeouts[group.group_id] = reducer_timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         try:
             with anyio.fail_after(timeout), round_.scope:
                 await self._run_tasks(
                     group, round_, plans, codecs, buffers, weight, averaging_alpha, result, weights
                 )
+            applied.close()
+            if result.local_spans and round_.left is None:
+                budget = min(reducer_timeout or _RELAY_TIMEOUT, _RELAY_TIMEOUT)
+                round_.scope = anyio.CancelScope()  # (a member that leaves cancels this too)
+                with round_.scope, anyio.move_on_after(min(budget, deadline - time.monotonic())):
+                    await self._relay(round_, result, buffers, averaging_alpha, budget)
         except TimeoutError:
             raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
         except AllReduceFailed:
@@ -493,9 +570,15 @@ class AllReduceService(AllReduceRunner):
         finally:
             del self._rounds[group.group_id]
             del self._reducer_timeouts[group.group_id]
+            applied.close()
             self._finish(group.group_id)
         if round_.left is not None:
             raise AllReduceFailed(round_.left)
+        if applied.relayable:
+            applied.until = time.monotonic() + _RELAY_KEEP
+            self._recent[group.group_id] = applied
+            while len(self._recent) > _RELAY_ROUNDS:
+                self._recent.popitem(last=False)
         result.bytes_received += round_.bytes_received
         result.seconds = time.perf_counter() - started
         result.reduced = spans[me]
@@ -534,6 +617,155 @@ class AllReduceService(AllReduceRunner):
         if waiting is not None:
             waiting.set()
 
+    def _forget_results(self, buffers: Sequence[npt.NDArray[Any]]) -> None:
+        """``buffers`` are about to be reused (or rounds are old): stop relaying the results
+        that earlier rounds left in them."""
+        now = time.monotonic()
+        for group_id, applied in list(self._recent.items()):
+            if applied.until < now or any(a is b for a in applied.buffers for b in buffers):
+                applied.until = -math.inf
+                del self._recent[group_id]
+
+    async def _relay(
+        self,
+        round_: _Round,
+        result: AllReduceResult,
+        buffers: Sequence[npt.NDArray[Any]],
+        alpha: float,
+        budget: float,
+    ) -> None:
+        """For each reducer whose span we were left with unanswered parts of, fetch them from
+        the groupmate that applied most of that span (see the module docstring)."""
+        async with anyio.create_task_group() as tg:
+            for reducer, first, reason in list(result.local_spans):
+                tg.start_soon(
+                    self._relay_span, round_, result, buffers, alpha, budget, reducer, first, reason
+                )
+
+    async def _relay_span(
+        self,
+        round_: _Round,
+        result: AllReduceResult,
+        buffers: Sequence[npt.NDArray[Any]],
+        alpha: float,
+        budget: float,
+        reducer: int,
+        first: int,
+        reason: str,
+    ) -> None:
+        applied = round_.applied
+        assert applied is not None
+        group = round_.group
+        parts = applied.plans[reducer]
+        if first >= len(parts) or applied.got.get(reducer, 0) != first:
+            return
+        counts: dict[int, int] = {}
+
+        async def ask(member: int, address: Any, scope: anyio.CancelScope) -> None:
+            request = AvgRelay(group.group_id, reducer, first, False)
+            try:
+                async with self.node.rpc.server_stream(
+                    address, RELAY_METHOD, request, response_type=Message
+                ) as answers:
+                    have = await anext(answers, None)
+            except (SwarmError, OSError, TimeoutError, ValueError) as exc:
+                logger.debug("relay: member %d did not answer: %s", member, exc)
+                return
+            if isinstance(have, AvgHave) and first < have.count <= len(parts):
+                counts[member] = have.count
+                if have.count == len(parts):
+                    scope.cancel()  # (it has all of it)
+
+        with anyio.move_on_after(budget / 2) as scope:
+            async with anyio.create_task_group() as tg:
+                for member, info in enumerate(group.members):
+                    if (
+                        member != round_.me
+                        and info.address is not None
+                        and info.mode is not MemberMode.AUX
+                        and member not in round_.gone
+                    ):
+                        tg.start_soon(ask, member, info.address, scope)
+        got = first
+        source = -1
+        for member in sorted(counts, key=lambda m: -counts[m]):
+            if counts[member] <= got:
+                break
+            address = group.members[member].address
+            assert address is not None
+            try:
+                got = await self._fetch_relayed(
+                    round_, result, buffers, alpha, reducer, got, member, address
+                )
+                source = member
+            except (SwarmError, OSError, TimeoutError, ValueError) as exc:
+                logger.debug("relay: member %d failed: %s", member, exc)
+                got = applied.got.get(reducer, 0)
+            if got >= counts[member]:
+                break
+        if got > first:
+            result.local_spans.remove((reducer, first, reason))
+            if got < len(parts):
+                result.local_spans.append((reducer, got, reason))
+            result.relayed.append((reducer, first, got, source))
+            logger.info(
+                "all-reduce %s: member %d relayed parts %d..%d of member %d's span",
+                group.group_id.hex()[:8],
+                source,
+                first,
+                got - 1,
+                reducer,
+            )
+
+    async def _fetch_relayed(
+        self,
+        round_: _Round,
+        result: AllReduceResult,
+        buffers: Sequence[npt.NDArray[Any]],
+        alpha: float,
+        reducer: int,
+        first: int,
+        member: int,
+        address: Any,
+    ) -> int:
+        """Apply the parts of ``reducer``'s span from ``first`` on that ``member`` applied;
+        the first part not applied here."""
+        applied = round_.applied
+        assert applied is not None
+        parts = applied.plans[reducer]
+        members = len(round_.group.members)
+        got = first
+        request = AvgRelay(round_.group.group_id, reducer, first, True)
+        async with self.node.rpc.server_stream(
+            address, RELAY_METHOD, request, response_type=Message
+        ) as answers:
+            have = await anext(answers, None)
+            if not isinstance(have, AvgHave):
+                raise ValueError(f"member {member} did not say what it has")
+            stop = min(have.count, len(parts))
+            notices = 0
+            async for answer in answers:
+                if isinstance(answer, AvgDropped):
+                    notices += 1
+                    entry = (reducer, answer.sender, answer.part, answer.reason[:200])
+                    if notices > members or not 0 <= answer.sender < members:
+                        raise ValueError(f"member {member} relayed bad notices")
+                    if all(d[:2] != entry[:2] for d in result.dropped):
+                        result.dropped.append(entry)
+                    continue
+                if got >= stop or not isinstance(answer, AvgPart | AvgKeep) or answer.index != got:
+                    raise ValueError(f"member {member} relayed out of order")
+                part = parts[got]
+                local = buffers[part.buffer][part.start : part.stop]
+                if isinstance(answer, AvgPart):
+                    if answer.values.shape != local.shape or answer.values.dtype != local.dtype:
+                        raise ValueError(f"member {member} relayed a wrong shape or dtype")
+                    result.bytes_received += answer.values.nbytes
+                    _apply(local, answer.values, alpha)
+                applied.applied(reducer, keep=isinstance(answer, AvgKeep))
+                got += 1
+        return got
+
     def expect(self, group: Group) -> None:
         """Hold the other members' calls for ``group``'s round (up to ``_EXPECT_WAIT``) until
         :meth:`run` starts it here: this member waits for its trigger first."""
@@ -566,6 +798,45 @@ class AllReduceService(AllReduceRunner):
                 for index, member in enumerate(group.members):
                     if index != me and member.address is not None:
                         tg.start_soon(tell, member)
+
+    async def _serve_relay(self, ask: AvgRelay, ctx: CallContext) -> AsyncIterator[Message]:
+        """A groupmate asks what we applied of a reducer's span (and for those parts)."""
+        if not 0 < len(ask.group_id) <= 64 or ask.reducer < 0 or ask.first < 0:
+            raise ValueError("a malformed relay request")
+        round_ = self._rounds.get(ask.group_id)
+        applied = round_.applied if round_ is not None else self._recent.get(ask.group_id)
+        if applied is None or applied.until < time.monotonic():
+            yield AvgHave(0)
+            return
+        members = applied.group.members
+        if not any(m.peer_id == ctx.peer_id for m in members):
+            raise ValueError("the caller is not a member of that round")
+        if ask.reducer >= len(applied.plans):
+            raise ValueError(f"no member {ask.reducer} in that round")
+        settled = applied.settled[ask.reducer]
+        with anyio.move_on_after(_RELAY_TIMEOUT):
+            await settled.wait()  # (what a round in progress will have applied)
+        count = applied.got.get(ask.reducer, 0) if applied.relayable and settled.is_set() else 0
+        yield AvgHave(count)
+        if not ask.fetch or ask.first >= count:
+            return
+        me = applied.group.index_of(self.node.peer_id)
+        if ask.reducer == me and round_ is not None:
+            notices = [(me, s, part, why) for s, (part, why) in round_.dropped.items()]
+        else:
+            notices = [d for d in applied.dropped if d[0] == ask.reducer]
+        for _, sender, first, why in notices[: len(members)]:
+            yield AvgDropped(sender, first, why[:200])
+        parts = applied.plans[ask.reducer]
+        for index in range(ask.first, count):
+            if index in applied.kept[ask.reducer]:
+                yield AvgKeep(index)
+                continue
+            part = parts[index]
+            values = applied.buffers[part.buffer][part.start : part.stop].copy()
+            if applied.until < time.monotonic():  # (the buffers were reused meanwhile)
+                raise ValueError("those results are gone")
+            yield AvgPart(index, values)
 
     async def _serve_leave(self, notice: AvgLeave, ctx: CallContext) -> Message:
         """A member tells us it left a round: the round goes on without it here (now, or when
@@ -648,7 +919,11 @@ class AllReduceService(AllReduceRunner):
                 if sending:
                     local = buffers[part.buffer][part.start : part.stop]
                     _apply(local, round_.results[index], alpha)
+                    assert round_.applied is not None
+                    round_.applied.applied(round_.me, keep=round_.results[index] is None)
             tg.cancel_scope.cancel()
+        assert round_.applied is not None
+        round_.applied.settled[round_.me].set()
 
     @staticmethod
     async def _drop_absent(round_: _Round, sender_timeout: float) -> None:
@@ -672,6 +947,26 @@ class AllReduceService(AllReduceRunner):
     ) -> None:
         """Send our values of ``reducer``'s parts and apply the means it answers with; if it
         fails or stalls, the rest of its span keeps our local values (and the result says so)."""
+        try:
+            await self._send_and_apply(
+                round_, reducer, parts, codecs, buffers, weight, alpha, result, weights
+            )
+        finally:
+            assert round_.applied is not None
+            round_.applied.settled[reducer].set()
+
+    async def _send_and_apply(
+        self,
+        round_: _Round,
+        reducer: int,
+        parts: list[Part],
+        codecs: list[CompressionBase],
+        buffers: Sequence[npt.NDArray[Any]],
+        weight: float,
+        alpha: float,
+        result: AllReduceResult,
+        weights: dict[int, float],
+    ) -> None:
         group = round_.group
         progress = [0]  # parts answered so far
         failures: list[BaseException] = []
@@ -796,6 +1091,8 @@ class AllReduceService(AllReduceRunner):
                         result.bytes_received += answer.values.nbytes
                         _apply(local, answer.values, alpha)
                     progress[0] += 1
+                    assert round_.applied is not None
+                    round_.applied.applied(reducer, keep=isinstance(answer, AvgKeep))
 
     # -- serving a round -------------------------------------------------------------------------
 

@@ -8,6 +8,12 @@ each part, once every sender delivered it, with the weighted mean (:class:`AvgPa
 :class:`AvgKeep` (the part's total weight is 0: everyone keeps their own values). A part whose
 codec compresses travels as :class:`AvgCompressedPart` instead of :class:`AvgPart`, either way.
 A member whose step is cancelled tells the others with :class:`AvgLeave`.
+
+A member left with part of a reducer's span unanswered (the reducer died or stalled while
+answering, or left it out) asks the other members for the means they applied there
+(``avg.relay``, a server stream): :class:`AvgRelay` asks, :class:`AvgHave` says how many of the
+span's parts the member applied, then (if asked to fetch) the reducer's :class:`AvgDropped`
+notices and the parts from ``first`` on as :class:`AvgPart` or :class:`AvgKeep`.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ __all__ = [
     "AvgBegin",
     "AvgCompressedPart",
     "AvgDropped",
+    "AvgHave",
     "AvgKeep",
     "AvgLeave",
     "AvgPart",
+    "AvgRelay",
     "AvgWeights",
     "JoinReply",
     "JoinRequest",
@@ -156,6 +164,28 @@ class AvgLeave(Message):
     group_id: bytes
     sender: int
     reason: str
+
+
+@message("avg.relay")
+@dataclass(frozen=True, slots=True)
+class AvgRelay(Message):
+    """Ask a member of round ``group_id`` how many parts of member ``reducer``'s span it
+    applied (the means ``reducer`` answered, or its own span's means if it is ``reducer``),
+    and, with ``fetch``, for those parts from ``first`` on."""
+
+    group_id: bytes
+    reducer: int
+    first: int
+    fetch: bool
+
+
+@message("avg.have")
+@dataclass(frozen=True, slots=True)
+class AvgHave(Message):
+    """The answer to :class:`AvgRelay`: the member applied parts ``0 .. count - 1`` of the
+    span and can still send them (0: it cannot)."""
+
+    count: int
 
 
 @message("avg.member")

@@ -24,7 +24,14 @@ from swarmavg.aio.allreduce import (
 from swarmavg.aio.node import Node
 from swarmavg.errors import RemoteError
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec, plan_parts
-from swarmavg.proto.averaging_messages import AvgBegin, AvgLeave, AvgPart
+from swarmavg.proto.averaging_messages import (
+    AvgBegin,
+    AvgHave,
+    AvgKeep,
+    AvgLeave,
+    AvgPart,
+    AvgRelay,
+)
 from swarmavg.proto.codec import Message
 from swarmavg.testing import MemoryNetwork
 
@@ -384,8 +391,8 @@ async def test_a_poisoned_sender_is_left_out_and_the_honest_mean_is_exact(bad: s
             # (a value that passes the checks counts where it lands: poison every span)
             for buffer in buffers[3]:
                 buffer[::7] = np.nan if bad == "nan" else np.inf
-            with pytest.raises(AllReduceFailed, match="nothing was averaged"):
-                await services[3].run(group, buffers[3], LAYOUT, timeout=20)
+            # every reducer refuses it; the others relay the honest means to it (alpha=1)
+            outcomes[3] = await services[3].run(group, buffers[3], LAYOUT, timeout=20)
 
         async def poisoned_by_hand(reducer: int) -> None:
             # what a modified peer could send: the wrong dtype or size in its first part
@@ -408,7 +415,11 @@ async def test_a_poisoned_sender_is_left_out_and_the_honest_mean_is_exact(bad: s
                 else:
                     for reducer in range(3):
                         tg.start_soon(poisoned_by_hand, reducer)
-    for i in range(3):
+    if bad in ("nan", "inf"):  # the poisoned member ends with what the others have
+        assert not outcomes[3].local_spans
+        assert sorted(r for r, _, _, _ in outcomes[3].relayed) == [0, 1, 2]
+        assert {sender for _, sender, _, _ in outcomes[3].dropped} == {3}
+    for i in range(4 if bad in ("nan", "inf") else 3):
         result = outcomes[i]
         assert result.incomplete
         assert {sender for _, sender, _, _ in result.dropped} == {3}
@@ -468,15 +479,17 @@ async def test_a_reducer_that_never_comes_leaves_its_span_local() -> None:
     np.testing.assert_array_equal(flats[0][: lost.start], flats[1][: lost.start])
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(50))
 async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right(
     seed: int,
 ) -> None:
-    """Members that never come or leave at a random moment: the others finish within the
-    timeouts, and every part a survivor reports as averaged holds the exact mean of the
-    members its reducer says contributed (alpha = 1), the same for every survivor."""
+    """Members that never come, leave at a random moment, or die at one (their node closes
+    without a word): the others finish within the timeouts, every part a survivor reports as
+    averaged holds the exact mean of the members its reducer says contributed (alpha = 1),
+    and the survivors agree: each part is averaged, with the same values, by all of them or
+    kept local by all of them."""
     rng = np.random.default_rng(seed)
-    fates = ["run"] * 2 + list(rng.choice(["run", "absent", "leave"], size=2))
+    fates = ["run"] * 2 + list(rng.choice(["run", "absent", "leave", "kill"], size=2))
     rng.shuffle(fates)
     part_size = 97
     async with _nodes(4) as nodes:
@@ -499,6 +512,11 @@ async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right
                 await services[i].run(group, buffers[i], LAYOUT, **options)
             await services[i].leave(group, "chaos")
 
+        async def kill(i: int, after: float) -> None:
+            with anyio.move_on_after(after):
+                await services[i].run(group, buffers[i], LAYOUT, **options)
+            await nodes[i].aclose()
+
         started = anyio.current_time()
         with anyio.fail_after(15):
             async with anyio.create_task_group() as tg:
@@ -507,9 +525,12 @@ async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right
                         tg.start_soon(run, i)
                     elif fate == "leave":
                         tg.start_soon(leave, i, float(rng.uniform(0, 0.02)))
+                    elif fate == "kill":
+                        tg.start_soon(kill, i, float(rng.uniform(0, 0.03)))
         assert anyio.current_time() - started < 10
     starts = [LAYOUT.buffer_start(b) for b in range(len(LAYOUT.buffers))]
     averaged: dict[tuple[int, int], npt.NDArray[np.float64]] = {}  # (reducer, part) -> values
+    kept: set[tuple[int, int]] = set()
     for i, fate in enumerate(fates):
         if fate != "run" or isinstance(outcomes[i], AllReduceFailed):
             continue
@@ -523,6 +544,7 @@ async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right
                 lo, hi = starts[part.buffer] + part.start, starts[part.buffer] + part.stop
                 if part.index >= local_from.get(reducer, len(parts)):
                     np.testing.assert_array_equal(flat[lo:hi], original[i][lo:hi])  # kept
+                    kept.add((reducer, part.index))
                     continue
                 senders = [
                     s for s in range(4) if part.index < dropped.get((reducer, s), len(parts))
@@ -532,3 +554,155 @@ async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right
                 if (reducer, part.index) in averaged:  # every survivor got the same
                     np.testing.assert_array_equal(averaged[reducer, part.index], flat[lo:hi])
                 averaged[reducer, part.index] = flat[lo:hi]
+    # no disagreement: no part averaged by one survivor and kept local by another
+    assert not kept & set(averaged), sorted(kept & set(averaged))
+
+
+def _flat(buffers: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.float64]:
+    return np.concatenate([b.astype(np.float64) for b in buffers])
+
+
+async def _reducer_cut_short(
+    nodes: Sequence[Node], die: bool, part_size: int = 97
+) -> tuple[Group, list[list[npt.NDArray[Any]]], dict[int, AllReduceResult | BaseException]]:
+    """Member 2 of 3 answers member 0 its whole span but member 1 only its first 3 parts:
+    then it dies (its node closes) or stalls."""
+    rng = np.random.default_rng(21)
+    group = _group(nodes)
+    buffers = [_buffers(rng) for _ in nodes]
+    service = AllReduceService.for_node(nodes[2])
+    served_0 = anyio.Event()
+    stop = anyio.Event()
+
+    async def serve(requests: AsyncIterator[Message], ctx: Any) -> AsyncIterator[Message]:
+        caller = group.index_of(ctx.peer_id)
+        answered = 0
+        async for reply in service._serve(requests, ctx):
+            if caller == 1 and answered == 3:
+                continue  # (its parts are still taken: member 0 gets all of its answers)
+            yield reply
+            answered += isinstance(reply, AvgPart | AvgKeep)
+        if caller == 0:
+            served_0.set()
+        else:
+            await served_0.wait()
+            await anyio.sleep(0.2)  # (member 0 has applied its last part)
+            stop.set()
+            await anyio.sleep_forever()
+
+    nodes[2].rpc.unregister("avg.allreduce")
+    nodes[2].rpc.register("avg.allreduce", serve, kind="bidi", request_type=Message)
+    outcomes: dict[int, AllReduceResult | BaseException] = {}
+    options = dict(part_size=part_size, timeout=20, sender_timeout=5, reducer_timeout=1)
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = await AllReduceService.for_node(nodes[i]).run(
+                group, buffers[i], LAYOUT, **options
+            )
+        except AllReduceFailed as exc:
+            outcomes[i] = exc
+
+    async def dying() -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, 2)
+                await stop.wait()
+                if die:
+                    scope.cancel()
+                    await nodes[2].aclose()
+
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0)
+            tg.start_soon(one, 1)
+            tg.start_soon(dying)
+    return group, buffers, outcomes
+
+
+@pytest.mark.parametrize("die", [True, False], ids=["dies", "stalls"])
+async def test_a_reducer_cut_short_while_answering_leaves_no_disagreement(die: bool) -> None:
+    """Member 2 answers member 0 all of its span and member 1 part of it, then dies (or
+    stalls past the reducer timeout): member 1 gets the rest from member 0 (or from member 2
+    itself, which applied its own span) and both end with identical tensors."""
+    async with _nodes(3) as nodes:
+        rng = np.random.default_rng(21)  # (what _reducer_cut_short starts from)
+        original = [_flat(_buffers(rng)) for _ in range(3)]
+        group, buffers, outcomes = await _reducer_cut_short(nodes, die)
+    first, second = outcomes[0], outcomes[1]
+    assert isinstance(first, AllReduceResult), first
+    assert isinstance(second, AllReduceResult), second
+    assert not first.local_spans
+    assert not first.relayed
+    assert not second.local_spans
+    [(reducer, start, stop, source)] = second.relayed
+    assert (reducer, start) == (2, 3)
+    assert source in ((0,) if die else (0, 2))
+    plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), 97)
+    assert stop == len(plans[2])
+    flats = [_flat(buffers[i]) for i in range(2)]
+    np.testing.assert_array_equal(flats[0], flats[1])  # identical, all of it
+    # the exact mean of the three
+    want = np.concatenate(
+        [e.astype(np.float64) for e in _expected(buffers_of(original), [1.0] * 3, [0, 1, 2])]
+    )
+    np.testing.assert_allclose(flats[0], want, rtol=0, atol=2e-3)
+
+
+def buffers_of(flats: Sequence[npt.NDArray[np.float64]]) -> list[list[npt.NDArray[Any]]]:
+    """Flat float64 vectors split back into LAYOUT's buffers."""
+    out = []
+    for flat in flats:
+        own, at = [], 0
+        for _, size in LAYOUT.buffers:
+            own.append(flat[at : at + size])
+            at += size
+        out.append(own)
+    return out
+
+
+async def _relay_ask(node: Node, to: Node, ask: AvgRelay) -> list[Message]:
+    async with node.rpc.server_stream(to.addresses[0], "avg.relay", ask, timeout=5) as answers:
+        return [answer async for answer in answers]
+
+
+async def test_relay_requests_are_checked_and_answer_only_what_is_held() -> None:
+    """``avg.relay`` answers a member with the parts it applied (until its buffers are used
+    again), nothing for an unknown round or with alpha != 1, and refuses strangers and
+    malformed requests."""
+    rng = np.random.default_rng(31)
+    async with _nodes(3) as nodes:
+        group = _group(nodes[:2])
+        buffers = [_buffers(rng) for _ in range(2)]
+        await _run_all(nodes[:2], group, buffers, [1.0, 1.0], part_size=97)
+        plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), 97)
+        got = await _relay_ask(nodes[1], nodes[0], AvgRelay(group.group_id, 1, 2, True))
+        assert isinstance(got[0], AvgHave)
+        assert got[0].count == len(plans[1])
+        assert [a.index for a in got[1:] if isinstance(a, AvgPart)] == list(range(2, len(plans[1])))
+        flat = _flat(buffers[0])
+        starts = [LAYOUT.buffer_start(b) for b in range(len(LAYOUT.buffers))]
+        for answer in got[1:]:
+            assert isinstance(answer, AvgPart)
+            part = plans[1][answer.index]
+            lo = starts[part.buffer] + part.start
+            np.testing.assert_array_equal(answer.values, flat[lo : lo + part.size])
+        # unknown round: nothing; a stranger, a bad index or a negative part: refused
+        [have] = await _relay_ask(nodes[1], nodes[0], AvgRelay(b"x" * 16, 1, 0, True))
+        assert have == AvgHave(0)
+        for who, ask in [
+            (nodes[2], AvgRelay(group.group_id, 1, 0, True)),
+            (nodes[1], AvgRelay(group.group_id, 5, 0, True)),
+            (nodes[1], AvgRelay(group.group_id, 1, -1, True)),
+            (nodes[1], AvgRelay(b"", 1, 0, True)),
+        ]:
+            with pytest.raises(RemoteError):
+                await _relay_ask(who, nodes[0], ask)
+        # the next round on the same buffers ends what the last one can relay
+        group2 = _group(nodes[:2])
+        await _run_all(nodes[:2], group2, buffers, [1.0, 1.0], averaging_alpha=0.5)
+        [have] = await _relay_ask(nodes[1], nodes[0], AvgRelay(group.group_id, 1, 0, True))
+        assert have == AvgHave(0)
+        # ... and a round with alpha != 1 has nothing to relay: its buffers are not the means
+        [have] = await _relay_ask(nodes[1], nodes[0], AvgRelay(group2.group_id, 1, 0, True))
+        assert have == AvgHave(0)
