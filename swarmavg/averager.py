@@ -42,7 +42,7 @@ class DecentralizedAverager:
     ``request_timeout``, ``averaging_alpha``, ``part_size_bytes``, ``allreduce_timeout``,
     ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``, ``allow_state_sharing``,
     ``state_sharing_priority``, ``declare_state_period``, ``next_chunk_timeout``,
-    ``max_state_size``) and:
+    ``max_state_size``, ``state_compression``, ``state_max_donors``) and:
 
     :param dht: a running :class:`swarmavg.DHT`; the averager shares its node.
     :param start: start at once (otherwise :meth:`run_in_background`).
@@ -134,9 +134,9 @@ class DecentralizedAverager:
         run_sync(set_it)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
-        """What this peer serves: ``(metadata, tensors)``; by default ``(None, copies of the
-        averaged tensors)``, taken under :meth:`get_tensors`'s lock. Override it to share more;
-        it is called in a worker thread (see
+        """What this peer serves: ``(metadata, tensors)`` (or ``(metadata, tensors, infos)``);
+        by default ``(None, copies of the averaged tensors)``, taken under :meth:`get_tensors`'s
+        lock. Override it to share more; it is called in a worker thread (see
         :meth:`swarmavg.aio.DecentralizedAverager.get_current_state`)."""
         return None, self._averager._copy_tensors()
 
@@ -280,7 +280,9 @@ class _FacadeAverager(AsyncAverager):
         self._facade = facade
         super().__init__(*args, **options)
 
-    async def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+    async def get_current_state(
+        self,
+    ) -> tuple[Any, Sequence[torch.Tensor]] | tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
         facade = self._facade
         if type(facade).get_current_state is DecentralizedAverager.get_current_state:
             return await super().get_current_state()

@@ -37,7 +37,13 @@ from swarmavg._time import get_dht_time
 from swarmavg.abc._averaging import AllReduceRunner, Matchmaker, MemberMode
 from swarmavg.aio.allreduce import AllReduceService
 from swarmavg.aio.matchmaking import DHTMatchmaker
-from swarmavg.aio.state import DEFAULT_MAX_STATE_SIZE, StateLoad, StateSharer, load_state
+from swarmavg.aio.state import (
+    DEFAULT_MAX_DONORS,
+    DEFAULT_MAX_STATE_SIZE,
+    StateLoad,
+    StateSharer,
+    load_state,
+)
 from swarmavg.compression import (
     AdaptiveCompression,
     CompressionBase,
@@ -153,7 +159,12 @@ class DecentralizedAverager:
     (seconds between declarations in the DHT, each valid for one period),
     ``next_chunk_timeout`` (a download moves to the next donor when no chunk came in this many
     seconds; default ``request_timeout``), ``max_state_size`` (bytes; larger states are refused
-    before anything is allocated).
+    before anything is allocated), ``state_compression`` (a codec of
+    :mod:`swarmavg.compression`, or a chooser given the ``infos`` that
+    :meth:`get_current_state` may return, for the float tensors this peer serves; lossy codecs
+    allowed; default :class:`~swarmavg.compression.NoCompression`), ``state_max_donors`` (a
+    download fetches disjoint ranges from up to this many donors at once, those holding the
+    same state as the best-ranked one; default 2, 1 for one donor at a time).
 
     Use as ``async with DecentralizedAverager(tensors, dht, ...) as averager:``; the DHT must be
     running (``async with swarmavg.aio.DHT(...)``) and outlive the averager.
@@ -187,6 +198,8 @@ class DecentralizedAverager:
         declare_state_period: float = 30.0,
         next_chunk_timeout: float | None = None,
         max_state_size: int = DEFAULT_MAX_STATE_SIZE,
+        state_compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
+        state_max_donors: int = DEFAULT_MAX_DONORS,
         compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: bool = False,
@@ -281,6 +294,8 @@ class DecentralizedAverager:
             declare_state_period,
             next_chunk_timeout,
             max_state_size,
+            state_compression,
+            state_max_donors,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -382,6 +397,8 @@ class DecentralizedAverager:
         period: float,
         next_chunk_timeout: float | None,
         max_state_size: int,
+        state_compression: CompressionBase | AdaptiveCompression,
+        state_max_donors: int,
     ) -> None:
         if allow is None:
             allow = self.mode is MemberMode.NODE
@@ -404,6 +421,16 @@ class DecentralizedAverager:
             isinstance(max_state_size, int) and max_state_size >= 0
         ):
             raise ValueError(f"max_state_size must be an int >= 0 (bytes), not {max_state_size!r}")
+        if not isinstance(state_compression, CompressionBase | AdaptiveCompression):
+            raise TypeError(
+                f"state_compression must be a codec or a chooser, not {state_compression!r:.64}"
+            )
+        if isinstance(state_max_donors, bool) or not (
+            isinstance(state_max_donors, int) and state_max_donors >= 1
+        ):
+            raise ValueError(f"state_max_donors must be an int >= 1, not {state_max_donors!r}")
+        self.state_compression = state_compression
+        self.state_max_donors = state_max_donors
         self.next_chunk_timeout = float(
             self.request_timeout if next_chunk_timeout is None else next_chunk_timeout
         )
@@ -415,6 +442,7 @@ class DecentralizedAverager:
             enabled=allow,
             priority=priority,
             declare_period=float(period),
+            compression=state_compression,
         )
 
     @property
@@ -441,10 +469,15 @@ class DecentralizedAverager:
     def state_sharing_priority(self, value: float) -> None:
         self._state_sharer.priority = value
 
-    async def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+    async def get_current_state(
+        self,
+    ) -> tuple[Any, Sequence[torch.Tensor]] | tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
         """What this peer serves to peers that load its state: ``(metadata, tensors)``, metadata
         anything msgpack serializes, tensors of any shape and of a plain dtype (float, int,
-        bool, complex). Override it to share more (an optimizer's state, a step count).
+        bool, complex). Override it to share more (an optimizer's state, a step count). It may
+        also return ``(metadata, tensors, infos)``: one
+        :class:`~swarmavg.compression.TensorInfo` per tensor, for a ``state_compression``
+        chooser.
 
         By default ``(None, copies of the averaged tensors)`` taken under the
         :meth:`get_tensors` lock (in a worker thread, so that a training thread holding the
@@ -474,9 +507,12 @@ class DecentralizedAverager:
         tensors)`` (CPU tensors), or ``None`` when no peer shares it, every donor failed or
         ``timeout`` passed. The averaged tensors are not changed: copy what you need.
 
-        Donors are tried by :attr:`state_sharing_priority`, highest first, never this peer; a
-        donor that fails, sends garbage (checked before allocating, and by checksum) or sends
-        no chunk within ``next_chunk_timeout`` seconds is replaced by the next one.
+        Donors are tried by :attr:`state_sharing_priority`, highest first, never this peer:
+        the state is the best-ranked answering donor's, fetched in disjoint ranges at once from
+        it and the others among the best ``state_max_donors`` that hold the very same snapshot.
+        A donor that fails, sends garbage (checked before allocating, and each block by its
+        checksum) or sends no chunk within ``next_chunk_timeout`` seconds is dropped: its
+        ranges go to the others, or to the next donors.
 
         :param timeout: seconds for the whole (``None``: each donor is still bounded by its
             own timeouts).
@@ -504,6 +540,7 @@ class DecentralizedAverager:
                 self.prefix,
                 chunk_timeout=self.next_chunk_timeout,
                 max_bytes=self.max_state_size,
+                max_donors=self.state_max_donors,
             )
         logger.warning("loading the state of %s took over %s s", self.prefix, timeout)
         return None

@@ -1,33 +1,43 @@
-"""State sharing: a peer that joins late downloads the state of one that has been averaging.
+"""State sharing: a peer that joins late downloads the state of peers that have been averaging.
 
 A peer that shares (``allow_state_sharing``) declares itself in the DHT under ``<prefix>.state``
 (a dictionary: subkey its PeerID, value ``{"priority": float, "address": str}``), again every
 half ``declare_state_period`` with an expiration one period ahead, and withdraws (value
 ``None``, expiring 1 ms after the declaration it replaces) when it stops. It serves ``avg.state``
-(a server-stream call, messages in :mod:`swarmavg.proto.state_messages`): a header (msgpack
-metadata, every tensor's dtype and shape, the total size, a SHA-256 checksum) and then the
-tensors' bytes in chunks of at most :data:`CHUNK_SIZE`.
+(a server-stream call, messages and checks in :mod:`swarmavg.proto.state_messages`).
 
-A taker reads the key, tries the donors by priority (highest first, ties at random, never
-itself), checks each header against its limits before it allocates anything, checks every
-chunk's place and the checksum at the end, and moves to the next donor when one fails, sends
-garbage or stalls (no message within ``next_chunk_timeout``).
+**Snapshots.** A donor serves snapshots of its state
+(:meth:`~swarmavg.aio.DecentralizedAverager.get_current_state`: by default copies of the averaged
+tensors, taken under their lock), encoded (``state_compression``) and hashed in a worker thread:
+the transfer reads only the snapshot, so the donor's own averaging goes on. A snapshot is
+shared by the calls that ask within :data:`_SNAPSHOT_REUSE` seconds of it, kept while calls
+read it and :data:`_SNAPSHOT_IDLE` seconds after the last one (so that a taker can fetch its
+ranges over several calls), and at most :data:`_MAX_SNAPSHOTS` are held (past that, new calls
+share the newest).
 
-The donor takes a snapshot (:meth:`~swarmavg.aio.DecentralizedAverager.get_current_state`: by
-default copies of the averaged tensors, taken under their lock) and hashes it in a worker
-thread; the transfer then reads only the snapshot, so the donor's own averaging goes on.
+**Downloading.** A taker reads the key and ranks the donors by priority (highest first, ties
+at random, never itself). It *probes* the best ``max_donors`` at once (a header, no bytes),
+takes the state of the best-ranked one that answers, and combines it with every probed donor
+whose snapshot is identical (same snapshot digest): they fetch disjoint ranges of whole blocks
+from a shared queue, each donor one range at a time, so a faster donor serves more. Every block
+is checked against its SHA-256 in the header (whose digests the header's checksum covers) as
+it arrives: a donor that fails, sends garbage or a bad block, or stalls (no chunk within
+``next_chunk_timeout``) is dropped and its unverified ranges go back to the queue for the
+others. When every donor of the group is gone, the next donors are probed (keeping what was
+downloaded if their snapshot is the same).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
 import random
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -38,10 +48,34 @@ import numpy.typing as npt
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
+from swarmavg.compression import (
+    AdaptiveCompression,
+    CompressedTensor,
+    CompressionBase,
+    NoCompression,
+    TensorInfo,
+    decompress,
+)
 from swarmavg.errors import SwarmError
 from swarmavg.identity import PeerID
 from swarmavg.proto.codec import Message
-from swarmavg.proto.state_messages import StateChunk, StateHeader, StateRequest
+from swarmavg.proto.state_messages import (
+    CODED_DTYPES,
+    DTYPE_SIZES,
+    MAX_BLOCKS,
+    MAX_SNAPSHOT_ID,
+    Segment,
+    StateChunk,
+    StateDownloadFailed,
+    StateHeader,
+    StateLayout,
+    StateRequest,
+    block_digests,
+    check_header,
+    check_range,
+    snapshot_id,
+    split_ranges,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -51,9 +85,13 @@ if TYPE_CHECKING:
     from swarmavg.aio.rpc import CallContext
 
 __all__ = [
+    "BLOCK_SIZE",
     "CHUNK_SIZE",
+    "DEFAULT_MAX_DONORS",
     "DEFAULT_MAX_STATE_SIZE",
+    "DTYPE_SIZES",
     "METHOD",
+    "StateDownloadFailed",
     "StateLoad",
     "StateSharer",
     "download_state",
@@ -65,6 +103,12 @@ logger = logging.getLogger(__name__)
 METHOD: Final = "avg.state"
 #: The most bytes one chunk carries.
 CHUNK_SIZE: Final = 4 << 20
+#: Bytes per verified block (more for states over ``MAX_BLOCKS`` of them).
+BLOCK_SIZE: Final = 4 << 20
+#: Blocks per range a taker asks of one donor in one call.
+RANGE_BLOCKS: Final = 4
+#: Donors a taker downloads from at once, by default.
+DEFAULT_MAX_DONORS: Final = 2
 #: The largest state a taker accepts by default (bytes of tensors).
 DEFAULT_MAX_STATE_SIZE: Final = 16 << 30
 #: How long a taker waits for the header (the donor snapshots and hashes first), at least.
@@ -73,37 +117,25 @@ HEADER_WAIT: Final = 30.0
 _DHT_WAIT: Final = 60.0
 #: Donors tried at most per load (the best-ranked).
 _MAX_DONORS: Final = 32
-#: Tensors a header may announce.
-_MAX_TENSORS: Final = 1 << 16
-_MAX_NDIM: Final = 32
 _MAX_ADDRESS_LENGTH: Final = 512
-#: Downloads one averager serves at once; more wait (at most ``_UPLOAD_WAIT`` s), then fail.
-_MAX_UPLOADS: Final = 4
+#: Calls one averager serves at once; more wait (at most ``_UPLOAD_WAIT`` s), then fail.
+_MAX_UPLOADS: Final = 8
 _UPLOAD_WAIT: Final = 10.0
+#: Snapshots a donor holds at most; a new call shares one taken this recently.
+_MAX_SNAPSHOTS: Final = 2
+_SNAPSHOT_REUSE: Final = 2.0
+#: A snapshot no call read for this long is dropped.
+_SNAPSHOT_IDLE: Final = 20.0
+#: Blocks up to this size are verified on the event loop (larger ones in a worker thread).
+_INLINE_HASH: Final = 1 << 16
 #: A withdrawal expires this long after the declaration it replaces (the newer one wins).
 _WITHDRAWN: Final = 0.001
+#: What a failing donor may raise (it is then dropped).
+_DONOR_ERRORS: Final = (SwarmError, OSError, TimeoutError, ValueError, TypeError, MemoryError)
 
-#: dtypes a state may hold: name (as torch and the header spell it) -> bytes per element
-DTYPE_SIZES: Final = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-}
-
-StateProvider = Callable[[], Awaitable[tuple[Any, Sequence["torch.Tensor"]]]]
-
-
-class StateDownloadFailed(SwarmError, ValueError):
-    """A donor's answer was refused (garbage, over the limits, a wrong checksum)."""
+StateProvider = Callable[[], Awaitable[tuple[Any, ...]]]
+Compression = CompressionBase | AdaptiveCompression
+State = tuple[Any, list["torch.Tensor"]]
 
 
 # -- serving --------------------------------------------------------------------------------------
@@ -129,49 +161,131 @@ def _serve_state(registry: dict[str, StateSharer]) -> Any:
         sharer = registry.get(request.prefix)
         if sharer is None or not sharer.enabled:
             raise ValueError("this peer does not share its state under that prefix")
-        async for answer in sharer._serve(ctx):
+        async for answer in sharer._serve(request, ctx):
             yield answer
 
     return serve
 
 
-@dataclass
+@dataclass(eq=False)
 class _Snapshot:
-    dtypes: list[str]
-    shapes: list[list[int]]
-    views: list[npt.NDArray[np.uint8]]  # each tensor's bytes
-    keep: list[torch.Tensor]  # (what the views look into)
-    total: int
-    checksum: bytes
+    header: StateHeader
+    parts: list[npt.NDArray[np.uint8]]  # the payload, in order (no empty part)
+    keep: list[object]  # (what the parts look into)
+    created: float = 0.0
+    last_used: float = 0.0
+    active: int = 0  # calls reading it
+
+    @property
+    def id(self) -> bytes:
+        return self.header.snapshot
+
+    def pieces(self, start: int, stop: int, chunk_size: int) -> Generator[StateChunk]:
+        """The payload ``[start, stop)`` as chunks of at most ``chunk_size`` bytes."""
+        offset = 0
+        for part in self.parts:
+            end = offset + part.size
+            lo, hi = max(start, offset), min(stop, end)
+            for at in range(lo, hi, chunk_size):
+                yield StateChunk(at, part[at - offset : min(at + chunk_size, hi) - offset])
+            offset = end
 
 
-def _snapshot(tensors: object) -> _Snapshot:
-    """The tensors' bytes (on the host, contiguous) and their checksum. Runs in a worker thread
-    (hashing gigabytes takes seconds)."""
+def _unpack_state(state: object) -> tuple[Any, Sequence[torch.Tensor], Sequence[TensorInfo] | None]:
+    """``(metadata, tensors)`` or ``(metadata, tensors, infos)`` from ``get_current_state()``."""
+    if not isinstance(state, tuple) or len(state) not in (2, 3):
+        raise TypeError(
+            "get_current_state() must return (metadata, tensors) or (metadata, tensors, infos)"
+        )
+    metadata, tensors = state[0], state[1]
+    infos = state[2] if len(state) == 3 else None
+    if isinstance(tensors, str | bytes) or not isinstance(tensors, Sequence):
+        raise TypeError("get_current_state() must return (metadata, a sequence of tensors, ...)")
+    if infos is not None and (
+        not isinstance(infos, Sequence)
+        or len(infos) != len(tensors)
+        or not all(isinstance(i, TensorInfo) for i in infos)
+    ):
+        raise TypeError("get_current_state()'s infos must be one TensorInfo per tensor")
+    return metadata, tensors, infos
+
+
+def _take_snapshot(
+    metadata: bytes,
+    tensors: Sequence[torch.Tensor],
+    infos: Sequence[TensorInfo] | None,
+    compression: Compression,
+    block_size: int,
+) -> _Snapshot:
+    """The tensors' payload (on the host, contiguous; encoded where ``compression`` makes a
+    tensor smaller) and its digests. Runs in a worker thread (hashing gigabytes takes
+    seconds)."""
     import torch
 
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError("get_current_state() must return (metadata, a sequence of tensors)")
     dtypes: list[str] = []
     shapes: list[list[int]] = []
-    views: list[npt.NDArray[np.uint8]] = []
-    keep: list[torch.Tensor] = []
-    digest = hashlib.sha256()
+    encodings: list[tuple[str, int, int, int, int]] = []
+    parts: list[npt.NDArray[np.uint8]] = []
+    keep: list[object] = []
+    coding = not isinstance(compression, NoCompression)
     with torch.no_grad():
-        for tensor in tensors:
+        for i, tensor in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"get_current_state() returned a {type(tensor).__name__}")
             dtype = str(tensor.dtype).removeprefix("torch.")
             if dtype not in DTYPE_SIZES:
                 raise TypeError(f"a tensor of {tensor.dtype} cannot be shared")
             host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            view = host.reshape(-1).view(torch.uint8).numpy()
-            digest.update(view.data)
+            raw = host.reshape(-1).view(torch.uint8).numpy()
             dtypes.append(dtype)
             shapes.append(list(host.shape))
-            views.append(view)
-            keep.append(host)
-    return _Snapshot(dtypes, shapes, views, keep, sum(v.size for v in views), digest.digest())
+            encoded = None
+            if coding and dtype in CODED_DTYPES and raw.size:
+                encoded = _encode(host.numpy(), compression, infos[i] if infos else None)
+            if encoded is not None and encoded.nbytes < raw.size:
+                pieces = [
+                    np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                    for a in (encoded.data, encoded.scales, encoded.codebook)
+                ]
+                data, scales, codebook = (p.size for p in pieces)
+                encodings.append((encoded.codec, encoded.block_size, data, scales, codebook))
+                parts += [p for p in pieces if p.size]
+                keep.append(encoded)
+            else:
+                encodings.append(("", 0, raw.size, 0, 0))
+                if raw.size:
+                    parts.append(raw)
+                keep.append(host)
+    total = sum(p.size for p in parts)
+    block = max(block_size, -(-total // MAX_BLOCKS))
+    digests = b"".join(block_digests([p.data for p in parts], block))
+    coded = any(codec for codec, *_ in encodings)
+    header = StateHeader(
+        metadata,
+        dtypes,
+        shapes,
+        total,
+        hashlib.sha256(digests).digest(),
+        b"",
+        block,
+        digests,
+        tuple(encodings) if coded else (),
+    )
+    header = dataclasses.replace(header, snapshot=snapshot_id(header))
+    return _Snapshot(header, parts, keep)
+
+
+def _encode(
+    array: npt.NDArray[Any], compression: Compression, info: TensorInfo | None
+) -> CompressedTensor | None:
+    """``array`` compressed, or ``None`` where the codec cannot (NaN, inf, out of range)."""
+    try:
+        if isinstance(compression, AdaptiveCompression):
+            return compression.compress(array, info)
+        return compression.compress(array)
+    except (ValueError, TypeError) as exc:
+        logger.debug("a tensor of the state is sent uncompressed: %s", exc)
+        return None
 
 
 class StateSharer:
@@ -190,21 +304,28 @@ class StateSharer:
         enabled: bool,
         priority: float,
         declare_period: float,
+        compression: Compression | None = None,
     ) -> None:
         self.dht = dht
         self.prefix = prefix
         self.key = f"{prefix}.state"
         self.provider = provider
         self.declare_period = declare_period
+        self.compression: Compression = compression or NoCompression()
         self.chunk_size = CHUNK_SIZE
+        self.block_size = BLOCK_SIZE
+        #: payload bytes sent to takers so far
+        self.bytes_served = 0
         self._enabled = enabled
         self._priority = _check_priority(priority)
         self._started = False
         self._closed = False
-        self._scope: anyio.CancelScope | None = None  # the declaring task's
+        self._scopes: list[anyio.CancelScope] = []  # the declaring and expiring tasks'
         self._changed: anyio.Event | None = None  # wakes the declaring task
         self._declared_until: float | None = None  # expiration of our last declaration
         self._uploads: anyio.Semaphore | None = None
+        self._snapshots: dict[bytes, _Snapshot] = {}  # oldest first
+        self._snapshot_lock: anyio.Lock | None = None
 
     @property
     def enabled(self) -> bool:
@@ -215,6 +336,8 @@ class StateSharer:
         if value and self._started:
             self._claim()
         self._enabled = value
+        if not value:
+            self._snapshots.clear()
         self._wake()
 
     @property
@@ -234,8 +357,11 @@ class StateSharer:
         if self._enabled:
             self._claim()
         self._uploads = anyio.Semaphore(_MAX_UPLOADS)
+        self._snapshot_lock = anyio.Lock()
         self._started = True
-        self._scope = self.dht.node.spawn(self._declare_loop, name=f"declare state {self.key}")
+        node = self.dht.node
+        self._scopes.append(node.spawn(self._declare_loop, name=f"declare state {self.key}"))
+        self._scopes.append(node.spawn(self._expire_loop, name=f"expire snapshots {self.key}"))
 
     def _claim(self) -> None:
         """Serve our prefix's downloads on the node (one sharer per prefix and node)."""
@@ -248,8 +374,9 @@ class StateSharer:
         if self._closed:
             return
         self._closed = True
-        if self._scope is not None:
-            self._scope.cancel()
+        self._snapshots.clear()
+        for scope in self._scopes:
+            scope.cancel()
         registry = _registries.get(self.dht.node)
         if registry is not None and registry.get(self.prefix) is self:
             del registry[self.prefix]
@@ -299,9 +426,52 @@ class StateSharer:
             logger.debug("could not store %s: %r", self.key, exc)
         return False
 
-    async def _serve(self, ctx: CallContext) -> AsyncIterator[Message]:
-        """One download: snapshot, header, chunks (the snapshot is what is sent: the averaged
-        tensors can change meanwhile)."""
+    # -- snapshots -------------------------------------------------------------------------------
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await anyio.sleep(_SNAPSHOT_IDLE / 4)
+            self._expire()
+
+    def _expire(self) -> None:
+        """Drop the snapshots no call has read for ``_SNAPSHOT_IDLE`` seconds."""
+        now = anyio.current_time()
+        for key, snap in list(self._snapshots.items()):
+            if not snap.active and now - snap.last_used > _SNAPSHOT_IDLE:
+                del self._snapshots[key]
+
+    async def _recent_snapshot(self) -> _Snapshot:
+        """A snapshot taken for this call, or one taken less than ``_SNAPSHOT_REUSE`` s ago
+        (or the newest, when ``_MAX_SNAPSHOTS`` are held)."""
+        assert self._snapshot_lock is not None
+        async with self._snapshot_lock:  # (calls that come together share one snapshot)
+            self._expire()
+            newest = next(reversed(self._snapshots.values()), None)
+            now = anyio.current_time()
+            if newest is not None and (
+                now - newest.created < _SNAPSHOT_REUSE or len(self._snapshots) >= _MAX_SNAPSHOTS
+            ):
+                return newest
+            metadata, tensors, infos = _unpack_state(await self.provider())
+            try:
+                packed: bytes = msgpack.packb(metadata, use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise TypeError(
+                    f"the state's metadata is not msgpack-serializable: {exc}"
+                ) from None
+            snap = await anyio.to_thread.run_sync(
+                _take_snapshot, packed, tensors, infos, self.compression, self.block_size
+            )
+            snap.created = snap.last_used = anyio.current_time()
+            if not self.enabled:
+                raise ValueError("state sharing was turned off")
+            self._snapshots.pop(snap.id, None)  # (the same state again: now the newest)
+            self._snapshots[snap.id] = snap
+            return snap
+
+    async def _serve(self, request: StateRequest, ctx: CallContext) -> AsyncIterator[Message]:
+        """One call: a snapshot's header (unless one is named) and its bytes in the range
+        asked (the snapshot is what is sent: the averaged tensors can change meanwhile)."""
         assert self._uploads is not None
         with anyio.move_on_after(_UPLOAD_WAIT) as waited:
             await self._uploads.acquire()
@@ -310,26 +480,31 @@ class StateSharer:
         try:
             if not self.enabled:
                 raise ValueError("state sharing was turned off")
-            metadata, tensors = await self.provider()
+            if len(request.snapshot) > MAX_SNAPSHOT_ID:
+                raise ValueError("a malformed snapshot id")
+            if request.snapshot:
+                snap = self._snapshots.get(request.snapshot)
+                if snap is None:
+                    raise ValueError("that snapshot is no longer held")
+            else:
+                snap = await self._recent_snapshot()
+            start, stop = check_range(request.start, request.stop, snap.header.total_bytes)
+            snap.active += 1
             try:
-                packed: bytes = msgpack.packb(metadata, use_bin_type=True)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(
-                    f"the state's metadata is not msgpack-serializable: {exc}"
-                ) from None
-            snapshot = await anyio.to_thread.run_sync(_snapshot, tensors)
-            logger.debug("sending %d bytes of state to %s", snapshot.total, ctx.peer_id.short())
-            yield StateHeader(
-                packed, snapshot.dtypes, snapshot.shapes, snapshot.total, snapshot.checksum
-            )
-            offset = 0
-            for view in snapshot.views:
-                for start in range(0, view.size, self.chunk_size):
+                if not request.snapshot:
+                    yield snap.header
+                if stop > start:
+                    logger.debug(
+                        "sending bytes %d-%d of state to %s", start, stop, ctx.peer_id.short()
+                    )
+                for chunk in snap.pieces(start, stop, self.chunk_size):
                     if self._closed:
                         raise ValueError("the averager closed")
-                    chunk = view[start : start + self.chunk_size]
-                    yield StateChunk(offset, chunk)
-                    offset += chunk.size
+                    yield chunk
+                    self.bytes_served += chunk.data.size
+            finally:
+                snap.active -= 1
+                snap.last_used = anyio.current_time()
         finally:
             self._uploads.release()
 
@@ -342,8 +517,10 @@ def _check_priority(value: object) -> float:
 
 # -- downloading ----------------------------------------------------------------------------------
 
+Donor = tuple[PeerID, Address, float]
 
-def _donors(found: object, me: PeerID) -> list[tuple[PeerID, Address, float]]:
+
+def _donors(found: object, me: PeerID) -> list[Donor]:
     """The peers declared under the key (never ``me``): best priority first, ties at random."""
     if not isinstance(found, dict):
         return []
@@ -374,90 +551,11 @@ def _donors(found: object, me: PeerID) -> list[tuple[PeerID, Address, float]]:
     return [(peer, address, priority) for peer, address, priority, _ in donors[:_MAX_DONORS]]
 
 
-def _check_header(header: StateHeader, max_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
-    """The announced tensors (dtype, shape), if the header is consistent and within bounds."""
-    if len(header.dtypes) != len(header.shapes) or len(header.dtypes) > _MAX_TENSORS:
-        raise StateDownloadFailed("the header's dtypes and shapes do not match")
-    if len(header.checksum) != hashlib.sha256().digest_size:
-        raise StateDownloadFailed("the header's checksum is not a SHA-256 digest")
-    total = 0
-    specs = []
-    for dtype, shape in zip(header.dtypes, header.shapes, strict=True):
-        if dtype not in DTYPE_SIZES:
-            raise StateDownloadFailed(f"unsupported dtype {dtype[:32]!r}")
-        if len(shape) > _MAX_NDIM or any(d < 0 for d in shape):
-            raise StateDownloadFailed("a malformed shape")
-        size = DTYPE_SIZES[dtype] * math.prod(shape)  # (Python ints: no overflow)
-        total += size
-        if total > max_bytes:
-            raise StateDownloadFailed(f"the state is over the limit ({max_bytes} bytes)")
-        specs.append((dtype, tuple(shape)))
-    if total != header.total_bytes:
-        raise StateDownloadFailed(
-            f"the header announces {header.total_bytes} bytes, its tensors hold {total}"
-        )
-    return specs
-
-
-async def download_state(
-    node: Node,
-    address: Address,
-    prefix: str,
-    *,
-    chunk_timeout: float,
-    header_timeout: float = HEADER_WAIT,
-    max_bytes: int = DEFAULT_MAX_STATE_SIZE,
-) -> tuple[Any, list[torch.Tensor]]:
-    """Download the state of the averager under ``prefix`` at ``address``.
-
-    :raises StateDownloadFailed: the answer was garbage, over ``max_bytes``, or its checksum
-        did not match.
-    :raises TimeoutError: the header took more than ``max(chunk_timeout, header_timeout)``
-        seconds (the donor snapshots and hashes first), or a chunk more than ``chunk_timeout``.
-    :raises SwarmError: the call failed (the donor refused, left, could not be reached).
-    """
-    import torch
-
-    request = StateRequest(prefix)
-    async with node.rpc.server_stream(address, METHOD, request, response_type=Message) as answers:
-        header = await _receive(answers, max(chunk_timeout, header_timeout), "header")
-        if not isinstance(header, StateHeader):
-            raise StateDownloadFailed("the donor did not begin with a header")
-        specs = _check_header(header, max_bytes)
-        try:
-            metadata = msgpack.unpackb(header.metadata, raw=False, strict_map_key=False)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise StateDownloadFailed(f"the metadata does not decode: {exc}") from None
-        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in specs]
-        views = [t.reshape(-1).view(torch.uint8).numpy() for t in tensors]
-        digest = hashlib.sha256()
-        total = header.total_bytes
-        received = index = filled = 0  # bytes so far; the tensor being filled; its bytes so far
-        while received < total:
-            chunk = await _receive(answers, chunk_timeout, f"chunk at byte {received}")
-            if not isinstance(chunk, StateChunk) or chunk.offset != received:
-                raise StateDownloadFailed(f"expected the chunk at byte {received} of {total}")
-            data = chunk.data
-            if data.dtype != np.uint8 or data.ndim != 1 or not 0 < data.size <= total - received:
-                raise StateDownloadFailed(f"a malformed chunk at byte {received}")
-            digest.update(data.data)
-            taken = 0
-            while taken < data.size:
-                while filled == views[index].size:
-                    index, filled = index + 1, 0
-                n = min(data.size - taken, views[index].size - filled)
-                views[index][filled : filled + n] = data[taken : taken + n]
-                taken, filled = taken + n, filled + n
-            received += data.size
-        extra = await _receive(answers, chunk_timeout, "end of the stream")
-        if extra is not None:
-            raise StateDownloadFailed("the donor sent more than it announced")
-    if digest.digest() != header.checksum:
-        raise StateDownloadFailed("the checksum does not match")
-    for (dtype, _), view in zip(specs, views, strict=True):
-        if dtype == "bool" and view.size and view.max() > 1:  # (other bytes are not booleans)
-            raise StateDownloadFailed("a bool tensor holds bytes other than 0 and 1")
-    return metadata, tensors
+def _decode_metadata(header: StateHeader) -> Any:
+    try:
+        return msgpack.unpackb(header.metadata, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise StateDownloadFailed(f"the metadata does not decode: {exc}") from None
 
 
 async def _receive(answers: AsyncIterator[Message], timeout: float, what: str) -> Message | None:
@@ -469,6 +567,291 @@ async def _receive(answers: AsyncIterator[Message], timeout: float, what: str) -
         raise TimeoutError(f"no {what} came within {timeout} s") from None
 
 
+async def _receive_header(
+    answers: AsyncIterator[Message], timeout: float, max_bytes: int
+) -> tuple[StateHeader, StateLayout]:
+    header = await _receive(answers, timeout, "header")
+    if not isinstance(header, StateHeader):
+        raise StateDownloadFailed("the donor did not begin with a header")
+    layout = check_header(header, max_bytes)
+    _decode_metadata(header)
+    return header, layout
+
+
+class _Download:
+    """The payload of one snapshot being filled in (tensors allocated once the header passed
+    :func:`check_header`): the ranges still to fetch, the blocks verified."""
+
+    def __init__(self, header: StateHeader, layout: StateLayout) -> None:
+        import torch
+
+        self.header, self.layout = header, layout
+        self.id = snapshot_id(header)
+        self.tensors: list[torch.Tensor | None] = []
+        self.buffers: list[npt.NDArray[np.uint8]] = []  # each segment's bytes
+        for seg in layout.segments:
+            if seg.codec:
+                self.tensors.append(None)
+                self.buffers.append(np.empty(seg.size, dtype=np.uint8))
+            else:
+                tensor = torch.empty(seg.shape, dtype=getattr(torch, seg.dtype))
+                self.tensors.append(tensor)
+                self.buffers.append(tensor.reshape(-1).view(torch.uint8).numpy())
+        self.pending = split_ranges(layout.total, layout.block_size, RANGE_BLOCKS)
+        self.pending.reverse()  # (taken from the end: in order)
+        self.in_flight = 0
+        self.changed = anyio.Event()
+        self.bytes_from: dict[PeerID, int] = {}
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending and not self.in_flight
+
+    def take(self) -> tuple[int, int] | None:
+        if not self.pending:
+            return None
+        self.in_flight += 1
+        return self.pending.pop()
+
+    def settle(self, rest: tuple[int, int] | None) -> None:
+        """A range taken is over; ``rest`` (its unverified end) goes back to the queue."""
+        self.in_flight -= 1
+        if rest is not None and rest[0] < rest[1]:
+            self.pending.append(rest)
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def _slices(self, start: int, stop: int) -> Generator[tuple[npt.NDArray[np.uint8], int, int]]:
+        """(segment buffer, from, to) covering the payload ``[start, stop)``."""
+        for seg, buffer in zip(self.layout.segments, self.buffers, strict=True):
+            lo, hi = max(start, seg.offset), min(stop, seg.offset + seg.size)
+            if lo < hi:
+                yield buffer, lo - seg.offset, hi - seg.offset
+
+    def write(self, offset: int, data: npt.NDArray[np.uint8]) -> None:
+        taken = 0
+        for buffer, lo, hi in self._slices(offset, offset + data.size):
+            buffer[lo:hi] = data[taken : taken + hi - lo]
+            taken += hi - lo
+
+    def _block_ok(self, index: int) -> bool:
+        digest = hashlib.sha256()
+        for buffer, lo, hi in self._slices(*self.layout.block_range(index)):
+            digest.update(buffer[lo:hi].data)
+        return digest.digest() == self.layout.digests[index]
+
+    async def verify(self, index: int) -> None:
+        start, stop = self.layout.block_range(index)
+        if stop - start <= _INLINE_HASH:
+            ok = self._block_ok(index)
+        else:  # (hashlib releases the GIL: blocks from several donors are hashed in parallel)
+            ok = await anyio.to_thread.run_sync(self._block_ok, index)
+        if not ok:
+            raise StateDownloadFailed(f"block {index} (bytes {start}-{stop}) does not match")
+
+    async def read_range(
+        self,
+        answers: AsyncIterator[Message],
+        start: int,
+        stop: int,
+        timeout: float,
+        done: list[int],
+    ) -> None:
+        """Read the chunks of ``[start, stop)`` (``start`` at a block's start) in order,
+        verifying each block as it completes; ``done[0]``: the end of the verified blocks."""
+        size = self.layout.block_size
+        pos = done[0] = start
+        while pos < stop:
+            chunk = await _receive(answers, timeout, f"chunk at byte {pos}")
+            if not isinstance(chunk, StateChunk) or chunk.offset != pos:
+                raise StateDownloadFailed(f"expected the chunk at byte {pos} of {stop}")
+            data = chunk.data
+            if data.dtype != np.uint8 or data.ndim != 1 or not 0 < data.size <= stop - pos:
+                raise StateDownloadFailed(f"a malformed chunk at byte {pos}")
+            self.write(pos, data)
+            pos += data.size
+            while done[0] < stop and min(done[0] + size, self.layout.total) <= pos:
+                await self.verify(done[0] // size)
+                done[0] = min(done[0] + size, self.layout.total)
+        if await _receive(answers, timeout, "end of the stream") is not None:
+            raise StateDownloadFailed("the donor sent more than it asked for")
+
+    async def finish(self) -> State:
+        """The state, once every block is verified: compressed tensors decoded, booleans
+        checked."""
+        metadata = _decode_metadata(self.header)
+        tensors: list[torch.Tensor] = []
+        for seg, tensor, buffer in zip(
+            self.layout.segments, self.tensors, self.buffers, strict=True
+        ):
+            if tensor is None:
+                tensor = await anyio.to_thread.run_sync(_decode_segment, seg, buffer)
+            elif seg.dtype == "bool" and buffer.size and buffer.max() > 1:
+                raise StateDownloadFailed("a bool tensor holds bytes other than 0 and 1")
+            tensors.append(tensor)
+        return metadata, tensors
+
+
+def _decode_segment(seg: Segment, buffer: npt.NDArray[np.uint8]) -> torch.Tensor:
+    import torch
+
+    data, scales, _ = seg.parts
+    view = buffer.data
+    parts = {
+        "codec": seg.codec,
+        "shape": list(seg.shape),
+        "dtype": seg.dtype,
+        "data": view[:data],
+        "scales": view[data : data + scales],
+        "codebook": view[data + scales :],
+        "block_size": seg.codec_block,
+    }
+    try:
+        array = decompress(CompressedTensor.from_parts(parts))
+    except ValueError as exc:
+        raise StateDownloadFailed(f"a compressed tensor does not decode: {exc}") from None
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+async def download_state(
+    node: Node,
+    address: Address,
+    prefix: str,
+    *,
+    chunk_timeout: float,
+    header_timeout: float = HEADER_WAIT,
+    max_bytes: int = DEFAULT_MAX_STATE_SIZE,
+) -> State:
+    """Download the state of the averager under ``prefix`` at ``address`` in one call (header
+    and every byte), from that donor alone.
+
+    :raises StateDownloadFailed: the answer was garbage, over ``max_bytes``, or a block's or
+        the whole checksum did not match.
+    :raises TimeoutError: the header took more than ``max(chunk_timeout, header_timeout)``
+        seconds (the donor snapshots and hashes first), or a chunk more than ``chunk_timeout``.
+    :raises SwarmError: the call failed (the donor refused, left, could not be reached).
+    """
+    request = StateRequest(prefix)
+    async with node.rpc.server_stream(address, METHOD, request, response_type=Message) as answers:
+        wait = max(chunk_timeout, header_timeout)
+        header, layout = await _receive_header(answers, wait, max_bytes)
+        download = _Download(header, layout)
+        await download.read_range(answers, 0, layout.total, chunk_timeout, [0])
+    return await download.finish()
+
+
+@dataclass(eq=False)
+class _Probe:
+    """A donor's header (a call for no bytes), or why it has none."""
+
+    donor: Donor
+    header: StateHeader | None = None
+    layout: StateLayout | None = None
+    id: bytes = b""
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    async def run(self, node: Node, prefix: str, timeout: float, max_bytes: int) -> None:
+        _, address, _ = self.donor
+        try:
+            request = StateRequest(prefix, stop=0)
+            async with node.rpc.server_stream(
+                address, METHOD, request, response_type=Message
+            ) as answers:
+                header, layout = await _receive_header(answers, timeout, max_bytes)
+                if await _receive(answers, timeout, "end of the stream") is not None:
+                    raise StateDownloadFailed("the donor sent bytes not asked for")
+            self.header, self.layout, self.id = header, layout, snapshot_id(header)
+        except _DONOR_ERRORS as exc:
+            _warn(self.donor, exc)
+        finally:
+            self.done.set()
+
+
+def _warn(donor: Donor, exc: BaseException) -> None:
+    peer, _, priority = donor
+    logger.warning(
+        "could not load the state from %s (priority %s): %s: %s",
+        peer.short(),
+        priority,
+        type(exc).__name__,
+        exc,
+    )
+
+
+async def _fetch(
+    node: Node,
+    prefix: str,
+    probe: _Probe,
+    download: _Download,
+    chunk_timeout: float,
+) -> None:
+    """Fetch ranges of ``download`` from the probed donor until none is left or it fails."""
+    await probe.done.wait()
+    if probe.header is None or probe.id != download.id:
+        return
+    peer, address, _ = probe.donor
+    while not download.complete:
+        taken = download.take()
+        if taken is None:  # (others hold the rest: wait for them to finish or give some back)
+            await download.changed.wait()
+            continue
+        start, stop = taken
+        done = [start]
+        try:
+            request = StateRequest(prefix, probe.header.snapshot, start, stop)
+            async with node.rpc.server_stream(
+                address, METHOD, request, response_type=Message
+            ) as answers:
+                await download.read_range(answers, start, stop, chunk_timeout, done)
+        except _DONOR_ERRORS as exc:
+            _warn(probe.donor, exc)
+            download.settle((done[0], stop))
+            return
+        except BaseException:
+            download.settle((done[0], stop))
+            raise
+        download.bytes_from[peer] = download.bytes_from.get(peer, 0) + stop - start
+        download.settle(None)
+
+
+async def _session(
+    node: Node,
+    prefix: str,
+    batch: list[Donor],
+    download: _Download | None,
+    *,
+    chunk_timeout: float,
+    header_timeout: float,
+    max_bytes: int,
+) -> tuple[_Download | None, list[Donor]]:
+    """Probe ``batch`` and download from those whose snapshot is ``download``'s (none: the
+    best-ranked one's). The download as it stands, and the donors whose snapshot differs."""
+    probes = [_Probe(donor) for donor in batch]
+    wait = max(chunk_timeout, header_timeout)
+    async with anyio.create_task_group() as tg:
+        for probe in probes:
+            tg.start_soon(probe.run, node, prefix, wait, max_bytes)
+        if download is None:
+            for probe in probes:  # (by rank: the best one that answers sets the state)
+                await probe.done.wait()
+                if probe.header is not None and probe.layout is not None:
+                    try:
+                        download = _Download(probe.header, probe.layout)
+                    except (MemoryError, RuntimeError, ValueError) as exc:
+                        _warn(probe.donor, exc)
+                        probe.header = None
+                        continue
+                    break
+        if download is not None:
+            for probe in probes:
+                tg.start_soon(_fetch, node, prefix, probe, download, chunk_timeout)
+    target = download.id if download is not None else b""
+    others = [p.donor for p in probes if p.header is not None and p.id != target]
+    if download is not None and not download.complete and len(others) == len(batch):
+        download = None  # (none of them holds it: start over with theirs)
+    return download, others
+
+
 async def load_state(
     dht: DHT,
     prefix: str,
@@ -476,36 +859,46 @@ async def load_state(
     chunk_timeout: float,
     header_timeout: float = HEADER_WAIT,
     max_bytes: int = DEFAULT_MAX_STATE_SIZE,
-) -> tuple[Any, list[torch.Tensor]] | None:
-    """The state of the best-ranked donor under ``prefix`` that delivers it, or ``None`` when
-    nobody shares it (or every donor failed). Unbounded only in the number of donors tried
-    (at most ``_MAX_DONORS``), each bounded by its timeouts; bound the whole from outside."""
+    max_donors: int = DEFAULT_MAX_DONORS,
+) -> State | None:
+    """The state of the best-ranked donor under ``prefix`` that delivers it, fetched at once
+    from up to ``max_donors`` donors that hold the same snapshot; ``None`` when nobody shares
+    it (or every donor failed). Unbounded only in the number of donors tried (at most
+    ``_MAX_DONORS``), each bounded by its timeouts; bound the whole from outside."""
     found: object = None
     with anyio.move_on_after(_DHT_WAIT):
         found = await dht.get(f"{prefix}.state", latest=True)
-    donors = _donors(found, dht.peer_id)
-    if not donors:
+    untried = _donors(found, dht.peer_id)
+    if not untried:
         logger.info("no peer shares the state of %s", prefix)
         return None
-    for peer, address, priority in donors:
-        logger.debug("downloading the state of %s from %s", prefix, peer.short())
-        try:
-            return await download_state(
-                dht.node,
-                address,
+    download: _Download | None = None
+    while untried:
+        batch, untried = untried[:max_donors], untried[max_donors:]
+        logger.debug(
+            "downloading the state of %s from %s", prefix, [p.short() for p, _, _ in batch]
+        )
+        download, others = await _session(
+            dht.node,
+            prefix,
+            batch,
+            download,
+            chunk_timeout=chunk_timeout,
+            header_timeout=header_timeout,
+            max_bytes=max_bytes,
+        )
+        if download is not None and download.complete:
+            logger.debug(
+                "loaded the state of %s: bytes by donor %s",
                 prefix,
-                chunk_timeout=chunk_timeout,
-                header_timeout=header_timeout,
-                max_bytes=max_bytes,
+                {p.short(): n for p, n in download.bytes_from.items()},
             )
-        except (SwarmError, OSError, TimeoutError, ValueError, TypeError, MemoryError) as exc:
-            logger.warning(
-                "could not load the state from %s (priority %s): %s: %s",
-                peer.short(),
-                priority,
-                type(exc).__name__,
-                exc,
-            )
+            try:
+                return await download.finish()
+            except StateDownloadFailed as exc:  # (its donors are tried: on with the others)
+                logger.warning("the state of %s was refused: %s", prefix, exc)
+                download = None
+        untried = others + untried
     return None
 
 
@@ -515,8 +908,7 @@ class StateLoad:
 
     def __init__(self) -> None:
         self._done = anyio.Event()
-        self._outcome: tuple[tuple[Any, list[torch.Tensor]] | None, BaseException | None] | None
-        self._outcome = None
+        self._outcome: tuple[State | None, BaseException | None] | None = None
         self._canceller: Callable[[], object] | None = None
 
     def done(self) -> bool:
@@ -529,10 +921,10 @@ class StateLoad:
         self._canceller()
         return True
 
-    def __await__(self) -> Generator[Any, None, tuple[Any, list[torch.Tensor]] | None]:
+    def __await__(self) -> Generator[Any, None, State | None]:
         return self._result().__await__()
 
-    async def _result(self) -> tuple[Any, list[torch.Tensor]] | None:
+    async def _result(self) -> State | None:
         await self._done.wait()
         assert self._outcome is not None
         result, error = self._outcome
@@ -540,9 +932,7 @@ class StateLoad:
             raise error
         return result
 
-    async def _run(
-        self, load: Callable[[], Awaitable[tuple[Any, list[torch.Tensor]] | None]]
-    ) -> None:
+    async def _run(self, load: Callable[[], Awaitable[State | None]]) -> None:
         try:
             self._set(await load(), None)
         except anyio.get_cancelled_exc_class():
@@ -553,9 +943,7 @@ class StateLoad:
         except Exception as exc:
             self._set(None, exc)
 
-    def _set(
-        self, result: tuple[Any, list[torch.Tensor]] | None, error: BaseException | None
-    ) -> None:
+    def _set(self, result: State | None, error: BaseException | None) -> None:
         if self._outcome is None:
             self._outcome = (result, error)
             self._done.set()
