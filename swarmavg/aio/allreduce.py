@@ -38,7 +38,8 @@ how much of that span they applied, and fetches the rest from the one that appli
 answers for a round in progress once it is done with that span, and for a finished round as
 long as its buffers hold the round's results (until its next round; at most ``_RELAY_KEEP``
 seconds). Members with another ``averaging_alpha`` neither relay nor are relayed to the
-wrong values: they answer that they have nothing.
+wrong values: they answer that they have nothing. Asking a member that stalls costs no more
+than the ask's budget (a transport must let a send that has not started be cancelled).
 """
 
 from __future__ import annotations

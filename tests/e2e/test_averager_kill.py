@@ -1,10 +1,11 @@
 """A peer SIGKILLed in the middle of an all-reduce, with real processes over TCP on 127.0.0.1:
 four peer processes (``_kill_peer.py``, the sync facade ``swarmavg.DHT`` +
 ``swarmavg.DecentralizedAverager``, driven by JSON lines) step together with
-``sender_timeout=1``, ``reducer_timeout=2``; one is killed ~0.1 s after all four report that
-their all-reduce began. The three survivors must finish soon after, each with a result that is
-incomplete and names the dead peer (or complete, if the dead peer's part was done), and any two
-of them must hold exactly the same values wherever neither kept its own.
+``sender_timeout=1``, ``reducer_timeout=2``; one is killed (or stopped with SIGSTOP: it
+stalls) 0–0.3 s after all four report that their all-reduce began. The three survivors must
+finish soon after, each with a result that is incomplete and names the dead peer (or complete,
+if the dead peer's part was done), and they must agree: the same elements kept local by each,
+the same values everywhere else.
 
 Peer ``i``'s tensor is all ``10**i``: the mean of any two or more of them is none of those, so
 an element a survivor kept local is exactly one that still holds its own value."""
@@ -89,7 +90,7 @@ class _Proc:
         self._log.close()
 
 
-def _run(tmp_path: Path, victim: int, kill_after: float) -> None:
+def _run(tmp_path: Path, victim: int, kill_after: float, how: signal.Signals) -> None:
     procs: list[_Proc] = []
     try:
         procs = [_Proc(i, tmp_path / f"peer{i}.log") for i in range(PEERS)]
@@ -117,9 +118,10 @@ def _run(tmp_path: Path, victim: int, kill_after: float) -> None:
         for proc in procs:
             proc.expect("stepping", deadline)
         time.sleep(kill_after)
-        procs[victim].proc.send_signal(signal.SIGKILL)
+        procs[victim].proc.send_signal(how)  # SIGKILL, or SIGSTOP: it stalls (killed at the end)
         killed_at = time.monotonic()
-        procs[victim].proc.wait(timeout=10)
+        if how == signal.SIGKILL:
+            procs[victim].proc.wait(timeout=10)
         survivors = [i for i in range(PEERS) if i != victim]
         results = {}
         for i in survivors:
@@ -153,6 +155,9 @@ def _run(tmp_path: Path, victim: int, kill_after: float) -> None:
         for a in survivors:
             for b in survivors:
                 if a < b:
+                    # what one averaged, the other did too (relayed if the victim died while
+                    # answering), to the same values
+                    assert np.array_equal(kept[a], kept[b]), (a, b)
                     both = ~kept[a] & ~kept[b]
                     assert np.array_equal(tensors[a][both], tensors[b][both]), (a, b)
         print(
@@ -172,12 +177,15 @@ def _run(tmp_path: Path, victim: int, kill_after: float) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("victim", "kill_after"),
+    ("victim", "kill_after", "how"),
     [
-        pytest.param(3, 0.1, id="last-peer"),
-        pytest.param(0, 0.1, id="bootstrap-peer"),
-        pytest.param(1, 0.3, id="later-kill"),
+        pytest.param(3, 0.0, signal.SIGKILL, id="at-once"),
+        pytest.param(0, 0.1, signal.SIGKILL, id="bootstrap-peer"),
+        pytest.param(1, 0.3, signal.SIGKILL, id="later-kill"),
+        pytest.param(2, 0.2, signal.SIGSTOP, id="stalls"),
     ],
 )
-def test_survivors_finish_and_agree(tmp_path: Path, victim: int, kill_after: float) -> None:
-    _run(tmp_path, victim, kill_after)
+def test_survivors_finish_and_agree(
+    tmp_path: Path, victim: int, kill_after: float, how: signal.Signals
+) -> None:
+    _run(tmp_path, victim, kill_after, how)

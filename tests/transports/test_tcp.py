@@ -764,6 +764,29 @@ async def test_a_blocked_sender_learns_the_connection_died(trigger: str) -> None
         assert isinstance(outcome[0], ConnectionLost), outcome
 
 
+async def test_a_send_waiting_behind_a_blocked_writer_can_be_cancelled() -> None:
+    """While one send is stuck on a peer that reads nothing (it holds the connection's writes
+    for up to write_timeout), another send that has not started can still be cancelled: an
+    all-reduce that gives up on a stalled peer must not wait out write_timeout."""
+    async with (
+        serving() as (_, listener),
+        raw_session(listener, encryption=True) as (_, conn, stream),
+    ):
+        stuck: list[Any] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outcome_of, lambda: stream.send(bytes(32 << 20)), stuck)
+            await anyio.sleep(0.2)
+            assert not stuck
+            other = await conn.open_stream()
+            started = anyio.current_time()
+            with anyio.fail_after(BOUND), anyio.move_on_after(0.3) as waited:
+                await other.send(b"a small message")
+            assert waited.cancelled_caught
+            assert anyio.current_time() - started < 2
+            with anyio.fail_after(BOUND):
+                await conn.aclose()  # (ends the stuck send too)
+
+
 # -- fairness ------------------------------------------------------------------------------------
 
 

@@ -678,10 +678,20 @@ class TcpConnection(Connection):
                 await anyio.lowlevel.checkpoint()
             return
         sent_first = False
+        try:
+            # Waiting for the first turn to write can be cancelled (nothing was sent): another
+            # writer may hold the lock for up to write_timeout while the peer reads nothing.
+            await self._write_lock.acquire()
+        except BaseException:
+            self._take_back(stream, large, cost)
+            raise
+        held = True
         with self._write_deadline_scope() as timer:
             index, last = 0, len(records) - 1
             while index <= last:
-                await self._write_lock.acquire()
+                if not held:
+                    await self._write_lock.acquire()
+                held = False
                 try:
                     if self.is_closed:
                         break
@@ -717,14 +727,20 @@ class TcpConnection(Connection):
                     self._write_lock.release()
         if timer.cancelled_caught and self._error is None:
             self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+        if held:  # (the connection closed before the first record: nothing was written)
+            self._write_lock.release()
         if not sent_first:  # the peer never heard of this message: take the reservation back
-            if large:
-                self._large_in_flight = False
-            else:
-                stream._credit += cost
-                self._credit += cost
-            self._credit_changed.notify()
+            self._take_back(stream, large, cost)
         self._check_usable()
+
+    def _take_back(self, stream: TcpStream, large: bool, cost: int) -> None:
+        """Return a message's reservation (credit, or the large-message slot) unsent."""
+        if large:
+            self._large_in_flight = False
+        else:
+            stream._credit += cost
+            self._credit += cost
+        self._credit_changed.notify()
 
     def _compose(
         self, stream_id: int, flags: int, total: int, pieces: list[memoryview]
