@@ -4,7 +4,7 @@ beside torch.distributed gloo and hivemind 1.1.12 measured in the same run.
     python benchmarks/averaging.py [--quick] [--out results.jsonl] [--peers 4,8] [--size S]
                                    [--rounds R] [--no-gloo] [--no-hivemind] [--no-plain]
                                    [--no-encrypted] [--hivemind-python PATH]
-                                   [--faults] [--state]
+                                   [--faults] [--state] [--codecs]
 
 hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
 ``--hivemind-python`` for another); without one its cells say why they are empty.
@@ -73,10 +73,22 @@ for them alone):
   clean round; all-reduce began -> last done. ``--fault-repeats`` fresh swarms.
 - ``--state``: a taker and k donor processes (k in ``--state-donors``, 1,2,4) on plain TCP, each
   donor sharing one float32 tensor of ``--state-mb`` (256) MiB; the taker times
-  ``load_state_from_peers()`` ``--state-repeats`` times (MB/s = 10**6 bytes/s). It downloads
-  from one donor at a time (no parallel chunks yet), so more donors only give it more to choose
-  from. Reference: the same bytes over one plain asyncio TCP connection between two processes
+  ``load_state_from_peers()`` ``--state-repeats`` times (MB/s = 10**6 bytes/s). The donors hold
+  the same state, so the taker (``state_max_donors=k``) fetches disjoint ranges from all k at
+  once. Reference: the same bytes over one plain asyncio TCP connection between two processes
   (``_averaging_bulk.py``), in the same run.
+- ``--codecs``: on one pool of ``--codec-peers`` (4) processes with ``--codec-size`` (16 Mi;
+  ``--quick``: 1 Mi) float32 elements each, encrypted TCP (the default;
+  ``--no-codec-encrypted``: plain), for each codec of ``swarmavg.compression`` in
+  ``--codec-list`` (default NoCompression, Float16Compression, ScaledFloat16Compression,
+  Uniform8BitQuantization, Quantile8BitQuantization, BlockwiseQuantization): a fresh swarm with
+  ``compression=`` that codec (the peer makes it from its name), ``averaging_alpha=1``, equal
+  weights, ``--warmup`` + ``--codec-rounds`` (3; ``--quick``: 2) rounds as above. Before each
+  round every peer sets its tensor to ``torch.randn`` values seeded by (round, peer), the same
+  for every codec; after each timed round every peer reports its tensor's error against the
+  exact mean (float64). A table of its own, a row per codec: all-reduce and whole round (median
+  [min]) and bytes sent per peer, each over NoCompression's, and the worst relative RMS error
+  (RMS(result - mean) / RMS(mean)) and largest absolute error over peers and timed rounds.
 
 Every pipe wait, call and subprocess has a timeout; peer and rank processes ignore SIGINT and
 are shut down (killed if they do not exit) in ``finally``, also on Ctrl+C and SIGTERM;
@@ -106,7 +118,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _averaging_bulk import measure as bulk_reference_seconds
 from _averaging_common import machine_busy_seconds, stats, tree_cpu_seconds
 from _averaging_gloo import rank_main
-from _averaging_peer import peer_main
+from _averaging_peer import CODEC_CLASSES, peer_main
 
 HERE = Path(__file__).resolve().parent
 HIVEMIND_PYTHON = Path("/tmp/hm-venv/bin/python")
@@ -441,9 +453,9 @@ def _run_faults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_state(args: argparse.Namespace) -> dict[str, Any]:
-    """The raw TCP bulk reference, then for each donor count k: k donor processes sharing a
-    state of ``--state-mb`` MB (one float32 tensor), one taker timing ``load_state_from_peers``
-    ``--state-repeats`` times."""
+    """The raw TCP bulk reference, then for each donor count k: k donor processes sharing the
+    same state of ``--state-mb`` MB (one float32 tensor), one taker (``state_max_donors=k``)
+    timing ``load_state_from_peers`` ``--state-repeats`` times: its ranges come from all k."""
     total = args.state_mb * MiB
     size = total // 4
     result: dict[str, Any] = {"bytes": total}
@@ -457,9 +469,11 @@ def _run_state(args: argparse.Namespace) -> dict[str, Any]:
             for donor in donors[:k]:
                 donor.call("start", maddrs, False)
             prefix = f"avgstate_{uuid.uuid4().hex[:8]}"
-            taker.call("averager", prefix, 2, 1, 0.0, {"allow_state_sharing": False})
-            for i, donor in enumerate(donors[:k]):
-                donor.call("averager", prefix, 2, size, float(i + 1), {"allow_state_sharing": True})
+            taker_options = {"allow_state_sharing": False, "state_max_donors": k}
+            taker.call("averager", prefix, 2, 1, 0.0, taker_options)
+            for i, donor in enumerate(donors[:k]):  # (one state: the taker combines them all)
+                options = {"allow_state_sharing": True, "state_sharing_priority": float(i)}
+                donor.call("averager", prefix, 2, size, 1.0, options)
             time.sleep(args.settle)
             loads = []
             for _ in range(args.state_repeats):
@@ -522,7 +536,7 @@ def _issue7_rows(
         raw = _mb_per_s(total, state["raw_s"])
         for k in args.state_donors:
             row = _row(
-                f"state download {total // MiB} MiB, {k} donor(s) available",
+                f"state download {total // MiB} MiB, from {k} donor(s) at once",
                 _mb_per_s(total, state.get(f"donors_{k}_s")),
                 "raw TCP",
                 raw,
@@ -551,9 +565,10 @@ def _issue7_notes(faults: dict[str, Any] | None, state: dict[str, Any] | None) -
             notes.append(f"state: {state['error']}")
         else:
             notes.append(
-                "state: load_state_from_peers downloads from ONE donor at a time (no parallel "
-                "chunks), so 2 and 4 donors available still download from one; MB/s rows: "
-                "higher is better (ours/ref < 1 is slower than raw TCP)"
+                "state: the k donors hold the same state, so load_state_from_peers "
+                "(state_max_donors=k) fetches disjoint ranges from all k at once; every "
+                "process on this machine shares its cores; MB/s rows: higher is better "
+                "(ours/ref < 1 is slower than raw TCP)"
             )
             for k in (1, 2, 4):
                 for got in state.get(f"donors_{k}", []):
@@ -702,6 +717,193 @@ def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
         return {"error": f"exit status {proc.returncode}; stderr: {err[-800:]}"}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+# -- issue 7: each codec's round time and the error it leaves (--codecs) --------------------------
+
+
+def _codec_seed(round_: int, peer: int) -> int:
+    """The seed of peer ``peer``'s tensor in round ``round_`` (the same for every codec, so that
+    the codecs average the same values)."""
+    return 1_000 * (round_ + 1) + peer
+
+
+def _call_all(peers: list[_PeerHandle], op: str, per_peer: list[tuple[Any, ...]]) -> list[Any]:
+    """``op`` on every peer at once (its own arguments each); their answers, in order."""
+    seqs = [peer.send(op, *a) for peer, a in zip(peers, per_peer, strict=True)]
+    deadline = time.monotonic() + OP_TIMEOUT
+    return [peer.answer(seq, op, deadline) for peer, seq in zip(peers, seqs, strict=True)]
+
+
+def _run_codec(pool: _Pool, codec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One codec on the first ``--codec-peers`` processes of ``pool``: a fresh swarm whose
+    averagers use ``compression=codec``; ``--warmup`` + ``--codec-rounds`` rounds, each from
+    seeded random tensors, the timed ones followed by the error against the exact mean."""
+    n, size, encryption = args.codec_peers, args.codec_size, args.codec_encrypted
+    peers = pool.peers[:n]
+    result: dict[str, Any] = {"codec": codec, "peers": n, "size": size, "encryption": encryption}
+    _, maddrs = peers[0].call("start", [], encryption)
+    for peer in peers[1:]:
+        peer.call("start", maddrs, encryption)
+    options = {
+        "averaging_expiration": args.averaging_expiration,
+        "request_timeout": args.request_timeout,
+        "allreduce_timeout": args.allreduce_timeout,
+        "averaging_alpha": 1.0,
+        "compression": codec,  # a name: the peer makes the codec (nothing but names cross over)
+    }
+    prefix = f"avgcodec_{codec}_{uuid.uuid4().hex[:8]}"
+    for peer in peers:
+        peer.call("averager", prefix, n, size, 0.0, options)
+    time.sleep(args.settle)
+    rounds = []
+    ended = time.monotonic()
+    for r in range(args.warmup + args.codec_rounds):
+        seeds = [_codec_seed(r, i) for i in range(n)]
+        _call_all(peers, "randomize", [(seed,) for seed in seeds])
+        if r:  # --gap from the end of the last round (its error took some of it)
+            time.sleep(max(0.0, args.gap - (time.monotonic() - ended)))
+        got = _ours_round(peers, args, n, r)  # every peer's weight is the default, 1
+        ended = time.monotonic()
+        timed = r >= args.warmup
+        if got["ok"] and timed:
+            got["peer_errors"] = _call_all(peers, "mean_error", [(seeds,)] * n)
+            got["rel_rms"] = max(e["rel_rms"] for e in got["peer_errors"])
+            got["max_abs"] = max(e["max_abs"] for e in got["peer_errors"])
+        rounds.append(got)
+        _progress(
+            f"  {codec} round {r}{'' if timed else ' (warm-up)'}: "
+            + (
+                f"all-reduce {got['allreduce_s']:.3f} s, round {got['round_s']:.3f} s, "
+                f"{got['bytes_sent_per_peer'] / 1e6:.1f} MB sent"
+                + (f", rel. RMS error {got['rel_rms']:.2e}" if timed else "")
+                if got["ok"]
+                else f"FAILED {got['errors'][:2]}"
+            )
+        )
+    good = [r for r in rounds[args.warmup :] if r["ok"]]
+    result["rounds"] = args.codec_rounds
+    result["rounds_ok"] = len(good)
+    result["per_round"] = rounds
+    for key in ("allreduce_s", "round_s", "bytes_sent_per_peer", "process_cpu_s", "foreign_per_s"):
+        result[key] = stats([r[key] for r in good if r.get(key) is not None])
+    # the worst over peers and timed rounds
+    result["rel_rms"] = max((r["rel_rms"] for r in good), default=None)
+    result["max_abs"] = max((r["max_abs"] for r in good), default=None)
+    for peer in peers:
+        peer.call("stop")
+    return result
+
+
+def _run_codecs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every codec of ``--codec-list`` in turn on one pool (a fresh one after a failure)."""
+    results: dict[str, dict[str, Any]] = {}
+    pool: _Pool | None = None
+    try:
+        for codec in args.codec_list:
+            _progress(f"running codec {codec} ...")
+            try:
+                if pool is None:
+                    pool = _Pool(args.codec_peers)
+                results[codec] = _run_codec(pool, codec, args)
+            except Exception as exc:
+                results[codec] = {"error": _error(exc)}
+                _progress(f"  failed: {results[codec]['error']}")
+                if pool is not None:  # a process may be stuck: start afresh for the next one
+                    pool.close()
+                    pool = None
+    finally:
+        if pool is not None:
+            pool.close()
+    return results
+
+
+def _codec_rows(codecs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per codec: medians (and mins) of the all-reduce, the whole round and the bytes sent
+    per peer, each beside NoCompression's (ratio = codec / NoCompression), and the error."""
+    base = codecs.get("NoCompression", {})
+    rows = []
+    for codec, got in codecs.items():
+        row: dict[str, Any] = {"codec": codec, "rounds_ok": got.get("rounds_ok", 0)}
+        for key in ("allreduce_s", "round_s", "bytes_sent_per_peer"):
+            row[key] = _median(got.get(key))
+            row[f"{key}_min"] = got[key]["min"] if row[key] is not None else None
+            ref = _median(base.get(key))
+            row[f"{key}_ratio"] = row[key] / ref if row[key] is not None and ref else None
+        row["rel_rms"] = got.get("rel_rms")
+        row["max_abs"] = got.get("max_abs")
+        rows.append(row)
+    return rows
+
+
+def _print_codec_table(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    def ratio(value: float | None) -> str:
+        return "" if value is None else f"{value:.2f}x"
+
+    def error(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2e}"
+
+    width = max([len("codec"), *(len(row["codec"]) for row in rows)])
+    header = (
+        f"{'codec':{width}}  {'all-reduce (s)':>15}  {'/none':>6}  {'whole round (s)':>15}  "
+        f"{'/none':>6}  {'MB sent/peer':>12}  {'/none':>6}  {'rel. RMS err':>12}  "
+        f"{'max |err|':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        mb = row["bytes_sent_per_peer"]
+        print(
+            f"{row['codec']:{width}}  "
+            f"{_cell(row['allreduce_s'], row['allreduce_s_min']):>15}  "
+            f"{ratio(row['allreduce_s_ratio']):>6}  "
+            f"{_cell(row['round_s'], row['round_s_min']):>15}  {ratio(row['round_s_ratio']):>6}  "
+            f"{'-' if mb is None else f'{mb / 1e6:.1f}':>12}  "
+            f"{ratio(row['bytes_sent_per_peer_ratio']):>6}  "
+            f"{error(row['rel_rms']):>12}  {error(row['max_abs']):>9}"
+        )
+    print(
+        "  cells: median [min] over timed rounds; /none: this codec over NoCompression (lower is "
+        "better); errors: the worst over peers and timed rounds"
+    )
+    for note in notes:
+        print(f"  {note}")
+
+
+def _codec_notes(args: argparse.Namespace, codecs: dict[str, dict[str, Any]]) -> list[str]:
+    kind = "encrypted" if args.codec_encrypted else "plain"
+    notes = [
+        f"codecs: N={args.codec_peers}, S={args.codec_size} float32 "
+        f"({args.codec_size * 4 / MiB:.0f} MiB) per peer, {kind} TCP"
+        f"{' (the default)' if args.codec_encrypted else ''}, {args.codec_rounds} timed rounds "
+        f"after {args.warmup} warm-up, averaging_alpha=1, equal weights; every peer starts each "
+        "round from torch.randn values seeded by (round, peer), the same for every codec",
+        "codecs: all-reduce = max over peers of StepResult.allreduce_seconds (group known to the "
+        "average written back); whole round = last step() return - first step() call; MB sent = "
+        "the most StepResult.bytes_sent of a peer (10**6 bytes); rel. RMS err = RMS(result - "
+        "exact mean) / RMS(exact mean), the mean of standard normals being ~N(0, 1/N)",
+    ]
+    loads = {c: _median(got.get("foreign_per_s")) for c, got in codecs.items()}
+    measured = {c: load for c, load in loads.items() if load is not None}
+    if measured:
+        notes.append(
+            f"codecs: load from other processes during the rounds (CPUs busy outside this "
+            f"benchmark, of {os.cpu_count()}): "
+            + ", ".join(f"{c} {load:.2f}" for c, load in measured.items())
+        )
+        if max(measured.values()) > FOREIGN_WARN:
+            notes.append(
+                f"WARNING: more than {FOREIGN_WARN} CPU of load from elsewhere: the timings are "
+                "inflated and the ratios skewed by whichever codec it hit; run again on a quiet "
+                "machine"
+            )
+    for codec, got in codecs.items():
+        if "error" in got:
+            notes.append(f"codec {codec}: {got['error']}")
+        elif got["rounds_ok"] < got["rounds"]:
+            failed = [r["errors"][:2] for r in got["per_round"][args.warmup :] if not r["ok"]]
+            notes.append(f"codec {codec}: {got['rounds_ok']}/{got['rounds']} rounds ok {failed}")
+    return notes
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -912,6 +1114,13 @@ def _parse_peers(text: str) -> list[int]:
     return peers
 
 
+def _parse_codecs(text: str) -> list[str]:
+    codecs = [x.strip() for x in text.split(",") if x.strip()]
+    if not codecs or not set(codecs) <= set(CODEC_CLASSES):
+        raise argparse.ArgumentTypeError(f"codecs: a comma-separated list of {CODEC_CLASSES}")
+    return codecs
+
+
 def _parse_peers_any(text: str) -> list[int]:
     counts = [int(x) for x in text.split(",") if x.strip()]
     if not counts or min(counts) < 1:
@@ -960,7 +1169,24 @@ def main() -> int:
     issue7.add_argument("--state-donors", type=_parse_peers_any, default=[1, 2, 4])
     issue7.add_argument("--state-repeats", type=int, default=2)
     issue7.add_argument("--state-timeout", type=float, default=120.0)
+    issue7.add_argument("--codecs", action="store_true", help="round time and error per codec")
+    issue7.add_argument("--codec-peers", type=int, default=4)
+    issue7.add_argument("--codec-size", type=int, help="float32 elements (16 Mi, --quick 1 Mi)")
+    issue7.add_argument("--codec-rounds", type=int, help="timed rounds (default 3, --quick 2)")
+    issue7.add_argument("--codec-encrypted", action=argparse.BooleanOptionalAction, default=True)
+    issue7.add_argument(
+        "--codec-list",
+        type=_parse_codecs,
+        default=list(CODEC_CLASSES),
+        help="comma-separated class names (default: all six, NoCompression first)",
+    )
     args = parser.parse_args()
+    if args.codec_size is None:
+        args.codec_size = MiB if args.quick else 16 * MiB
+    if args.codec_rounds is None:
+        args.codec_rounds = 2 if args.quick else 3
+    if args.codec_peers < 2 or args.codec_size < 1 or args.codec_rounds < 1:
+        parser.error("--codec-peers must be >= 2, --codec-size and --codec-rounds >= 1")
     if args.size is None:
         args.size = MiB if args.quick else 16 * MiB
     if args.rounds is None:
@@ -995,6 +1221,10 @@ def main() -> int:
                 state = _run_state(args)
             except Exception as exc:
                 state = {"error": _error(exc)}
+        codecs = None
+        if args.codecs:
+            _progress(f"running codecs N={args.codec_peers} S={args.codec_size} ...")
+            codecs = _run_codecs(args)  # a failed codec says so in its entry
         hivemind = None
         if args.hivemind:
             _progress(f"running hivemind N={args.hivemind_peers} ({args.hivemind_python}) ...")
@@ -1011,6 +1241,9 @@ def main() -> int:
     notes += _issue7_notes(faults, state)
     notes.append(f"the whole run took {time.time() - started:.0f} s")
     _print_table(rows, notes)
+    if codecs is not None:
+        print()
+        _print_codec_table(_codec_rows(codecs), _codec_notes(args, codecs))
     if args.out:
         meta = {
             "kind": "meta",
@@ -1029,6 +1262,9 @@ def main() -> int:
             lines.append({"kind": "raw", "run": "faults", **faults})
         if state is not None:
             lines.append({"kind": "raw", "run": "state", **state})
+        if codecs is not None:
+            lines += [{"kind": "codec_row", **row} for row in _codec_rows(codecs)]
+            lines += [{"kind": "raw", "run": f"codec-{c}", **got} for c, got in codecs.items()]
         args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return 0
 
