@@ -591,7 +591,9 @@ class DecentralizedAverager:
             :class:`StepControl` until the all-reduce begins.
         :param timeout: seconds to get into a group, retries included (default:
             ``averaging_expiration`` plus ``request_timeout``).
-        :param allow_retries: look again (until ``timeout``) when a group fails to form.
+        :param allow_retries: look again (until ``timeout``) when a group fails to form, or
+            when its all-reduce fails as a whole (a partial round is not retried: its result
+            says what stayed local).
         :param wait: ``False`` returns a :class:`StepControl` at once (the step runs in the
             background; ``await control`` for the result).
         :param scheduled_time: DHT time by which the group should begin (default: now +
@@ -673,8 +675,24 @@ class DecentralizedAverager:
     async def _step_locked(
         self, control: StepControl, allow_retries: bool, deadline: float
     ) -> StepResult:
-        assert self.allreduce is not None
+        """Find a group and average in it; with ``allow_retries``, a round that fails as a
+        whole (:class:`AllReduceFailed`: nothing averaged, a timeout) is retried in a new
+        group while the step's ``timeout`` lasts (the tensors are untouched until a round
+        succeeds)."""
         started = time.perf_counter()
+        while True:
+            try:
+                return await self._step_once(control, allow_retries, deadline, started)
+            except AllReduceFailed as exc:
+                left = deadline - time.monotonic()
+                if not allow_retries or left <= 0:
+                    raise
+                logger.warning("%s; looking for another group (%.1f s left)", exc, left)
+
+    async def _step_once(
+        self, control: StepControl, allow_retries: bool, deadline: float, started: float
+    ) -> StepResult:
+        assert self.allreduce is not None
         control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
         while True:
             left = deadline - time.monotonic()

@@ -12,8 +12,9 @@ import msgpack
 import pytest
 import torch
 
-from swarmavg.abc import Group, GroupInfo, GroupMember, Matchmaker
+from swarmavg.abc import AllReduceRunner, Group, GroupInfo, GroupMember, Matchmaker
 from swarmavg.aio import DHT
+from swarmavg.aio.allreduce import AllReduceFailed, AllReduceService
 from swarmavg.aio.averager import (
     AveragingStage,
     DecentralizedAverager,
@@ -468,3 +469,64 @@ async def test_clip_norm_bounds_what_one_loud_peer_can_do_to_the_mean() -> None:
     with pytest.raises(ValueError, match="clip_norm"):
         async with _averagers([[torch.zeros(2)]], prefix="c", target_group_size=2, clip_norm=-1):
             pass
+
+
+class _FailsFirst(AllReduceRunner):
+    """The node's all-reduce, but the first round scribbles on the buffers and fails."""
+
+    def __init__(self, inner: AllReduceRunner) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    async def run(self, group: Group, buffers: Any, layout: Any, **options: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            for buffer in buffers:
+                buffer[...] = 1e9
+            raise AllReduceFailed("injected: the round fell apart")
+        return await self.inner.run(group, buffers, layout, **options)
+
+
+@pytest.mark.parametrize("allow_retries", [True, False])
+async def test_a_failed_round_is_retried_in_a_new_group_within_the_timeout(
+    allow_retries: bool,
+) -> None:
+    network = MemoryNetwork()
+    tensors = [[torch.full((50,), float(i))] for i in range(2)]
+    async with AsyncExitStack() as stack:
+        dhts: list[DHT] = []
+        for _ in range(2):
+            seeds = [a for d in dhts for a in d.get_visible_maddrs()]
+            dhts.append(
+                await stack.enter_async_context(
+                    DHT(seeds, transport="memory", transport_options={"network": network})
+                )
+            )
+        runners = [_FailsFirst(AllReduceService.for_node(d.node)) for d in dhts]
+        averagers = [
+            await stack.enter_async_context(
+                DecentralizedAverager(
+                    own,
+                    dht,
+                    prefix="retry",
+                    target_group_size=2,
+                    averaging_expiration=1.0,
+                    allreduce=runner,
+                )
+            )
+            for own, dht, runner in zip(tensors, dhts, runners, strict=True)
+        ]
+        if not allow_retries:
+            with pytest.raises(ExceptionGroup) as caught:
+                await _step_all(averagers, timeout=10, allow_retries=False)
+            assert all(isinstance(e, AllReduceFailed) for e in caught.value.exceptions)
+            for averager, own in zip(averagers, range(2), strict=True):
+                with averager.get_tensors() as got:  # untouched by the failed round
+                    assert torch.equal(got[0], torch.full((50,), float(own)))
+            return
+        results = await _step_all(averagers, timeout=10)
+        assert [r.calls for r in runners] == [2, 2]
+        assert results[0].group_id == results[1].group_id
+        for averager in averagers:
+            with averager.get_tensors() as got:
+                assert torch.equal(got[0], torch.full((50,), 0.5))
