@@ -82,6 +82,10 @@ _FP16_MAX: Final = 65504.0
 _F32_MAX: Final = float(np.finfo(np.float32).max)
 _CODEBOOK_SIZE: Final = 256
 _HISTOGRAM_BINS: Final = 2048
+#: Quantile8BitQuantization assigns codes through a grid of this many cells ...
+_GRID_CELLS: Final = 1 << 14
+#: ... to tensors of at least this many elements (smaller ones: a plain binary search)
+_GRID_MIN: Final = 1 << 15
 #: Slack on decoded-magnitude bounds for float32 rounding in the decoders.
 _MARGIN: Final = 1 + 2**-16
 _PART_KEYS: Final = frozenset(
@@ -673,7 +677,7 @@ class Quantile8BitQuantization(CompressionBase):
         centres32 = centres.astype(_F32)
         with np.errstate(over="ignore"):
             bounds = ((centres32[1:].astype(np.float64) + centres32[:-1]) / 2).astype(_F32)
-        data = np.searchsorted(bounds, x).astype(_U8)
+        data = _buckets(bounds, x, lo, hi)
         counts = np.bincount(data, minlength=_CODEBOOK_SIZE)
         sums = np.bincount(data, weights=x, minlength=_CODEBOOK_SIZE)
         filled = counts > 0
@@ -703,6 +707,31 @@ class Quantile8BitQuantization(CompressionBase):
     @classmethod
     def _decode(cls, tensor: CompressedTensor) -> Array:
         return tensor.codebook[tensor.data]
+
+
+def _buckets(bounds: Array, x: Array, lo: float, hi: float) -> Array:
+    """``np.searchsorted(bounds, x)`` (how many of the sorted ``bounds`` are below each of ``x``,
+    all in ``[lo, hi]``) as ``uint8``, several times faster on big inputs: each element starts
+    from a lower bound of its answer, looked up for the cell of a uniform grid over
+    ``[lo, hi]`` before its own, then steps up while the next bound is below it (a cell holds
+    few bounds, so a few vectorized steps)."""
+    scale = _GRID_CELLS / (hi - lo)
+    if x.size < _GRID_MIN or not math.isfinite(scale) or bounds.size >= _CODEBOOK_SIZE:
+        return np.searchsorted(bounds, x).astype(_U8)
+    cell = x - np.float32(lo)
+    cell *= np.float32(scale)
+    np.clip(cell, 0, _GRID_CELLS - 1, out=cell)
+    # cell g - 1's left edge is at most x even if float32 rounding put x one cell too far
+    edges = lo + (np.arange(_GRID_CELLS, dtype=np.float64) - 1) / scale
+    start = np.searchsorted(bounds.astype(np.float64), edges).astype(np.int16)
+    code = start[cell.astype(np.int32)]
+    above = np.append(bounds, np.float32(np.inf)).astype(_F32)  # (no bound above the last)
+    for _ in range(_CODEBOOK_SIZE):
+        step = above[code] < x
+        if not step.any():
+            break
+        code += step
+    return code.astype(_U8)
 
 
 def _lloyd_step(sorted_sample: Array, centres: Array) -> Array:

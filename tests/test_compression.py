@@ -563,3 +563,30 @@ def test_module_imports_without_torch() -> None:
     code = "import sys, swarmavg.compression; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kind", ["normal", "cauchy", "steps", "tiny", "on_bounds"])
+def test_quantile_codes_equal_a_binary_search(kind: str) -> None:
+    """The grid that assigns Quantile8BitQuantization's codes gives exactly what a binary
+    search over the bounds gives (heavy tails, repeated values, a tiny range, values equal
+    to bounds)."""
+    from swarmavg.compression import _buckets
+
+    rng = np.random.default_rng(len(kind))
+    for _ in range(20):
+        n = int(rng.integers(1 << 15, 1 << 17))
+        if kind == "cauchy":
+            values = rng.standard_cauchy(n)
+        elif kind == "steps":
+            values = np.round(rng.standard_normal(n) * 3) / 3
+        elif kind == "tiny":
+            values = rng.uniform(-1e-30, 1e-30, n)
+        else:
+            values = rng.standard_normal(n)
+        x = values.astype(np.float32)
+        bounds = np.sort(rng.choice(x, 255)).astype(np.float32)
+        if kind == "on_bounds":
+            x[:255] = bounds
+        lo, hi = float(x.min()), float(x.max())
+        got = _buckets(bounds, x, lo, hi)
+        np.testing.assert_array_equal(got, np.searchsorted(bounds, x).astype(np.uint8))
