@@ -99,6 +99,9 @@ class StepResult(Mapping["PeerID", Any]):
     local_spans: list[tuple[PeerID, str]] = field(default_factory=list)
     #: senders left out of (part of) a member's span, and why: ``(reducer, sender, why)``
     dropped: list[tuple[PeerID, PeerID, str]] = field(default_factory=list)
+    #: members whose answers stopped partway (they died or stalled) and the groupmate that
+    #: relayed us the rest of their span: ``(reducer, relayed by)``
+    relayed: list[tuple[PeerID, PeerID]] = field(default_factory=list)
 
     @property
     def incomplete(self) -> bool:
@@ -765,6 +768,7 @@ class DecentralizedAverager:
         return StepResult(
             local_spans=local_spans,
             dropped=dropped,
+            relayed=[(members[r].peer_id, members[by].peer_id) for r, _, _, by in outcome.relayed],
             gathered={peer: _unpack_gathered(peer, raw) for peer, raw in info.gathered.items()},
             group_id=group.group_id,
             contributors=[members[i].peer_id for i in outcome.contributors],
