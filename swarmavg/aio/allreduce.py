@@ -297,6 +297,8 @@ class _Round:
         bad values): they are reduced without it."""
         if sender in self.dropped or sender == self.me:
             return
+        if all(sender in reducer.received for reducer in self.reducers[first:]):
+            return  # it delivered everything: nobody to leave out (its call ended after)
         self.dropped[sender] = (first, reason)
         logger.warning(
             "all-reduce %s: member %d (%s) left out of parts %d.. of our span: %s",

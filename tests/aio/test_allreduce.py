@@ -277,6 +277,61 @@ async def test_garbage_fails_the_call_with_the_reason(bad: Message, why: str) ->
     await _intrude(2, 1, lambda g: [AvgBegin(g.group_id, 1, 1.0), bad], why)
 
 
+async def test_a_call_that_breaks_off_after_every_part_came_blames_nobody() -> None:
+    """Member 1 delivers its values of member 0's span (one part) but reads no answer, so
+    member 0 is still sending it answers (a one-byte window) when member 1's call breaks off;
+    member 1 never runs the round, so member 0 waits out the reducer timeout on member 1's span
+    meanwhile. Member 0's span holds the exact mean and nobody is reported left out of it
+    (nothing was)."""
+    layout = FlatLayout((TensorSpec((1000,), "float32"),))
+    rng = np.random.default_rng(11)
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        nodes = [
+            await stack.enter_async_context(
+                Node(
+                    listen=["memory://local:0"],
+                    transports={"memory": {"network": network, "window": 1}},
+                )
+            )
+            for _ in range(2)
+        ]
+        group = _group(nodes)
+        values = [rng.standard_normal(1000).astype(np.float32) for _ in nodes]
+        want = (values[0].astype(np.float64) + values[1]) / 2
+        span = group.span_sizes(layout.numel)[0]
+        outcome: list[AllReduceResult] = []
+        service = AllReduceService.for_node(nodes[0])
+        AllReduceService.for_node(nodes[1])
+
+        async def reducer() -> None:
+            outcome.append(
+                await service.run(
+                    group, [values[0]], layout, part_size=1 << 16, timeout=10, reducer_timeout=1
+                )
+            )
+
+        class BreakOff(Exception):
+            pass
+
+        async def break_off() -> None:
+            async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
+                await call.send(AvgBegin(group.group_id, 1, 1.0))
+                await call.send(AvgPart(0, values[1][:span].copy()))
+                await anyio.sleep(0.3)  # member 0 answers into a full window meanwhile
+                raise BreakOff  # (resets the call)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reducer)
+                with pytest.raises(BreakOff):
+                    await break_off()
+    [result] = outcome
+    assert result.dropped == []
+    assert [(r, first) for r, first, _ in result.local_spans] == [(1, 0)]
+    np.testing.assert_allclose(values[0][:span], want[:span], rtol=0, atol=1e-6)
+
+
 async def test_the_others_finish_at_once_without_a_member_that_leaves() -> None:
     rng = np.random.default_rng(7)
     async with _nodes(3) as nodes:
