@@ -48,7 +48,6 @@ import bisect
 import functools
 import logging
 import math
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
@@ -523,7 +522,7 @@ class AllReduceService(AllReduceRunner):
             )
         self._expected.discard(group.group_id)
         left = self._left.pop(group.group_id, None)
-        started = time.perf_counter()
+        started = anyio.current_time()
         self._forget_results(buffers)
         round_ = _Round(group, me, layout, plans[me], codecs=codecs[me], feedback=error_feedback)
         result = AllReduceResult([], 0.0)
@@ -553,7 +552,7 @@ class AllReduceService(AllReduceRunner):
             total = max(layout.numel, 1)
             round_.max_norms = [clip_norm * math.sqrt(p.size / total) for p in round_.parts]
         self._reducer_timeouts[group.group_id] = reducer_timeout
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
         try:
             with anyio.fail_after(timeout), round_.scope:
                 await self._run_tasks(
@@ -563,7 +562,10 @@ class AllReduceService(AllReduceRunner):
             if result.local_spans and round_.left is None:
                 budget = min(reducer_timeout or _RELAY_TIMEOUT, _RELAY_TIMEOUT)
                 round_.scope = anyio.CancelScope()  # (a member that leaves cancels this too)
-                with round_.scope, anyio.move_on_after(min(budget, deadline - time.monotonic())):
+                with (
+                    round_.scope,
+                    anyio.move_on_after(min(budget, deadline - anyio.current_time())),
+                ):
                     await self._relay(round_, result, buffers, averaging_alpha, budget)
         except TimeoutError:
             raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
@@ -578,12 +580,12 @@ class AllReduceService(AllReduceRunner):
         if round_.left is not None:
             raise AllReduceFailed(round_.left)
         if applied.relayable:
-            applied.until = time.monotonic() + _RELAY_KEEP
+            applied.until = anyio.current_time() + _RELAY_KEEP
             self._recent[group.group_id] = applied
             while len(self._recent) > _RELAY_ROUNDS:
                 self._recent.popitem(last=False)
         result.bytes_received += round_.bytes_received
-        result.seconds = time.perf_counter() - started
+        result.seconds = anyio.current_time() - started
         result.reduced = spans[me]
         result.clipped = sorted(round_.clipped)
         if round_.clipped:
@@ -623,7 +625,7 @@ class AllReduceService(AllReduceRunner):
     def _forget_results(self, buffers: Sequence[npt.NDArray[Any]]) -> None:
         """``buffers`` are about to be reused (or rounds are old): stop relaying the results
         that earlier rounds left in them."""
-        now = time.monotonic()
+        now = anyio.current_time()
         for group_id, applied in list(self._recent.items()):
             if applied.until < now or any(a is b for a in applied.buffers for b in buffers):
                 applied.until = -math.inf
@@ -808,7 +810,7 @@ class AllReduceService(AllReduceRunner):
             raise ValueError("a malformed relay request")
         round_ = self._rounds.get(ask.group_id)
         applied = round_.applied if round_ is not None else self._recent.get(ask.group_id)
-        if applied is None or applied.until < time.monotonic():
+        if applied is None or applied.until < anyio.current_time():
             yield AvgHave(0)
             return
         members = applied.group.members
@@ -837,7 +839,7 @@ class AllReduceService(AllReduceRunner):
                 continue
             part = parts[index]
             values = applied.buffers[part.buffer][part.start : part.stop].copy()
-            if applied.until < time.monotonic():  # (the buffers were reused meanwhile)
+            if applied.until < anyio.current_time():  # (the buffers were reused meanwhile)
                 raise ValueError("those results are gone")
             yield AvgPart(index, values)
 

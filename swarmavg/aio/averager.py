@@ -20,7 +20,6 @@ import logging
 import math
 import secrets
 import threading
-import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
@@ -666,7 +665,7 @@ class DecentralizedAverager:
     async def _run_step(self, control: StepControl, allow_retries: bool) -> StepResult:
         if self.allreduce is None:
             raise RuntimeError("enter the averager first: `async with averager:`")
-        deadline = time.monotonic() + control.budget
+        deadline = anyio.current_time() + control.budget
         self._live.add(control)
         try:
             async with self._step_lock:
@@ -682,12 +681,12 @@ class DecentralizedAverager:
         whole (:class:`AllReduceFailed`: nothing averaged, a timeout) is retried in a new
         group while the step's ``timeout`` lasts (the tensors are untouched until a round
         succeeds)."""
-        started = time.perf_counter()
+        started = anyio.current_time()
         while True:
             try:
                 return await self._step_once(control, allow_retries, deadline, started)
             except AllReduceFailed as exc:
-                left = deadline - time.monotonic()
+                left = deadline - anyio.current_time()
                 if not allow_retries or left <= 0:
                     raise
                 logger.warning("%s; looking for another group (%.1f s left)", exc, left)
@@ -698,7 +697,7 @@ class DecentralizedAverager:
         assert self.allreduce is not None
         control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - anyio.current_time()
             begin_at = get_dht_time() + min(self.averaging_expiration, max(left, 0.0))
             if control.scheduled_time is not None:
                 begin_at = min(begin_at, control.scheduled_time)
@@ -709,10 +708,10 @@ class DecentralizedAverager:
                     )
                 break
             except (MatchmakingFailed, TimeoutError) as exc:
-                if not allow_retries or time.monotonic() >= deadline:
+                if not allow_retries or anyio.current_time() >= deadline:
                     self._move_on()
                     raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
-        matched = time.perf_counter()
+        matched = anyio.current_time()
         group = info.group
         try:
             if control.require_trigger and not control.triggered:
@@ -751,7 +750,7 @@ class DecentralizedAverager:
         members = group.members
         me = group.index_of(self.dht.peer_id)
         self._bits = next_group_bits(self._bits, group.group_id, me, len(members))
-        finished = time.perf_counter()
+        finished = anyio.current_time()
         local_spans = [(members[r].peer_id, why) for r, _, why in outcome.local_spans]
         dropped = [
             (members[r].peer_id, members[d].peer_id, why) for r, d, _, why in outcome.dropped

@@ -1,9 +1,12 @@
 """Test kit: the in-process :class:`MemoryTransport` and the conformance suites.
 
 Shipped with the library (like ``trio.testing``) so that third-party transports can prove they
-behave like ours: ``await check_transport(lambda identity: MyTransport(identity), "my://…:0")``.
+behave like ours: ``await check_transport(lambda identity: MyTransport(identity), "my://…:0")``,
+and so that many peers can be simulated in one process on virtual time
+(:class:`VirtualClockLoop`, :func:`run_on_virtual_time`).
 """
 
+from swarmavg.testing._clock import VirtualClockLoop, run_on_virtual_time
 from swarmavg.testing._conformance import (
     TRANSPORT_CHECKS,
     TransportFactory,
@@ -17,6 +20,8 @@ __all__ = [
     "MemoryNetwork",
     "MemoryTransport",
     "TransportFactory",
+    "VirtualClockLoop",
     "check_transport",
+    "run_on_virtual_time",
     "run_transport_check",
 ]

@@ -1,0 +1,136 @@
+"""An asyncio event loop on virtual time, for simulations and tests of many peers in one process.
+
+Its clock stands still while callbacks run (but for a microsecond a cycle of the loop, so that
+code that polls the clock in a busy loop gets to its deadline) and jumps to the next timer when
+every task waits, like ``trio.testing.MockClock(autojump_threshold=0)``: a thousand peers that
+share one core then see the timeouts they would see on a thousand machines, however long the
+process takes to run them all, and a ``sleep(60)`` costs nothing. DHT time
+(:func:`swarmavg.get_dht_time`) follows it on such a loop, from the wall-clock time at which the
+loop was made.
+
+Only the loop's clock is virtual: work that waits outside it (a worker thread, a real socket)
+does not hold the clock back, so a timer may fire while such work runs. Meant for code on the
+in-process :class:`~swarmavg.testing.MemoryTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import anyio
+
+__all__ = ["VirtualClockLoop", "run_on_virtual_time"]
+
+T = TypeVar("T")
+
+#: Virtual seconds a cycle of the loop costs when something is ready to run.
+_BUSY_CYCLE = 1e-6
+#: Loop cycles that only retry delivering a cancellation before the clock moves on regardless.
+_CANCELLATION_SPINS = 100
+
+
+class _JumpingSelector(selectors.BaseSelector):
+    """A selector that never waits: with nothing ready, it moves its loop's clock on to when
+    the loop would have woken up (the next timer) instead."""
+
+    def __init__(self, real: selectors.BaseSelector, loop: VirtualClockLoop) -> None:
+        self._real = real
+        self._loop = loop
+        self._spins = 0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        events = self._real.select(0)
+        if events:
+            self._spins = 0
+            return events
+        if timeout == 0:
+            # Something is ready to run: a cycle of the loop costs a little time, so that code
+            # that polls the clock in a busy loop (until a deadline) gets there.
+            self._loop._advance(_BUSY_CYCLE)
+            # If it is only anyio re-delivering a cancellation
+            # (it retries every cycle until the cancelled task leaves the scope) and that has
+            # gone on for a while, the task waits for a timer (a shielded clean-up with a
+            # timeout): the clock must move on for it, as it would on real time.
+            if self._loop._only_retrying_cancellation():
+                self._spins += 1
+                if self._spins >= _CANCELLATION_SPINS:
+                    self._spins = 0
+                    self._loop._advance_to_next_timer()
+            else:
+                self._spins = 0
+            return events
+        self._spins = 0
+        if timeout is None:  # no timer at all: only I/O (another thread) can wake us
+            return self._real.select(None)
+        self._loop._advance(timeout)
+        return []
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.modify(fileobj, events, data)
+
+    def close(self) -> None:
+        self._real.close()
+
+    def get_key(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._real.get_key(fileobj)
+
+    def get_map(self) -> Mapping[Any, selectors.SelectorKey]:
+        return self._real.get_map()
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An asyncio event loop whose clock (``loop.time()``, ``anyio.current_time()``, every
+    timeout and sleep) moves only when all its tasks wait, straight to the next timer.
+
+    :param start: the clock's first reading (seconds).
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        super().__init__()
+        self._now = float(start)
+        #: DHT time at ``loop.time() == 0``
+        self.epoch = time.time() - self._now
+        real: selectors.BaseSelector = self._selector  # type: ignore[has-type]
+        self._selector = _JumpingSelector(real, self)
+
+    def time(self) -> float:
+        return self._now
+
+    def dht_time(self) -> float:
+        """DHT time on this loop: the wall clock when it was made, plus virtual time since."""
+        return self.epoch + self._now
+
+    def _advance(self, seconds: float) -> None:
+        self._now += seconds
+
+    def _advance_to_next_timer(self) -> None:
+        scheduled = self._scheduled  # type: ignore[attr-defined]
+        if scheduled:
+            self._now = max(self._now, scheduled[0].when())
+
+    def _only_retrying_cancellation(self) -> bool:
+        """Whether every callback ready to run is anyio's retry of a cancellation."""
+        ready = self._ready  # type: ignore[attr-defined]
+        return bool(ready) and all(
+            getattr(handle._callback, "__name__", "") == "_deliver_cancellation" for handle in ready
+        )
+
+
+def run_on_virtual_time(fn: Callable[..., Awaitable[T]], *args: Any, start: float = 0.0) -> T:
+    """``anyio.run(fn, *args)`` on a :class:`VirtualClockLoop`."""
+    return anyio.run(
+        fn,
+        *args,
+        backend="asyncio",
+        backend_options={"loop_factory": lambda: VirtualClockLoop(start)},
+    )

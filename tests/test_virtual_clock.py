@@ -1,0 +1,142 @@
+"""``swarmavg.testing.VirtualClockLoop``: the clock jumps over idle time, busy polling and a
+cancelled task's timed clean-up still get to their deadlines, DHT time follows, and real
+averagers run their timeouts on it (a minute of waiting costs no real time)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from swarmavg import get_dht_time
+from swarmavg.aio import DHT
+from swarmavg.aio.averager import DecentralizedAverager, MatchmakingFailed
+from swarmavg.testing import MemoryNetwork, VirtualClockLoop, run_on_virtual_time
+
+
+def test_an_hour_of_sleep_costs_no_real_time_and_dht_time_follows() -> None:
+    async def main() -> tuple[float, float, float]:
+        assert isinstance(asyncio.get_running_loop(), VirtualClockLoop)
+        clock, dht = anyio.current_time(), get_dht_time()
+        await anyio.sleep(3600)
+        with anyio.move_on_after(60):
+            await anyio.sleep_forever()
+        return anyio.current_time() - clock, get_dht_time() - dht, time.time()
+
+    started = time.monotonic()
+    slept, dht_slept, wall = run_on_virtual_time(main)
+    assert time.monotonic() - started < 5
+    assert slept == pytest.approx(3660, abs=1e-3)
+    assert dht_slept == pytest.approx(3660, abs=1e-3)
+    assert abs(get_dht_time() - wall) < 5  # outside the loop: the wall clock again
+
+
+def test_the_clock_starts_where_asked() -> None:
+    async def now() -> float:
+        return anyio.current_time()
+
+    assert run_on_virtual_time(now, start=1000.0) == pytest.approx(1000.0, abs=1e-3)
+
+
+def test_busy_polling_gets_to_its_deadline() -> None:
+    async def main() -> int:
+        deadline = anyio.current_time() + 0.01
+        spins = 0
+        while anyio.current_time() < deadline:  # (a loop that never waits for a timer)
+            await anyio.lowlevel.checkpoint()
+            spins += 1
+        return spins
+
+    real = time.monotonic()
+    spins = run_on_virtual_time(main)
+    assert time.monotonic() - real < 10
+    assert 0 < spins <= 10_001  # (a microsecond a cycle)
+
+
+def test_a_cancelled_task_in_a_timed_shielded_clean_up_lets_the_clock_move() -> None:
+    """anyio re-delivers a cancellation every cycle until the task leaves the scope; a task
+    that first cleans up (shielded, for at most 2 s) would hold the clock still forever."""
+
+    async def main() -> float:
+        started = anyio.current_time()
+
+        async def worker() -> None:
+            try:
+                await anyio.sleep(100)
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    await anyio.Event().wait()  # (nothing sets it)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker)
+            await anyio.sleep(1)
+            tg.cancel_scope.cancel()
+        return anyio.current_time() - started
+
+    real = time.monotonic()
+    took = run_on_virtual_time(main)
+    assert time.monotonic() - real < 10
+    assert 3 <= took < 10
+
+
+def test_averagers_wait_out_long_timeouts_on_virtual_time() -> None:
+    """Three peers want groups of four (averaging_expiration 60 s): they wait the whole
+    expiration, then average as a group of three; a peer alone fails after its 300 s timeout.
+    All of it in much less real time."""
+
+    async def main() -> tuple[float, float, list[int], list[list[float]]]:
+        network = MemoryNetwork()
+        async with AsyncExitStack() as stack:
+            dhts: list[DHT] = []
+            averagers = []
+            for i in range(4):
+                seeds = [a for d in dhts[:1] for a in d.get_visible_maddrs()]
+                dht = await stack.enter_async_context(
+                    DHT(seeds, transport="memory", transport_options={"network": network})
+                )
+                dhts.append(dht)
+                tensor = torch.full((5,), float(i))
+                averagers.append(
+                    await stack.enter_async_context(
+                        DecentralizedAverager(
+                            [tensor],
+                            dht,
+                            prefix="group" if i < 3 else "alone",
+                            target_group_size=4,
+                            averaging_expiration=60.0,
+                        )
+                    )
+                )
+            sizes: list[int] = []
+            started = anyio.current_time()
+
+            async def step(i: int) -> None:
+                sizes.append((await averagers[i].step(timeout=120)).group_size)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(step, i)
+            grouped = anyio.current_time() - started
+            started = anyio.current_time()
+            with pytest.raises(MatchmakingFailed):
+                await averagers[3].step(timeout=300)
+            alone = anyio.current_time() - started
+            values = []
+            for averager in averagers:
+                with averager.get_tensors() as own:
+                    values.append(own[0].tolist())
+            return grouped, alone, sizes, values
+
+    real = time.monotonic()
+    grouped, alone, sizes, values = run_on_virtual_time(main)
+    assert time.monotonic() - real < 60
+    assert sizes == [3, 3, 3]
+    assert 55 <= grouped <= 70  # the whole expiration: a fourth peer might have come
+    assert alone >= 300
+    assert values[:3] == [[1.0] * 5] * 3  # the mean of 0, 1 and 2
+    assert values[3] == [3.0] * 5
