@@ -140,3 +140,53 @@ def test_averagers_wait_out_long_timeouts_on_virtual_time() -> None:
     assert alone >= 300
     assert values[:3] == [[1.0] * 5] * 3  # the mean of 0, 1 and 2
     assert values[3] == [3.0] * 5
+
+
+def test_peers_alone_under_different_keys_meet_within_one_step() -> None:
+    """Two peers want pairs, under the keys "0" and "1": each attempt finds nobody, and each
+    failed attempt draws new bits, so they meet within one step's timeout (all but surely:
+    half a chance each attempt, ~20 attempts)."""
+
+    async def main() -> tuple[list[int], list[list[float]]]:
+        network = MemoryNetwork()
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                DHT([], transport="memory", transport_options={"network": network})
+            )
+            second = await stack.enter_async_context(
+                DHT(
+                    first.get_visible_maddrs(),
+                    transport="memory",
+                    transport_options={"network": network},
+                )
+            )
+            averagers = [
+                await stack.enter_async_context(
+                    DecentralizedAverager(
+                        [torch.full((3,), float(i))],
+                        dht,
+                        prefix="meet",
+                        target_group_size=2,
+                        averaging_expiration=2.0,
+                        initial_group_bits=str(i),
+                    )
+                )
+                for i, dht in enumerate((first, second))
+            ]
+            sizes: list[int] = []
+
+            async def step(averager: DecentralizedAverager) -> None:
+                sizes.append((await averager.step(timeout=60)).group_size)
+
+            async with anyio.create_task_group() as tg:
+                for averager in averagers:
+                    tg.start_soon(step, averager)
+            values = []
+            for averager in averagers:
+                with averager.get_tensors() as own:
+                    values.append(own[0].tolist())
+            return sizes, values
+
+    sizes, values = run_on_virtual_time(main)
+    assert sizes == [2, 2]
+    assert values == [[0.5] * 3] * 2

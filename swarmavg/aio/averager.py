@@ -367,15 +367,14 @@ class DecentralizedAverager:
                 tensor.copy_(values.view(tensor.shape))
 
     def _move_on(self) -> None:
-        """After a step found no group: move to other group bits (of the same length, drawn
-        at random), so that a peer left alone under its key (the groups there filled up
-        without it) does not stay alone there round after round (Moshpit would stall)."""
+        """After an attempt found no group: draw new group bits (of the same length, at
+        random; they may come out the same), so that a peer left alone under its key (the
+        groups there filled up without it) does not stay alone there attempt after attempt,
+        round after round (Moshpit would stall), and peers left alone under different keys
+        can meet."""
         if self._bits:
             width = len(self._bits)
-            while True:
-                bits = format(secrets.randbits(width), f"0{width}b")
-                if bits != self._bits:
-                    break
+            bits = format(secrets.randbits(width), f"0{width}b")
             logger.info("no group under %s: moving to group bits %s", self._bits, bits)
             self._bits = bits
 
@@ -708,8 +707,8 @@ class DecentralizedAverager:
                     )
                 break
             except (MatchmakingFailed, TimeoutError) as exc:
+                self._move_on()  # (then look again, elsewhere, while the step's timeout lasts)
                 if not allow_retries or anyio.current_time() >= deadline:
-                    self._move_on()
                     raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
         matched = anyio.current_time()
         group = info.group
