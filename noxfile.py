@@ -89,3 +89,5 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/averaging.py", *session.posargs)
     # 1024 peers' Moshpit rounds through the sans-IO averaging code (no network, no clock)
     session.run("python", "benchmarks/averaging_sim.py")
+    # 1024 real averagers in one process (MemoryTransport) from random group bits (minutes)
+    session.run("python", "benchmarks/averaging_scale.py")
