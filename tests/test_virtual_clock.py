@@ -143,11 +143,11 @@ def test_averagers_wait_out_long_timeouts_on_virtual_time() -> None:
 
 
 def test_peers_alone_under_different_keys_meet_within_one_step() -> None:
-    """Two peers want pairs, under the keys "0" and "1": each attempt finds nobody, and each
-    failed attempt draws new bits, so they meet within one step's timeout (all but surely:
-    half a chance each attempt, ~20 attempts)."""
+    """Two peers want pairs, under the keys "0" and "1": the first attempt (2 s) finds
+    nobody; both look again under the prefix's own key and meet there, well within the step's
+    timeout, and draw new bits for the next round."""
 
-    async def main() -> tuple[list[int], list[list[float]]]:
+    async def main() -> tuple[list[int], list[list[float]], float]:
         network = MemoryNetwork()
         async with AsyncExitStack() as stack:
             first = await stack.enter_async_context(
@@ -178,15 +178,18 @@ def test_peers_alone_under_different_keys_meet_within_one_step() -> None:
             async def step(averager: DecentralizedAverager) -> None:
                 sizes.append((await averager.step(timeout=60)).group_size)
 
+            started = anyio.current_time()
             async with anyio.create_task_group() as tg:
                 for averager in averagers:
                     tg.start_soon(step, averager)
+            took = anyio.current_time() - started
             values = []
             for averager in averagers:
                 with averager.get_tensors() as own:
                     values.append(own[0].tolist())
-            return sizes, values
+            return sizes, values, took
 
-    sizes, values = run_on_virtual_time(main)
+    sizes, values, took = run_on_virtual_time(main)
     assert sizes == [2, 2]
     assert values == [[0.5] * 3] * 2
+    assert took < 10  # two attempts of 2 s, and a request timeout at most

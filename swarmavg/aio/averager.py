@@ -368,10 +368,10 @@ class DecentralizedAverager:
 
     def _move_on(self) -> None:
         """After an attempt found no group: draw new group bits (of the same length, at
-        random; they may come out the same), so that a peer left alone under its key (the
-        groups there filled up without it) does not stay alone there attempt after attempt,
-        round after round (Moshpit would stall), and peers left alone under different keys
-        can meet."""
+        random; they may come out the same) for the next round, so that a peer left alone
+        under its key (the groups there filled up without it) does not stay alone there
+        round after round (Moshpit would stall). (Within the step, it looks again under the
+        prefix's own key: see :meth:`_step_once`.)"""
         if self._bits:
             width = len(self._bits)
             bits = format(secrets.randbits(width), f"0{width}b")
@@ -695,6 +695,7 @@ class DecentralizedAverager:
     ) -> StepResult:
         assert self.allreduce is not None
         control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+        bits = self._bits
         while True:
             left = deadline - anyio.current_time()
             begin_at = get_dht_time() + min(self.averaging_expiration, max(left, 0.0))
@@ -703,13 +704,16 @@ class DecentralizedAverager:
             try:
                 with anyio.fail_after(max(left, 0.0) + self.request_timeout):
                     info = await self.matchmaker.look_for_group(
-                        self._bits, gather=control.gathered, begin_at=begin_at
+                        bits, gather=control.gathered, begin_at=begin_at
                     )
                 break
             except (MatchmakingFailed, TimeoutError) as exc:
-                self._move_on()  # (then look again, elsewhere, while the step's timeout lasts)
+                self._move_on()
                 if not allow_retries or anyio.current_time() >= deadline:
                     raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
+                # Look again while the step's timeout lasts, under the prefix's own key (no
+                # bits), where every peer left alone this round under any key looks too.
+                bits = ""
         matched = anyio.current_time()
         group = info.group
         try:
