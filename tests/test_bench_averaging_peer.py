@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -14,18 +13,8 @@ import torch
 from swarmavg import compression
 
 
-def _load() -> ModuleType:
-    path = Path(__file__).parents[1] / "benchmarks" / "_averaging_peer.py"
-    spec = importlib.util.spec_from_file_location("_averaging_peer_benchmark", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_make_codec_by_class_and_wire_name() -> None:
-    peer = _load()
+def test_make_codec_by_class_and_wire_name(load_benchmark: Callable[[str], ModuleType]) -> None:
+    peer = load_benchmark("_averaging_peer.py")
     for class_name in peer.CODEC_CLASSES:
         cls = getattr(compression, class_name)
         assert type(peer.make_codec(class_name)) is cls
@@ -38,8 +27,8 @@ def test_make_codec_by_class_and_wire_name() -> None:
         peer.make_codec("CompressionBase")
 
 
-def test_error_stats_against_the_exact_mean() -> None:
-    peer = _load()
+def test_error_stats_against_the_exact_mean(load_benchmark: Callable[[str], ModuleType]) -> None:
+    peer = load_benchmark("_averaging_peer.py")
     seeds = [11, 12, 13]
     assert torch.equal(peer.random_tensor(1000, 11), peer.random_tensor(1000, 11))
     into = torch.zeros(1000)

@@ -3,29 +3,18 @@ real averagers on virtual time converges, and the script says whether it met its
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 
 
-def _load() -> ModuleType:
-    path = Path(__file__).parents[1] / "benchmarks" / "averaging_scale.py"
-    spec = importlib.util.spec_from_file_location("_averaging_scale_benchmark", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.timeout(240)
-def test_a_small_swarm_on_virtual_time_converges(capsys: pytest.CaptureFixture[str]) -> None:
-    scale = _load()
+def test_a_small_swarm_on_virtual_time_converges(
+    capsys: pytest.CaptureFixture[str], load_benchmark: Callable[[str], ModuleType]
+) -> None:
+    scale = load_benchmark("averaging_scale.py")
     started = time.monotonic()
     # 64 peers in groups of 4 from 2 random bits: rounds where a group waits out the averaging
     # expiration (15 s) or a lone peer its step timeout (30 s) cost no real time for it

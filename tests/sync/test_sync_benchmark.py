@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -14,18 +13,8 @@ from swarmavg.sync import THREAD_NAME
 pytestmark = pytest.mark.timeout(30)
 
 
-def _load() -> ModuleType:
-    path = Path(__file__).parents[2] / "benchmarks" / "_sync_handle.py"
-    spec = importlib.util.spec_from_file_location("_sync_handle_benchmark", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_measure_returns_rows_and_cleans_up() -> None:
-    rows = _load().measure(iterations=20)
+def test_measure_returns_rows_and_cleans_up(load_benchmark: Callable[[str], ModuleType]) -> None:
+    rows = load_benchmark("_sync_handle.py").measure(iterations=20)
     names = [str(row["name"]) for row in rows]
     assert any(name.startswith("reference") for name in names)
     assert any("run_sync" in name for name in names)
@@ -38,6 +27,6 @@ def test_measure_returns_rows_and_cleans_up() -> None:
     assert not [t for t in threading.enumerate() if t.name in (THREAD_NAME, "bench-reference-loop")]
 
 
-def test_measure_rejects_zero_iterations() -> None:
+def test_measure_rejects_zero_iterations(load_benchmark: Callable[[str], ModuleType]) -> None:
     with pytest.raises(ValueError, match="iterations"):
-        _load().measure(iterations=0)
+        load_benchmark("_sync_handle.py").measure(iterations=0)
