@@ -598,7 +598,8 @@ class DecentralizedAverager:
         :param wait: ``False`` returns a :class:`StepControl` at once (the step runs in the
             background; ``await control`` for the result).
         :param scheduled_time: DHT time by which the group should begin (default: now +
-            ``averaging_expiration``, or the end of ``timeout`` if sooner).
+            ``averaging_expiration``, or the end of ``timeout`` if sooner; a time already
+            past counts as none).
         :param require_trigger: once in a group, wait for :meth:`StepControl.allow_allreduce`
             before averaging (so a peer can find its group while it still computes).
         :raises MatchmakingFailed: no group formed in time.
@@ -698,8 +699,10 @@ class DecentralizedAverager:
         bits = self._bits
         while True:
             left = deadline - anyio.current_time()
-            begin_at = get_dht_time() + min(self.averaging_expiration, max(left, 0.0))
-            if control.scheduled_time is not None:
+            now = get_dht_time()
+            begin_at = now + min(self.averaging_expiration, max(left, 0.0))
+            if control.scheduled_time is not None and control.scheduled_time > now:
+                # (one already past would fail every attempt at once until the timeout)
                 begin_at = min(begin_at, control.scheduled_time)
             try:
                 with anyio.fail_after(max(left, 0.0) + self.request_timeout):

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import torch
 
+from swarmavg import get_dht_time
 from swarmavg.abc import AllReduceRunner, Group, GroupInfo, GroupMember, Matchmaker
 from swarmavg.aio import DHT
 from swarmavg.aio.allreduce import AllReduceFailed, AllReduceService
@@ -457,6 +458,18 @@ async def test_a_peer_that_finds_no_group_moves_to_other_bits() -> None:
         with pytest.raises(MatchmakingFailed):
             await avg.step(timeout=0.3)
         assert avg.get_group_bits() == ""
+
+
+async def test_a_scheduled_time_already_past_counts_as_none() -> None:
+    tensors = [[torch.full((4,), float(i))] for i in range(2)]
+    async with _averagers(tensors, prefix="late", target_group_size=2) as averagers:
+        started = anyio.current_time()
+        results = await _step_all(averagers, scheduled_time=get_dht_time() - 10, timeout=8)
+        assert anyio.current_time() - started < 5  # (it used to fail every attempt until 8 s)
+        assert [r.group_size for r in results] == [2, 2]
+        for averager in averagers:
+            with averager.get_tensors() as own:
+                assert own[0].tolist() == [0.5] * 4
 
 
 async def test_clip_norm_bounds_what_one_loud_peer_can_do_to_the_mean() -> None:
