@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -823,6 +824,50 @@ async def test_small_messages_overtake_a_bulk_message() -> None:
                     events.append(f"rpc {i}")
                 await rpc.send_eof()
         assert events[:3] == ["rpc 0", "rpc 1", "rpc 2"], events
+
+
+@pytest.mark.parametrize("encryption", [True, False], ids=["encrypted", "plain"])
+async def test_concurrent_bulk_messages_arrive_intact(encryption: bool) -> None:
+    """Streams sending multi-record messages at once (sealed records go several to a write,
+    from one buffer), some of them in pieces, beside small ones: every byte arrives, in
+    order, on its own stream."""
+    rng = random.Random(5)
+    options = {"encryption": encryption, "max_record_size": 64 << 10}
+    messages = {
+        s: [rng.randbytes(rng.choice([1, 100, 70_000, 300_000, 1 << 20])) for _ in range(6)]
+        for s in range(4)
+    }
+    async with (
+        serving(**options) as (_, listener),
+        TcpTransport(Identity.generate(), **options) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        got: dict[int, list[bytes]] = {}
+
+        async def send(s: int) -> None:
+            stream = await dialed.open_stream()
+            await stream.send(s.to_bytes(1, "big"))
+            for i, message in enumerate(messages[s]):
+                if i % 2:  # in pieces: the transport joins them into records
+                    third = len(message) // 3
+                    await stream.send(
+                        message[:third], message[third : 2 * third], message[2 * third :]
+                    )
+                else:
+                    await stream.send(message)
+            await stream.send_eof()
+
+        async def receive() -> None:
+            stream = await accepted.accept_stream()
+            s = bytes(await stream.receive())[0]
+            got[s] = [bytes(m) async for m in stream]
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for s in messages:
+                    tg.start_soon(receive)
+                    tg.start_soon(send, s)
+        assert got == messages
 
 
 # -- arguments and lifecycle ---------------------------------------------------------------------

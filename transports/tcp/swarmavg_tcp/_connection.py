@@ -87,6 +87,9 @@ _MAX_QUEUED_CONTROL = 1 << 13
 _WRITE_BATCH = 2 << 20
 #: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
 _IOV_BATCH = 512
+#: Sealed records of a bulk message written with one sendmsg (each up to the peer's
+#: max_record_size; plaintext records go by _WRITE_BATCH bytes instead).
+_SEALED_BATCH = 4
 #: Most bytes read into the read buffer at once outside bulk transfers, in plaintext. A record
 #: that arrives whole in the read buffer is copied out of it; one that does not is read
 #: straight into its message. Reading little at a time after small records keeps the big ones
@@ -446,8 +449,13 @@ class TcpConnection(Connection):
         self._control: list[tuple[int, int, int, int]] = []
         self._control_changed = Signal()
         tag = fr.TAG_SIZE if sealer is not None else 0
-        self._wbuf = bytearray(fr.HEADER_SIZE + peer_settings.max_record_size + tag)
+        #: the most one sealed record takes
+        self._record_room = fr.HEADER_SIZE + peer_settings.max_record_size + tag
+        self._wbuf = bytearray(self._record_room)
         self._wview = memoryview(self._wbuf)
+        #: sealed records of a bulk message, written several to a sendmsg (made on first use:
+        #: only connections that carry bulk data pay for it)
+        self._bulk_wbuf: memoryview | None = None
         self._gbuf = bytearray(peer_settings.max_record_size)  # joins small parts of a record
         self._gview = memoryview(self._gbuf)
         self._pending_out: list[bytes] = []  # the rest of a control write, for the writer
@@ -705,17 +713,24 @@ class TcpConnection(Connection):
                     # sealed record lives in the one write buffer until it is written.
                     buffers = []
                     batched = 0
+                    out = self._bulk_buffer() if self._sealer is not None else None
                     while True:
                         pieces = records[index]
                         flags = (fr.FIRST if index == 0 else 0) | (fr.LAST if index == last else 0)
-                        buffers += self._compose(stream.id, flags, size, pieces)
-                        batched += sum(len(p) for p in pieces)
+                        if out is None:
+                            buffers += self._compose(stream.id, flags, size, pieces)
+                        else:  # sealed into the bulk buffer, one record after the other
+                            sealed = self._compose(stream.id, flags, size, pieces, out[batched:])
+                            buffers += sealed
+                            batched += len(sealed[0])
+                        if out is None:
+                            batched += sum(len(p) for p in pieces)
                         index += 1
                         if (
                             index > last
-                            or self._sealer is not None
                             or batched >= _WRITE_BATCH
                             or self._write_lock.contended
+                            or (out is not None and len(out) - batched < self._record_room)
                         ):
                             break
                     left = self._write_now(buffers)
@@ -742,16 +757,28 @@ class TcpConnection(Connection):
             self._credit += cost
         self._credit_changed.notify()
 
+    def _bulk_buffer(self) -> memoryview:
+        """The buffer that sealed records of bulk messages are written into, a few at a time."""
+        if self._bulk_wbuf is None:
+            self._bulk_wbuf = memoryview(bytearray(_SEALED_BATCH * self._record_room))
+        return self._bulk_wbuf
+
     def _compose(
-        self, stream_id: int, flags: int, total: int, pieces: list[memoryview]
+        self,
+        stream_id: int,
+        flags: int,
+        total: int,
+        pieces: list[memoryview],
+        out: memoryview | None = None,
     ) -> list[Any]:
-        """The buffers of one DATA record (sealed into the write buffer when encrypting)."""
+        """The buffers of one DATA record (sealed into ``out``, by default the write buffer,
+        when encrypting)."""
         length = sum(len(p) for p in pieces)
         arg = total if flags & fr.FIRST else 0
         if self._sealer is None:
             return [fr.HEADER.pack(length, fr.DATA, flags, 0, stream_id, arg), *pieces]
-        wview = self._wview
-        fr.HEADER.pack_into(self._wbuf, 0, length, fr.DATA, flags, 0, stream_id, arg)
+        wview = self._wview if out is None else out
+        fr.HEADER.pack_into(wview, 0, length, fr.DATA, flags, 0, stream_id, arg)
         if len(pieces) == 1:
             plain = pieces[0]
         else:
