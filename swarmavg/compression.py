@@ -34,6 +34,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import sys
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any, ClassVar, Final, TypeAlias
 
@@ -270,8 +271,45 @@ def _check_len(tensor: CompressedTensor, field: str, dtype: np.dtype[Any], count
 
 def _check_finite(tensor: CompressedTensor, field: str) -> None:
     array: Array = getattr(tensor, field)
-    if array.size and not bool(np.isfinite(array).all()):
+    if not array.size:
+        return
+    if array.dtype == _F16:  # exponent bits all ones: inf or NaN (~20x faster than isfinite)
+        finite = int(np.bitwise_and(array.view(np.uint16), 0x7FFF).max()) < 0x7C00
+    else:
+        finite = bool(np.isfinite(array).all())
+    if not finite:
         raise ValueError(f"{tensor.codec}: {field} holds NaN or infinite values")
+
+
+#: From this many elements, float32 <-> float16 casts go through torch where the process has
+#: already imported it (the same values, correctly rounded, several times faster than numpy's
+#: casts); the codecs never import torch themselves.
+_TORCH_CAST_MIN: Final = 1 << 14
+
+
+def _to_f16(x: Array) -> Array:
+    """``x.astype(float16)`` (``x`` finite, within ±65504)."""
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and x.dtype == _F32
+        and x.size >= _TORCH_CAST_MIN
+        and x.flags.c_contiguous
+        and x.flags.writeable
+    ):
+        out: Array = torch.from_numpy(x).to(torch.float16).numpy()
+        return out
+    return x.astype(_F16)
+
+
+def _f16_to_f32(h: Array) -> Array:
+    """``h.astype(float32)``: a new array (exact: every float16 is a float32)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and h.size >= _TORCH_CAST_MIN:
+        src = h if (h.flags.writeable and h.flags.c_contiguous) else np.array(h, order="C")
+        out: Array = torch.from_numpy(src).to(torch.float32).numpy()
+        return out
+    return h.astype(_F32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,7 +489,7 @@ class Float16Compression(CompressionBase):
     ) -> CompressedTensor:
         if lo < -_FP16_MAX or hi > _FP16_MAX:
             flat = np.clip(flat, -_FP16_MAX, _FP16_MAX)
-        return CompressedTensor(self.name, tuple(shape), flat.dtype.name, flat.astype(_F16))
+        return CompressedTensor(self.name, tuple(shape), flat.dtype.name, _to_f16(flat))
 
     def _estimate_nbytes(self, size: int) -> float:
         return 2.0 * size
@@ -469,7 +507,7 @@ class Float16Compression(CompressionBase):
 
     @classmethod
     def _decode(cls, tensor: CompressedTensor) -> Array:
-        return tensor.data.astype(_F32)
+        return _f16_to_f32(tensor.data)
 
 
 class ScaledFloat16Compression(CompressionBase):
@@ -502,7 +540,7 @@ class ScaledFloat16Compression(CompressionBase):
             with np.errstate(over="ignore"):
                 centred *= np.float32(1.0) / std
             np.clip(centred, -_FP16_MAX, _FP16_MAX, out=centred)
-            data = centred.astype(_F16)
+            data = _to_f16(centred)
         scales = np.array([mean, std], dtype=_F32)
         return CompressedTensor(self.name, tuple(shape), flat.dtype.name, data, scales)
 
@@ -532,7 +570,7 @@ class ScaledFloat16Compression(CompressionBase):
     @classmethod
     def _decode(cls, tensor: CompressedTensor) -> Array:
         mean, std = tensor.scales
-        out = tensor.data.astype(_F32)
+        out = _f16_to_f32(tensor.data)
         out *= std
         out += mean
         return out

@@ -590,3 +590,39 @@ def test_quantile_codes_equal_a_binary_search(kind: str) -> None:
         lo, hi = float(x.min()), float(x.max())
         got = _buckets(bounds, x, lo, hi)
         np.testing.assert_array_equal(got, np.searchsorted(bounds, x).astype(np.uint8))
+
+
+@pytest.mark.parametrize("source", ["writable", "read-only", "strided"])
+def test_float16_casts_through_torch_equal_numpy_casts(source: str) -> None:
+    """Big float16 payloads are cast by torch where it is imported: exactly numpy's values
+    (round to nearest even, subnormals, halfway cases, signed zeros), whatever the array."""
+    rng = np.random.default_rng(7)
+    n = 1 << 16  # above the size where torch takes over
+    halfway = (np.arange(1024, dtype=np.float32) + 0.5) * np.float32(2**-24)  # subnormal ties
+    special = np.array([0.0, -0.0, 6.1e-5, 6.09e-5, 5.96e-8, 2.98e-8, 65504.0, -65504.0], "<f4")
+    x = np.concatenate([rng.standard_normal(n).astype("<f4") * 100, halfway, -halfway, special])
+    x = np.concatenate([x, rng.uniform(-1e-7, 1e-7, n).astype("<f4")])
+    if source == "read-only":
+        x = np.frombuffer(x.tobytes(), "<f4")
+    elif source == "strided":
+        x = np.repeat(x, 2)[::2]
+    assert "torch" in sys.modules
+    ct = Float16Compression().compress(x)
+    np.testing.assert_array_equal(ct.data.view("<u2"), x.astype("<f2").view("<u2"))
+    back = CompressedTensor.from_parts(ct.to_parts())  # read-only float16 data
+    assert not back.data.flags.writeable
+    decoded = decompress(back)
+    np.testing.assert_array_equal(decoded.view("<u4"), ct.data.astype("<f4").view("<u4"))
+    scaled = ScaledFloat16Compression().compress(x)
+    mean, std = scaled.scales
+    centred = np.clip((x - mean) * (np.float32(1.0) / std), -65504, 65504)
+    np.testing.assert_array_equal(scaled.data.view("<u2"), centred.astype("<f2").view("<u2"))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_big_float16_payloads_with_non_finite_values_are_refused(bad: float) -> None:
+    parts = Float16Compression().compress(np.ones(1 << 16, "<f4")).to_parts()
+    data = np.frombuffer(parts["data"], "<f2").copy()  # type: ignore[arg-type]
+    data[12345] = bad
+    with pytest.raises(ValueError, match="data holds NaN"):
+        CompressedTensor.from_parts({**parts, "data": data.tobytes()})
