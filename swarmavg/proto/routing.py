@@ -28,7 +28,6 @@ Nothing here reads a clock: callers pass ``now`` (any monotonic seconds) where r
 from __future__ import annotations
 
 import functools
-import heapq
 import random
 from bisect import bisect_right
 from collections import OrderedDict
@@ -132,6 +131,7 @@ class RoutingTable:
         self.buckets: list[KBucket] = [KBucket(0, MAX_ID, k)]
         self._lowers: list[int] = [0]  # bucket lower bounds, for bisect
         self._ids: dict[PeerID, int] = {}  # every peer in a bucket (not the replacements)
+        self._peers: dict[int, PeerID] = {}  # the same, by node id
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -159,10 +159,18 @@ class RoutingTable:
         count = self.k if count is None else count
         if count <= 0:
             return []
-        candidates = ((nid ^ target, nid, peer) for peer, nid in self._ids.items())
-        if exclude is not None:
-            candidates = (c for c in candidates if c[2] != exclude)
-        return [(peer, nid) for _, nid, peer in heapq.nsmallest(count, candidates)]
+        # distances as plain ints (compared in C), mapped back through the node ids: several
+        # times faster than ranking (distance, id, peer) tuples (this runs on every request)
+        skip = self._ids.get(exclude) if exclude is not None else None
+        wanted = count + (skip is not None)
+        # (a table holds at most a few hundred peers: sorting them all in C beats a heap)
+        distances = sorted([nid ^ target for nid in self._peers])
+        nearest = []
+        for distance in distances[:wanted]:
+            nid = distance ^ target
+            if nid != skip:
+                nearest.append((self._peers[nid], nid))
+        return nearest[:count]
 
     def stale_buckets(self, now: float, period: float) -> list[KBucket]:
         """Buckets no peer of which was seen in the last ``period`` seconds (to refresh by a
@@ -198,6 +206,7 @@ class RoutingTable:
                 bucket.replacements.pop(peer, None)
                 bucket.peers[peer] = nid
                 self._ids[peer] = nid
+                self._peers[nid] = peer
                 bucket.last_updated = now
                 return None
             splittable = self.own_id in bucket or bucket.depth % self.depth_modulo != 0
@@ -222,10 +231,12 @@ class RoutingTable:
         if bucket.peers.pop(peer, None) is None:
             return False
         del self._ids[peer]
+        del self._peers[nid]
         if bucket.replacements:
             newcomer, newcomer_id = bucket.replacements.popitem(last=True)
             bucket.peers[newcomer] = newcomer_id
             self._ids[newcomer] = newcomer_id
+            self._peers[newcomer_id] = newcomer
         return True
 
     def _split(self, index: int) -> None:
@@ -235,5 +246,6 @@ class RoutingTable:
                 peer, nid = half.replacements.popitem(last=True)
                 half.peers[peer] = nid
                 self._ids[peer] = nid
+                self._peers[nid] = peer
         self.buckets[index : index + 1] = [low, high]
         self._lowers[index : index + 1] = [low.lower, high.lower]

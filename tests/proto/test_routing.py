@@ -32,6 +32,11 @@ def _check_partition(table: RoutingTable) -> None:
         for nid in [*bucket.peers.values(), *bucket.replacements.values()]:
             assert nid in bucket
     assert len(table) == sum(len(b) for b in table.buckets)
+    in_buckets = {peer: nid for b in table.buckets for peer, nid in b.peers.items()}
+    assert set(table) == set(in_buckets)
+    assert [p for p, _ in table.nearest(0, len(in_buckets))] == sorted(
+        in_buckets, key=in_buckets.get
+    )
 
 
 def test_node_ids_are_the_sha256_of_the_peer_id() -> None:
@@ -83,6 +88,22 @@ def test_nearest_equals_brute_force(ten_thousand: list[PeerID]) -> None:
     target = node_id(known[0])
     assert table.nearest(target, 1)[0][0] == known[0]
     assert known[0] not in [p for p, _ in table.nearest(target, 5, exclude=known[0])]
+    # after removals (replacements move in) and with an unknown peer to leave out
+    for peer in rng.sample(known, 300):
+        assert table.remove(peer)
+    known = list(table)
+    stranger = ten_thousand[-1]
+    assert stranger not in table
+    for _ in range(50):
+        target = rng.randrange(MAX_ID)
+        count = rng.choice([1, 5, 20, len(known) + 5])
+        expected = sorted(known, key=lambda p: node_id(p) ^ target)
+        assert [p for p, _ in table.nearest(target, count)] == expected[:count]
+        assert [p for p, _ in table.nearest(target, count, exclude=stranger)] == expected[:count]
+        without = [p for p in expected if p != expected[0]][:count]
+        assert [p for p, _ in table.nearest(target, count, exclude=expected[0])] == without
+        assert all(nid == node_id(p) for p, nid in table.nearest(target, count))
+    _check_partition(table)
 
 
 def test_a_full_bucket_returns_its_least_recently_seen_peer_to_ping() -> None:
