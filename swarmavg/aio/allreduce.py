@@ -134,6 +134,18 @@ _THREAD_THRESHOLD: Final = 1 << 20
 _NO_COMPRESSION: Final = NoCompression()
 
 
+@dataclass(frozen=True)
+class _Outbound:
+    """What this member sends its reducers in a round, and where their answers go."""
+
+    buffers: Sequence[npt.NDArray[Any]]
+    weight: float
+    alpha: float
+    result: AllReduceResult
+    #: every member's weight, as the reducers tell it
+    weights: dict[int, float]
+
+
 @dataclass
 class _Applied:
     """What a member applied of each reducer's span in a round (its own span included), for
@@ -555,9 +567,8 @@ class AllReduceService(AllReduceRunner):
         deadline = math.inf if timeout is None else anyio.current_time() + timeout
         try:
             with anyio.fail_after(timeout), round_.scope:
-                await self._run_tasks(
-                    group, round_, plans, codecs, buffers, weight, averaging_alpha, result, weights
-                )
+                outbound = _Outbound(buffers, weight, averaging_alpha, result, weights)
+                await self._run_tasks(group, round_, plans, codecs, outbound)
             applied.close()
             if result.local_spans and round_.left is None:
                 budget = min(reducer_timeout or _RELAY_TIMEOUT, _RELAY_TIMEOUT)
@@ -867,11 +878,7 @@ class AllReduceService(AllReduceRunner):
         round_: _Round,
         plans: list[list[Part]],
         codecs: list[list[CompressionBase]],
-        buffers: Sequence[npt.NDArray[Any]],
-        weight: float,
-        alpha: float,
-        result: AllReduceResult,
-        weights: dict[int, float],
+        out: _Outbound,
     ) -> None:
         me = round_.me
         sending = group.members[me].mode is not MemberMode.AUX
@@ -882,18 +889,9 @@ class AllReduceService(AllReduceRunner):
                     for reducer, parts in enumerate(plans):
                         if reducer != me and parts:
                             tg.start_soon(
-                                self._send_to,
-                                round_,
-                                reducer,
-                                parts,
-                                codecs[reducer],
-                                buffers,
-                                weight,
-                                alpha,
-                                result,
-                                weights,
+                                self._send_to, round_, reducer, parts, codecs[reducer], out
                             )
-                tg.start_soon(self._reduce_own, round_, buffers, weight, alpha, sending)
+                tg.start_soon(self._reduce_own, round_, out.buffers, out.weight, out.alpha, sending)
         except* (SwarmError, OSError, ValueError) as failures:
             reasons = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(failures))
             raise AllReduceFailed(f"the all-reduce failed: {reasons}") from None
@@ -944,18 +942,12 @@ class AllReduceService(AllReduceRunner):
         reducer: int,
         parts: list[Part],
         codecs: list[CompressionBase],
-        buffers: Sequence[npt.NDArray[Any]],
-        weight: float,
-        alpha: float,
-        result: AllReduceResult,
-        weights: dict[int, float],
+        out: _Outbound,
     ) -> None:
         """Send our values of ``reducer``'s parts and apply the means it answers with; if it
         fails or stalls, the rest of its span keeps our local values (and the result says so)."""
         try:
-            await self._send_and_apply(
-                round_, reducer, parts, codecs, buffers, weight, alpha, result, weights
-            )
+            await self._send_and_apply(round_, reducer, parts, codecs, out)
         finally:
             assert round_.applied is not None
             round_.applied.settled[reducer].set()
@@ -966,11 +958,7 @@ class AllReduceService(AllReduceRunner):
         reducer: int,
         parts: list[Part],
         codecs: list[CompressionBase],
-        buffers: Sequence[npt.NDArray[Any]],
-        weight: float,
-        alpha: float,
-        result: AllReduceResult,
-        weights: dict[int, float],
+        out: _Outbound,
     ) -> None:
         group = round_.group
         progress = [0]  # parts answered so far
@@ -979,18 +967,7 @@ class AllReduceService(AllReduceRunner):
             with anyio.CancelScope() as scope:  # (cancelled if the reducer leaves)
                 round_.exchanges[reducer] = scope
                 try:
-                    await self._exchange(
-                        round_,
-                        reducer,
-                        parts,
-                        codecs,
-                        buffers,
-                        weight,
-                        alpha,
-                        result,
-                        weights,
-                        progress,
-                    )
+                    await self._exchange(round_, reducer, parts, codecs, out, progress)
                 except* (SwarmError, OSError, TimeoutError, ValueError) as caught:
                     failures.extend(_leaves(caught))
         if reducer in round_.gone and progress[0] < len(parts):
@@ -1002,7 +979,7 @@ class AllReduceService(AllReduceRunner):
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if isinstance(exc, TimeoutError):
                 reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
-        result.local_spans.append((reducer, progress[0], reason))
+        out.result.local_spans.append((reducer, progress[0], reason))
         logger.warning(
             "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local values: %s",
             group.group_id.hex()[:8],
@@ -1018,13 +995,16 @@ class AllReduceService(AllReduceRunner):
         reducer: int,
         parts: list[Part],
         codecs: list[CompressionBase],
-        buffers: Sequence[npt.NDArray[Any]],
-        weight: float,
-        alpha: float,
-        result: AllReduceResult,
-        weights: dict[int, float],
+        out: _Outbound,
         progress: list[int],
     ) -> None:
+        buffers, weight, alpha, result, weights = (
+            out.buffers,
+            out.weight,
+            out.alpha,
+            out.result,
+            out.weights,
+        )
         group = round_.group
         member = group.members[reducer]
         assert member.address is not None  # client-mode members have no span
