@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -110,6 +111,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -331,22 +333,30 @@ def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -
 
 def _run_ours_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every (encryption, N) setting, plain first; ``{"plain-4": {...}, ...}``."""
+    jobs: list[tuple[str, str, Callable[[_Pool], dict[str, Any]]]] = []
+    for encryption in (False, True):
+        if args.encrypted if encryption else args.plain:
+            for n in args.peers:
+                kind = "encrypted" if encryption else "plain"
+                run = functools.partial(_run_ours, n=n, encryption=encryption, args=args)
+                jobs.append((f"{kind}-{n}", f"running swarmavg N={n} {kind} ...", run))
+    return _run_on_one_pool(max(args.peers), jobs)
+
+
+def _run_on_one_pool(
+    size: int, jobs: list[tuple[str, str, Callable[[_Pool], dict[str, Any]]]]
+) -> dict[str, dict[str, Any]]:
+    """``{key: run(pool)}`` for each (key, progress line, run) of ``jobs`` in turn, on one pool
+    of ``size`` processes; a job that fails gets ``{"error": ...}`` and the next a fresh pool."""
     results: dict[str, dict[str, Any]] = {}
-    settings = [
-        (encryption, n)
-        for encryption in (False, True)
-        if (args.encrypted if encryption else args.plain)
-        for n in args.peers
-    ]
     pool: _Pool | None = None
     try:
-        for encryption, n in settings:
-            key = f"{'encrypted' if encryption else 'plain'}-{n}"
-            _progress(f"running swarmavg N={n} {key.split('-')[0]} ...")
+        for key, line, run in jobs:
+            _progress(line)
             try:
                 if pool is None:
-                    pool = _Pool(max(args.peers))
-                results[key] = _run_ours(pool, n, encryption, args)
+                    pool = _Pool(size)
+                results[key] = run(pool)
             except Exception as exc:
                 results[key] = {"error": _error(exc)}
                 _progress(f"  failed: {results[key]['error']}")
@@ -797,25 +807,11 @@ def _run_codec(pool: _Pool, codec: str, args: argparse.Namespace) -> dict[str, A
 
 def _run_codecs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every codec of ``--codec-list`` in turn on one pool (a fresh one after a failure)."""
-    results: dict[str, dict[str, Any]] = {}
-    pool: _Pool | None = None
-    try:
-        for codec in args.codec_list:
-            _progress(f"running codec {codec} ...")
-            try:
-                if pool is None:
-                    pool = _Pool(args.codec_peers)
-                results[codec] = _run_codec(pool, codec, args)
-            except Exception as exc:
-                results[codec] = {"error": _error(exc)}
-                _progress(f"  failed: {results[codec]['error']}")
-                if pool is not None:  # a process may be stuck: start afresh for the next one
-                    pool.close()
-                    pool = None
-    finally:
-        if pool is not None:
-            pool.close()
-    return results
+    jobs: list[tuple[str, str, Callable[[_Pool], dict[str, Any]]]] = [
+        (codec, f"running codec {codec} ...", functools.partial(_run_codec, codec=codec, args=args))
+        for codec in args.codec_list
+    ]
+    return _run_on_one_pool(args.codec_peers, jobs)
 
 
 def _codec_rows(codecs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
