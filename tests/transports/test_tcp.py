@@ -1066,3 +1066,28 @@ def test_record_stream_fuzz(data: st.DataObject | None) -> None:
         fuzz_tcp.check_record_stream(fuzz_tcp.Scenario(encrypted=False, chunks=[b"\x00" * 40]))
         return
     fuzz_tcp.check_record_stream(data.draw(fuzz_tcp.scenarios()))
+
+
+async def test_a_peers_huge_record_size_does_not_multiply_our_write_buffers() -> None:
+    """A peer may accept records of up to 16 MiB: sealed bulk records to it are batched in
+    at most _WRITE_BATCH bytes (one record, the write buffer itself, when a record is that
+    big), not four records' worth, and every byte still arrives."""
+    from swarmavg_tcp._connection import _WRITE_BATCH
+
+    big = 16 << 20
+    async with (
+        serving(max_record_size=big) as (_, listener),
+        TcpTransport(Identity.generate()) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        sa, sb = await open_pair(dialed, accepted)
+        message = random.Random(3).randbytes(40 << 20)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sa.send, message)
+                assert bytes(await sb.receive()) == message
+        bulk = dialed._bulk_wbuf
+        assert bulk is not None
+        assert bulk.nbytes <= max(_WRITE_BATCH, big + 64)
+        assert bulk.obj is dialed._wbuf  # (no second buffer of 16 MiB)
+        await roundtrip(dialed, accepted)

@@ -713,7 +713,9 @@ class TcpConnection(Connection):
                     # sealed record lives in the one write buffer until it is written.
                     buffers = []
                     batched = 0
-                    out = self._bulk_buffer() if self._sealer is not None else None
+                    # (a message of one record, here because another writer held the lock, is
+                    # sealed into the write buffer: no bulk buffer for it)
+                    out = self._bulk_buffer() if self._sealer is not None and last > 0 else None
                     while True:
                         pieces = records[index]
                         flags = (fr.FIRST if index == 0 else 0) | (fr.LAST if index == last else 0)
@@ -758,9 +760,15 @@ class TcpConnection(Connection):
         self._credit_changed.notify()
 
     def _bulk_buffer(self) -> memoryview:
-        """The buffer that sealed records of bulk messages are written into, a few at a time."""
+        """The buffer that sealed records of bulk messages are written into, a few at a time:
+        as many as fit in _WRITE_BATCH bytes, at most _SEALED_BATCH; the write buffer itself
+        when one record is that big (the peer's max_record_size, up to 16 MiB, must not
+        multiply what a connection allocates)."""
         if self._bulk_wbuf is None:
-            self._bulk_wbuf = memoryview(bytearray(_SEALED_BATCH * self._record_room))
+            count = min(_SEALED_BATCH, _WRITE_BATCH // self._record_room)
+            self._bulk_wbuf = (
+                memoryview(bytearray(count * self._record_room)) if count > 1 else self._wview
+            )
         return self._bulk_wbuf
 
     def _compose(
