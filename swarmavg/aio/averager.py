@@ -680,11 +680,14 @@ class DecentralizedAverager:
         """Find a group and average in it; with ``allow_retries``, a round that fails as a
         whole (:class:`AllReduceFailed`: nothing averaged, a timeout) is retried in a new
         group while the step's ``timeout`` lasts (the tensors are untouched until a round
-        succeeds)."""
+        succeeds). The retry looks under the key where the failed group formed: its other
+        members look there again too (under the prefix's own key, where leftovers meet, the
+        step's group bits would scatter them)."""
         started = anyio.current_time()
+        where = [self._bits]  # (set by _step_once to the bits its group formed under)
         while True:
             try:
-                return await self._step_once(control, allow_retries, deadline, started)
+                return await self._step_once(control, allow_retries, deadline, started, where)
             except AllReduceFailed as exc:
                 left = deadline - anyio.current_time()
                 if not allow_retries or left <= 0:
@@ -692,11 +695,19 @@ class DecentralizedAverager:
                 logger.warning("%s; looking for another group (%.1f s left)", exc, left)
 
     async def _step_once(
-        self, control: StepControl, allow_retries: bool, deadline: float, started: float
+        self,
+        control: StepControl,
+        allow_retries: bool,
+        deadline: float,
+        started: float,
+        where: list[str],
     ) -> StepResult:
+        """One attempt: look for a group under ``where[0]`` (then, after no group formed,
+        under the prefix's own key) and average in it; ``where[0]`` becomes the bits the
+        group formed under."""
         assert self.allreduce is not None
         control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
-        bits = self._bits
+        bits = where[0]
         while True:
             left = deadline - anyio.current_time()
             now = get_dht_time()
@@ -717,6 +728,7 @@ class DecentralizedAverager:
                 # Look again while the step's timeout lasts, under the prefix's own key (no
                 # bits), where every peer left alone this round under any key looks too.
                 bits = ""
+        where[0] = bits
         matched = anyio.current_time()
         group = info.group
         try:

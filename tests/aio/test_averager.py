@@ -544,3 +544,54 @@ async def test_a_failed_round_is_retried_in_a_new_group_within_the_timeout(
         for averager in averagers:
             with averager.get_tensors() as got:
                 assert torch.equal(got[0], torch.full((50,), 0.5))
+
+
+async def test_a_failed_round_formed_under_the_prefix_key_is_retried_there() -> None:
+    """Two peers under different group bits find no group, meet under the prefix's own key,
+    and their round fails: the retry looks under that key again (where the other one looks),
+    not under the step's new random bits."""
+    network = MemoryNetwork()
+    tensors = [[torch.full((50,), float(i))] for i in range(2)]
+    async with AsyncExitStack() as stack:
+        dhts: list[DHT] = []
+        for _ in range(2):
+            seeds = [a for d in dhts for a in d.get_visible_maddrs()]
+            dhts.append(
+                await stack.enter_async_context(
+                    DHT(seeds, transport="memory", transport_options={"network": network})
+                )
+            )
+        runners = [_FailsFirst(AllReduceService.for_node(d.node)) for d in dhts]
+        averagers = [
+            await stack.enter_async_context(
+                DecentralizedAverager(
+                    own,
+                    dht,
+                    prefix="retry_here",
+                    target_group_size=2,
+                    averaging_expiration=0.5,
+                    request_timeout=0.5,
+                    initial_group_bits=bits,
+                    allreduce=runner,
+                )
+            )
+            for own, dht, runner, bits in zip(tensors, dhts, runners, "01", strict=True)
+        ]
+        looked: list[list[str]] = [[], []]
+        for averager, log in zip(averagers, looked, strict=True):
+            look = averager.matchmaker.look_for_group
+
+            async def spy(bits: str, *, _look: Any = look, _log: Any = log, **kw: Any) -> Any:
+                _log.append(bits)
+                return await _look(bits, **kw)
+
+            averager.matchmaker.look_for_group = spy  # type: ignore[method-assign]
+        results = await _step_all(averagers, timeout=20)
+        assert [r.calls for r in runners] == [2, 2]
+        assert results[0].group_id == results[1].group_id
+        for log, bits in zip(looked, "01", strict=True):
+            assert log[0] == bits  # alone under its own bits
+            assert log[1:] == ["", ""], log  # met under the prefix key; retried there
+        for averager in averagers:
+            with averager.get_tensors() as got:
+                assert torch.equal(got[0], torch.full((50,), 0.5))
