@@ -501,35 +501,43 @@ class _FailsFirst(AllReduceRunner):
         return await self.inner.run(group, buffers, layout, **options)
 
 
+async def _pair_failing_first(
+    stack: AsyncExitStack, prefix: str, bits: Sequence[str] = ("", ""), **options: Any
+) -> tuple[list[DecentralizedAverager], list[_FailsFirst]]:
+    """Two averagers (tensors of 0s and 1s, groups of 2) whose first all-reduce fails."""
+    network = MemoryNetwork()
+    dhts: list[DHT] = []
+    for _ in range(2):
+        seeds = [a for d in dhts for a in d.get_visible_maddrs()]
+        dhts.append(
+            await stack.enter_async_context(
+                DHT(seeds, transport="memory", transport_options={"network": network})
+            )
+        )
+    runners = [_FailsFirst(AllReduceService.for_node(d.node)) for d in dhts]
+    averagers = [
+        await stack.enter_async_context(
+            DecentralizedAverager(
+                [torch.full((50,), float(i))],
+                dht,
+                prefix=prefix,
+                target_group_size=2,
+                initial_group_bits=own_bits,
+                allreduce=runner,
+                **options,
+            )
+        )
+        for i, (dht, runner, own_bits) in enumerate(zip(dhts, runners, bits, strict=True))
+    ]
+    return averagers, runners
+
+
 @pytest.mark.parametrize("allow_retries", [True, False])
 async def test_a_failed_round_is_retried_in_a_new_group_within_the_timeout(
     allow_retries: bool,
 ) -> None:
-    network = MemoryNetwork()
-    tensors = [[torch.full((50,), float(i))] for i in range(2)]
     async with AsyncExitStack() as stack:
-        dhts: list[DHT] = []
-        for _ in range(2):
-            seeds = [a for d in dhts for a in d.get_visible_maddrs()]
-            dhts.append(
-                await stack.enter_async_context(
-                    DHT(seeds, transport="memory", transport_options={"network": network})
-                )
-            )
-        runners = [_FailsFirst(AllReduceService.for_node(d.node)) for d in dhts]
-        averagers = [
-            await stack.enter_async_context(
-                DecentralizedAverager(
-                    own,
-                    dht,
-                    prefix="retry",
-                    target_group_size=2,
-                    averaging_expiration=1.0,
-                    allreduce=runner,
-                )
-            )
-            for own, dht, runner in zip(tensors, dhts, runners, strict=True)
-        ]
+        averagers, runners = await _pair_failing_first(stack, "retry", averaging_expiration=1.0)
         if not allow_retries:
             with pytest.raises(ExceptionGroup) as caught:
                 await _step_all(averagers, timeout=10, allow_retries=False)
@@ -550,33 +558,10 @@ async def test_a_failed_round_formed_under_the_prefix_key_is_retried_there() -> 
     """Two peers under different group bits find no group, meet under the prefix's own key,
     and their round fails: the retry looks under that key again (where the other one looks),
     not under the step's new random bits."""
-    network = MemoryNetwork()
-    tensors = [[torch.full((50,), float(i))] for i in range(2)]
     async with AsyncExitStack() as stack:
-        dhts: list[DHT] = []
-        for _ in range(2):
-            seeds = [a for d in dhts for a in d.get_visible_maddrs()]
-            dhts.append(
-                await stack.enter_async_context(
-                    DHT(seeds, transport="memory", transport_options={"network": network})
-                )
-            )
-        runners = [_FailsFirst(AllReduceService.for_node(d.node)) for d in dhts]
-        averagers = [
-            await stack.enter_async_context(
-                DecentralizedAverager(
-                    own,
-                    dht,
-                    prefix="retry_here",
-                    target_group_size=2,
-                    averaging_expiration=0.5,
-                    request_timeout=0.5,
-                    initial_group_bits=bits,
-                    allreduce=runner,
-                )
-            )
-            for own, dht, runner, bits in zip(tensors, dhts, runners, "01", strict=True)
-        ]
+        averagers, runners = await _pair_failing_first(
+            stack, "retry_here", "01", averaging_expiration=0.5, request_timeout=0.5
+        )
         looked: list[list[str]] = [[], []]
         for averager, log in zip(averagers, looked, strict=True):
             look = averager.matchmaker.look_for_group
