@@ -998,13 +998,7 @@ class AllReduceService(AllReduceRunner):
         out: _Outbound,
         progress: list[int],
     ) -> None:
-        buffers, weight, alpha, result, weights = (
-            out.buffers,
-            out.weight,
-            out.alpha,
-            out.result,
-            out.weights,
-        )
+        result = out.result
         group = round_.group
         member = group.members[reducer]
         assert member.address is not None  # client-mode members have no span
@@ -1026,10 +1020,10 @@ class AllReduceService(AllReduceRunner):
         ) as call:
 
             async def send() -> None:
-                await call.send(AvgBegin(group.group_id, me, float(weight)))
-                if weight > 0:
+                await call.send(AvgBegin(group.group_id, me, float(out.weight)))
+                if out.weight > 0:
                     for part, codec in zip(parts, codecs, strict=True):
-                        values = buffers[part.buffer][part.start : part.stop]
+                        values = out.buffers[part.buffer][part.start : part.stop]
                         tensor = None
                         if not isinstance(codec, NoCompression):
                             key = ("send", part.buffer, part.start, part.stop)
@@ -1051,8 +1045,8 @@ class AllReduceService(AllReduceRunner):
                 if not isinstance(told, AvgWeights) or len(told.weights) != len(group.members):
                     raise ValueError(f"member {reducer} did not say the weights first")
                 for index, told_weight in enumerate(told.weights):
-                    if told_weight > 0 or index not in weights:
-                        weights[index] = told_weight
+                    if told_weight > 0 or index not in out.weights:
+                        out.weights[index] = told_weight
                 for part in parts:
                     answer = await receive()
                     if (
@@ -1060,21 +1054,21 @@ class AllReduceService(AllReduceRunner):
                         or answer.index != part.index
                     ):
                         raise ValueError(f"member {reducer} answered out of order")
-                    local = buffers[part.buffer][part.start : part.stop]
+                    local = out.buffers[part.buffer][part.start : part.stop]
                     if isinstance(answer, AvgCompressedPart):
                         try:
                             mean = await _decode_part(answer, part.size, local.dtype)
                         except ValueError as exc:
                             raise ValueError(f"member {reducer} answered garbage: {exc}") from None
                         result.bytes_received += answer.nbytes
-                        _apply(local, mean, alpha)
+                        _apply(local, mean, out.alpha)
                     elif isinstance(answer, AvgPart):
                         if answer.values.shape != local.shape or answer.values.dtype != (
                             local.dtype
                         ):
                             raise ValueError(f"member {reducer} answered a wrong shape or dtype")
                         result.bytes_received += answer.values.nbytes
-                        _apply(local, answer.values, alpha)
+                        _apply(local, answer.values, out.alpha)
                     progress[0] += 1
                     assert round_.applied is not None
                     round_.applied.applied(reducer, keep=isinstance(answer, AvgKeep))
