@@ -1070,9 +1070,9 @@ def test_record_stream_fuzz(data: st.DataObject | None) -> None:
 
 async def test_a_peers_huge_record_size_does_not_multiply_our_write_buffers() -> None:
     """A peer may accept records of up to 16 MiB: sealed bulk records to it are batched in
-    at most _WRITE_BATCH bytes (one record, the write buffer itself, when a record is that
-    big), not four records' worth, and every byte still arrives."""
-    from swarmavg_tcp._connection import _WRITE_BATCH
+    at most _SEALED_WRITE bytes (one record, the write buffer itself, when a record is that
+    big), not several records' worth, and every byte still arrives."""
+    from swarmavg_tcp._connection import _SEALED_WRITE
 
     big = 16 << 20
     async with (
@@ -1088,6 +1088,30 @@ async def test_a_peers_huge_record_size_does_not_multiply_our_write_buffers() ->
                 assert bytes(await sb.receive()) == message
         bulk = dialed._bulk_wbuf
         assert bulk is not None
-        assert bulk.nbytes <= max(_WRITE_BATCH, big + 64)
+        assert bulk.nbytes <= max(_SEALED_WRITE, big + 64)
         assert bulk.obj is dialed._wbuf  # (no second buffer of 16 MiB)
+        await roundtrip(dialed, accepted)
+
+
+async def test_sealed_bulk_records_go_several_to_a_write_in_a_cache_sized_buffer() -> None:
+    """With the default 256 KiB records, sealed bulk records are batched (several to a
+    sendmsg) in a buffer of their own that stays within _SEALED_WRITE (it must fit the L2
+    cache beside the data being sealed), and a message many times its size arrives intact."""
+    from swarmavg_tcp._connection import _SEALED_WRITE
+
+    async with (
+        serving() as (_, listener),
+        TcpTransport(Identity.generate()) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        sa, sb = await open_pair(dialed, accepted)
+        message = random.Random(4).randbytes(9 << 20)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sa.send, message)
+                assert bytes(await sb.receive()) == message
+        bulk = dialed._bulk_wbuf
+        assert bulk is not None
+        assert bulk.obj is not dialed._wbuf
+        assert 2 * dialed._record_room <= bulk.nbytes <= _SEALED_WRITE
         await roundtrip(dialed, accepted)

@@ -87,9 +87,12 @@ _MAX_QUEUED_CONTROL = 1 << 13
 _WRITE_BATCH = 2 << 20
 #: Most buffers handed to one sendmsg call (Linux allows IOV_MAX = 1024).
 _IOV_BATCH = 512
-#: Sealed records of a bulk message written with one sendmsg (each up to the peer's
-#: max_record_size; plaintext records go by _WRITE_BATCH bytes instead).
-_SEALED_BATCH = 4
+#: Sealed records of a bulk message are written into one buffer and go several to a sendmsg:
+#: at most this many bytes of them. The buffer is written by AES and read by the kernel's copy
+#: right after, so it must stay in the core's L2 cache (2 MiB here) beside the data being
+#: encrypted: three 256 KiB records (768 KiB) send ~3.7 GB/s on loopback, four (1 MiB) ~2.6.
+#: Plaintext records go by _WRITE_BATCH bytes instead, straight from the caller's buffers.
+_SEALED_WRITE = 800 << 10
 #: Most bytes read into the read buffer at once outside bulk transfers, in plaintext. A record
 #: that arrives whole in the read buffer is copied out of it; one that does not is read
 #: straight into its message. Reading little at a time after small records keeps the big ones
@@ -761,11 +764,10 @@ class TcpConnection(Connection):
 
     def _bulk_buffer(self) -> memoryview:
         """The buffer that sealed records of bulk messages are written into, a few at a time:
-        as many as fit in _WRITE_BATCH bytes, at most _SEALED_BATCH; the write buffer itself
-        when one record is that big (the peer's max_record_size, up to 16 MiB, must not
-        multiply what a connection allocates)."""
+        as many as fit in _SEALED_WRITE bytes; the write buffer itself when only one does (the
+        peer's max_record_size, up to 16 MiB, must not multiply what a connection allocates)."""
         if self._bulk_wbuf is None:
-            count = min(_SEALED_BATCH, _WRITE_BATCH // self._record_room)
+            count = _SEALED_WRITE // self._record_room
             self._bulk_wbuf = (
                 memoryview(bytearray(count * self._record_room)) if count > 1 else self._wview
             )
