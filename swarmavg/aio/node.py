@@ -335,10 +335,13 @@ class Node:
     async def _serve_connection(self, conn: Connection) -> None:
         """Serve the streams the peer opens, until the connection ends.
 
-        One task waits in ``accept_stream`` at any time. The task that gets a stream serves it
-        itself, after starting the next waiter, and ends when it is done if another waits:
-        the stream is served without waiting for a new task to start (a call's critical path
-        is an event-loop step shorter), and concurrent streams still each get a task.
+        Tasks wait in ``accept_stream``; the task that gets a stream serves it itself (a
+        call's critical path is an event-loop step shorter than handing it to a new task),
+        after starting a new waiter if it was the last one, so concurrent streams still each
+        get a task. When it is done, it waits for the next stream unless two others already
+        wait: calls one after another then start no task at all (starting one, on the
+        critical path, cost more than the second waiter's wake-up, which comes after the
+        answer is sent).
         """
         waiting = 0
         ended = anyio.Event()
@@ -357,7 +360,7 @@ class Node:
                 if not waiting:
                     tg.start_soon(acceptor, tg)
                 await self._serve_stream(stream, conn.peer_id)
-                if waiting:
+                if waiting >= 2:
                     return
 
         try:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -60,6 +61,64 @@ async def test_connections_are_pooled_per_peer() -> None:
         third = await client.connect(address)
         assert third is not first
         assert not third.is_closed
+
+
+async def test_streams_are_served_at_once_and_idle_servers_stay_few() -> None:
+    """Streams opened together are each served at once (a slow one holds up no other); when
+    they are done, the tasks that served them do not pile up; and streams opened one after
+    another start no new task each (the waiting tasks serve them)."""
+    network = MemoryNetwork()
+    gate = anyio.Event()
+    all_inside = anyio.Event()
+    inside = 0
+
+    async def handler(stream: Stream) -> None:
+        nonlocal inside
+        await stream.receive()
+        inside += 1
+        if inside == 8:
+            all_inside.set()
+        await gate.wait()
+        inside -= 1
+        await stream.send(b"done")
+
+    async with _node(network, stream_handler=handler) as server, _node(network) as client:
+        address = server.addresses[0]
+
+        async def one() -> None:
+            stream = await client.open_stream(address)
+            await stream.send(b"x")
+            assert bytes(await stream.receive()) == b"done"
+            await stream.aclose()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(one)
+                await all_inside.wait()  # all eight in their handlers together
+                gate.set()
+            await one()
+            await anyio.sleep(0.05)
+            settled = len(asyncio.all_tasks())
+            created = 0
+            factory = asyncio.get_running_loop().get_task_factory()
+
+            def counting(loop: asyncio.AbstractEventLoop, coro: object, **kw: object) -> object:
+                nonlocal created
+                created += 1
+                if factory is None:
+                    return asyncio.Task(coro, loop=loop, **kw)  # type: ignore[arg-type]
+                return factory(loop, coro, **kw)  # type: ignore[arg-type]
+
+            asyncio.get_running_loop().set_task_factory(counting)  # type: ignore[arg-type]
+            try:
+                for _ in range(30):
+                    await one()
+            finally:
+                asyncio.get_running_loop().set_task_factory(factory)
+            assert created < 5  # (not one or more per stream)
+            assert len(asyncio.all_tasks()) <= settled + 1
+            assert settled < 20  # the eight servers of the burst did not all stay
 
 
 async def test_handler_error_resets_only_that_stream() -> None:
