@@ -1068,50 +1068,40 @@ def test_record_stream_fuzz(data: st.DataObject | None) -> None:
     fuzz_tcp.check_record_stream(data.draw(fuzz_tcp.scenarios()))
 
 
-async def test_a_peers_huge_record_size_does_not_multiply_our_write_buffers() -> None:
-    """A peer may accept records of up to 16 MiB: sealed bulk records to it are batched in
-    at most _SEALED_WRITE bytes (one record, the write buffer itself, when a record is that
-    big), not several records' worth, and every byte still arrives."""
+@pytest.mark.parametrize(
+    ("max_record_size", "size"),
+    [
+        pytest.param(None, 9 << 20, id="default records"),
+        pytest.param(16 << 20, 40 << 20, id="16 MiB"),
+    ],
+)
+async def test_sealed_bulk_records_are_batched_in_a_cache_sized_buffer(
+    max_record_size: int | None, size: int
+) -> None:
+    """Sealed bulk records are batched, several to a sendmsg, in a buffer of their own of at
+    most _SEALED_WRITE bytes (it must fit the L2 cache beside the data being sealed). A peer
+    may accept records of up to 16 MiB: then one record goes at a time, from the write buffer
+    itself (no second buffer of 16 MiB, nor several records' worth). Every byte arrives."""
     from swarmavg_tcp._connection import _SEALED_WRITE
 
-    big = 16 << 20
+    options = {} if max_record_size is None else {"max_record_size": max_record_size}
     async with (
-        serving(max_record_size=big) as (_, listener),
+        serving(**options) as (_, listener),
         TcpTransport(Identity.generate()) as client,
     ):
         dialed, accepted = await pair(client, listener)
         sa, sb = await open_pair(dialed, accepted)
-        message = random.Random(3).randbytes(40 << 20)
+        message = random.Random(size).randbytes(size)
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sa.send, message)
                 assert bytes(await sb.receive()) == message
         bulk = dialed._bulk_wbuf
         assert bulk is not None
-        assert bulk.nbytes <= max(_SEALED_WRITE, big + 64)
-        assert bulk.obj is dialed._wbuf  # (no second buffer of 16 MiB)
-        await roundtrip(dialed, accepted)
-
-
-async def test_sealed_bulk_records_go_several_to_a_write_in_a_cache_sized_buffer() -> None:
-    """With the default 256 KiB records, sealed bulk records are batched (several to a
-    sendmsg) in a buffer of their own that stays within _SEALED_WRITE (it must fit the L2
-    cache beside the data being sealed), and a message many times its size arrives intact."""
-    from swarmavg_tcp._connection import _SEALED_WRITE
-
-    async with (
-        serving() as (_, listener),
-        TcpTransport(Identity.generate()) as client,
-    ):
-        dialed, accepted = await pair(client, listener)
-        sa, sb = await open_pair(dialed, accepted)
-        message = random.Random(4).randbytes(9 << 20)
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sa.send, message)
-                assert bytes(await sb.receive()) == message
-        bulk = dialed._bulk_wbuf
-        assert bulk is not None
-        assert bulk.obj is not dialed._wbuf
-        assert 2 * dialed._record_room <= bulk.nbytes <= _SEALED_WRITE
+        if max_record_size is None:
+            assert bulk.obj is not dialed._wbuf
+            assert 2 * dialed._record_room <= bulk.nbytes <= _SEALED_WRITE
+        else:
+            assert bulk.obj is dialed._wbuf
+            assert bulk.nbytes <= max_record_size + 64
         await roundtrip(dialed, accepted)
