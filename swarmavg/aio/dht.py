@@ -571,11 +571,19 @@ class DHTNode:
         return nearest
 
     async def _lookup(
-        self, target: int, beam: int, query: _Query, *, stop_on_value: bool = False
+        self,
+        target: int,
+        beam: int,
+        query: _Query,
+        *,
+        stop_on_value: bool = False,
+        with_self: bool = False,
     ) -> Lookup:
         """Drive a lookup of ``target`` with a beam of ``beam`` peers: ``query(peer)`` asks one
         peer and gives back the peers it named (and whether it had a value), or ``None`` if it
-        failed."""
+        failed. ``with_self``: this node counts as one of the beam that already answered (the
+        caller has read its own storage), so where it is among the nearest, one peer fewer is
+        asked."""
         lookup = Lookup(
             target,
             k=beam,
@@ -583,6 +591,8 @@ class DHTNode:
             stop_on_value=stop_on_value,
             exclude=[self.peer_id],
         )
+        if with_self:
+            lookup.add_responded(self.peer_id, node_id(self.peer_id))
         lookup.add_candidates(self.protocol.routing.nearest(target, max(beam, self.alpha)))
         # Each answer is handled by the task that got it (one event loop: no locks needed),
         # which then hands out the next queries; no central loop, no queue.
@@ -635,7 +645,8 @@ class DHTNode:
 
         The store requests are themselves the lookup: each peer that takes a record answers
         with the peers it knows nearer the key, and those are asked next, until the
-        ``num_replicas`` nearest peers found have all answered.
+        ``num_replicas`` nearest peers found have all answered. This node is one of them when
+        it is among the nearest (it stores the record itself and asks one peer fewer).
 
         :raises ValueError: the record is too large, or does not pass our validators (a key
             owned by another peer, a value the schema refuses).
@@ -673,14 +684,10 @@ class DHTNode:
                 accepted_by.append(peer)
             return response.nearest, False
 
-        lookup = await self._lookup(target, self.num_replicas, query)
-        replicas = lookup.nearest_responded(self.num_replicas)
+        serving = not self.protocol.client_mode  # (a client-mode node stores nothing)
+        lookup = await self._lookup(target, self.num_replicas, query, with_self=serving)
         accepted = bool(accepted_by)
-        own_distance = node_id(self.peer_id) ^ target
-        farthest = max((node_id(p) ^ target for p in replicas), default=-1)
-        if not self.protocol.client_mode and (
-            len(replicas) < self.num_replicas or own_distance < farthest
-        ):
+        if serving and self.peer_id in lookup.nearest_responded(self.num_replicas):
             result = self.protocol.storage.store(
                 key_bytes, signed, record.expiration_time, self.clock(), subkey=subkey_bytes
             )
@@ -744,7 +751,11 @@ class DHTNode:
                 return result.nearest, result.value is not None or bool(result.entries)
 
             await self._lookup(
-                key_id(key_bytes), self.num_replicas, query, stop_on_value=not latest
+                key_id(key_bytes),
+                self.num_replicas,
+                query,
+                stop_on_value=not latest,
+                with_self=not self.protocol.client_mode,  # (our own storage was read above)
             )
             if self.cache is not None:
                 if plain is not None:

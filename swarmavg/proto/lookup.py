@@ -96,6 +96,18 @@ class Lookup:
             self._distance[peer] = dist
             bisect.insort(self._ranked, (dist, peer))
 
+    def add_responded(self, peer: PeerID, nid: int) -> None:
+        """A peer whose answer is already in hand and that is never asked: the node itself,
+        whose own storage the caller has read. It takes its place in the beam like a peer that
+        answered, so a lookup for the ``k`` nearest asks one peer fewer when the node is among
+        them (and :meth:`nearest_responded` may name it)."""
+        if peer in self._state:
+            return
+        dist = nid ^ self.target
+        self._state[peer] = PeerState.RESPONDED
+        self._distance[peer] = dist
+        bisect.insort(self._ranked, (dist, peer))
+
     def on_response(
         self, peer: PeerID, nearest: Iterable[tuple[PeerID, int]] = (), *, found: bool = False
     ) -> None:

@@ -82,6 +82,30 @@ async def test_a_swarm_finds_every_stored_value() -> None:
         assert holders >= 5
 
 
+async def test_a_store_reaches_exactly_the_nearest_replicas_storer_included() -> None:
+    """In a swarm whose routing tables are complete, a record lives on exactly the
+    num_replicas nodes nearest to its key: a storer among them keeps it itself and asks one
+    peer fewer (it used to ask num_replicas others and keep a copy too)."""
+    async with _swarm(8) as dhts:
+        with anyio.fail_after(20):
+            while any(d.routing_table_size < 7 for d in dhts):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+            now = get_dht_time()
+            rng = random.Random(8)
+            storer_among_nearest = 0
+            for i in range(24):
+                key = f"replicated-{i}"
+                storer = rng.choice(dhts)
+                assert await storer.store(key, i, now + 60)
+                target = key_id(msgpack.packb(key))
+                nearest = sorted(dhts, key=lambda d: node_id(d.peer_id) ^ target)[:5]
+                key_bytes = msgpack.packb(key)
+                holders = [d for d in dhts if d.protocol.storage.get(key_bytes, now) is not None]
+                assert {d.peer_id for d in holders} == {d.peer_id for d in nearest}
+                storer_among_nearest += storer in nearest
+            assert storer_among_nearest > 0  # (the case this is about did occur)
+
+
 async def test_subkeys_merge_and_latest_finds_the_newest() -> None:
     async with _swarm(15) as dhts:
         now = get_dht_time()

@@ -145,3 +145,29 @@ def test_an_empty_lookup_ends_and_bad_arguments() -> None:
         Lookup(5, alpha=0)
     with pytest.raises(ValueError, match="k"):
         Lookup(5, k=0)
+
+
+def test_a_peer_already_answered_takes_its_place_in_the_beam_unasked() -> None:
+    """The node itself (its storage already read) counts as an answered member of the beam:
+    among the k nearest, the lookup asks one peer fewer; farther, it asks the k others; it is
+    never asked, and a peer that names it adds nothing."""
+    me, a, b, c = (Identity.generate().peer_id for _ in range(4))
+    near = Lookup(0, k=3, alpha=5, stop_on_value=False)
+    near.add_responded(me, 1)
+    near.add_candidates([(a, 2), (b, 3), (c, 4)])
+    assert near.state(me) is PeerState.RESPONDED
+    assert near.next_queries() == [a, b]  # (me, a, b) is the beam
+    near.on_response(a, [(me, 1), (c, 4)])
+    near.on_response(b)
+    assert near.finished
+    assert near.queries == 2
+    assert near.nearest_responded(3) == [me, a, b]
+
+    far = Lookup(0, k=3, alpha=5, stop_on_value=False)
+    far.add_responded(me, 9)
+    far.add_candidates([(a, 2), (b, 3), (c, 4)])
+    assert far.next_queries() == [a, b, c]
+    for peer in (a, b, c):
+        far.on_response(peer)
+    assert far.finished
+    assert far.nearest_responded(3) == [a, b, c]
