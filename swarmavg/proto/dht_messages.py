@@ -74,13 +74,15 @@ class DHTPingResponse(Message):
 @dataclass(frozen=True, slots=True)
 class DHTStoreRequest(Message):
     """Store these records (parallel lists, one entry a record; ``subkeys[i]`` ``None`` for a
-    plain value)."""
+    plain value). ``nearest``: how many peers the answer names at most (0: the node's k; a
+    lookup whose beam is narrower than k has no use for more)."""
 
     sender: DHTPeerInfo | None
     keys: list[bytes]
     subkeys: list[bytes | None]
     values: list[bytes]
     expirations: list[float]
+    nearest: int = 0
 
 
 @message("dht.stored")
@@ -110,11 +112,13 @@ class DHTFound(Message):
 @dataclass(frozen=True, slots=True)
 class DHTFindRequest(Message):
     """What do you hold for these keys, and whom do you know near them? And whom do you know
-    near these ``targets`` (32-byte node ids, for lookups of peers rather than keys)?"""
+    near these ``targets`` (32-byte node ids, for lookups of peers rather than keys)?
+    ``nearest``: how many peers each result names at most (0: the node's k)."""
 
     sender: DHTPeerInfo | None
     keys: list[bytes]
     targets: list[bytes]
+    nearest: int = 0
 
 
 @message("dht.findings")

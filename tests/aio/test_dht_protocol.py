@@ -56,7 +56,9 @@ async def _nodes(n: int, **options: object) -> AsyncIterator[list[tuple[Node, DH
 
 
 def _store(
-    sender: DHTPeerInfo | None, *records: tuple[bytes, bytes | None, bytes, float]
+    sender: DHTPeerInfo | None,
+    *records: tuple[bytes, bytes | None, bytes, float],
+    nearest: int = 0,
 ) -> DHTStoreRequest:
     return DHTStoreRequest(
         sender,
@@ -64,6 +66,7 @@ def _store(
         [r[1] for r in records],
         [r[2] for r in records],
         [r[3] for r in records],
+        nearest,
     )
 
 
@@ -123,6 +126,35 @@ async def test_peers_are_learned_from_requests_and_named_in_answers() -> None:
         assert set(named) == {node.peer_id for node, _ in clients[1:]}  # not the asker itself
         for node, _ in clients[1:]:
             assert named[node.peer_id] == [str(a) for a in node.addresses]
+
+
+async def test_answers_name_as_many_peers_as_asked_up_to_k() -> None:
+    """A find or a store names at most ``nearest`` peers when the caller asks for fewer than
+    k (the nearest ones), k when it asks for none or for more."""
+    async with _nodes(7, k=4) as nodes:
+        (server, server_dht), *clients = nodes
+        with anyio.fail_after(5):
+            for node, dht in clients:
+                await node.rpc.call(server.addresses[0], "dht.ping", DHTPingRequest(dht.own_info()))
+            assert len(server_dht.routing) == 6
+            asker = clients[0][0]
+            everyone = server_dht.routing.nearest(5, 4, exclude=asker.peer_id)
+            for wanted, named in ((2, 2), (0, 4), (3, 3), (9, 4)):
+                found = await asker.rpc.call(
+                    server.addresses[0],
+                    "dht.find",
+                    DHTFindRequest(None, [], [(5).to_bytes(32, "big")], wanted),
+                    response_type=DHTFindResponse,
+                )
+                ids = [info.peer_id for info in found.results[0].nearest]
+                assert ids == [peer for peer, _ in everyone[:named]]
+                stored = await asker.rpc.call(
+                    server.addresses[0],
+                    "dht.store",
+                    _store(None, (b"k%d" % wanted, None, _pack(1), T0 + 60), nearest=wanted),
+                    response_type=DHTStoreResponse,
+                )
+                assert len(stored.nearest) == named
 
 
 async def test_sender_info_must_be_the_callers_own() -> None:
