@@ -267,7 +267,7 @@ class DHTProtocol:
     def _nearest_infos(self, target: int, caller: PeerID, wanted: int = 0) -> list[DHTPeerInfo]:
         """The peers we know nearest to ``target`` (but the caller), to tell the caller: k, or
         ``wanted`` if the caller asked for fewer."""
-        count = self.k if not 0 < wanted < self.k else wanted
+        count = wanted if 0 < wanted < self.k else self.k
         nearest = self.routing.nearest(target, count, exclude=caller)
         return [self.peer_info(peer) for peer, _ in nearest]
 

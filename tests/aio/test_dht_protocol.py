@@ -130,7 +130,7 @@ async def test_peers_are_learned_from_requests_and_named_in_answers() -> None:
 
 async def test_answers_name_as_many_peers_as_asked_up_to_k() -> None:
     """A find or a store names at most ``nearest`` peers when the caller asks for fewer than
-    k (the nearest ones), k when it asks for none or for more."""
+    k (the nearest ones), k when it asks for none, for more, or for a negative count."""
     async with _nodes(7, k=4) as nodes:
         (server, server_dht), *clients = nodes
         with anyio.fail_after(5):
@@ -139,7 +139,7 @@ async def test_answers_name_as_many_peers_as_asked_up_to_k() -> None:
             assert len(server_dht.routing) == 6
             asker = clients[0][0]
             everyone = server_dht.routing.nearest(5, 4, exclude=asker.peer_id)
-            for wanted, named in ((2, 2), (0, 4), (3, 3), (9, 4)):
+            for wanted, named in ((2, 2), (0, 4), (3, 3), (9, 4), (-1, 4)):
                 found = await asker.rpc.call(
                     server.addresses[0],
                     "dht.find",
