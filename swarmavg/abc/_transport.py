@@ -169,6 +169,17 @@ class Stream(TypedAttributeProvider, ABC):
         :raises ConnectionLost: if the connection broke.
         """
 
+    def receive_nowait(self) -> memoryview:
+        """The next message if it is here already, without waiting (or yielding to the event
+        loop); otherwise :class:`anyio.WouldBlock`.
+
+        A transport may raise ``WouldBlock`` even with a message waiting (this default always
+        does), and raises nothing else: at the end of the stream, or after an error, it raises
+        ``WouldBlock`` too, and :meth:`receive` tells why. The RPC layer reads a call's opening
+        so, to spare the timeout it would put around a wait.
+        """
+        raise anyio.WouldBlock
+
     @abstractmethod
     async def send_eof(self) -> None:
         """Tell the peer we will send nothing more; we can still receive. Idempotent."""

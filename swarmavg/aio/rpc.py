@@ -648,8 +648,11 @@ class RPC:
         failure is answered with a :class:`CallFailed`.
         """
         try:
-            with _fail_after(_HEADER_TIMEOUT):
-                opening = await stream.receive()
+            try:
+                opening = stream.receive_nowait()  # (our callers' opening comes whole, at once)
+            except anyio.WouldBlock:
+                with _fail_after(_HEADER_TIMEOUT):
+                    opening = await stream.receive()
             header, rest = _decode_opening(opening, stream.max_message_size)
         except (TimeoutError, anyio.EndOfStream, RemoteProtocolError, *_GONE) as exc:
             logger.debug("dropping a stream from %s without a valid call header: %r", peer_id, exc)
@@ -684,15 +687,19 @@ class RPC:
         if slots is None:
             slots = self._slots[peer_id] = _Slots(self._per_peer)
         slots.users += 1
+        # One scope for the call: its deadline, and (see _run) the caller leaving.
+        call = _Served(anyio.CancelScope(deadline=ctx.deadline))
         try:
-            scope = anyio.move_on_at(ctx.deadline) if budget != math.inf else None
-            with scope or _NO_SCOPE:
+            with call.scope:
                 await slots.acquire()
                 try:
-                    failure = await self._run(method, stream, ctx, first)
+                    failure = await self._run(method, stream, ctx, first, call)
                 finally:
                     slots.release()
-            if scope is not None and scope.cancelled_caught:
+            if call.scope.cancelled_caught:
+                if call.caller_left:  # nobody to tell
+                    logger.debug("call %r from %s: the caller left", ctx.method, ctx.peer_id)
+                    return
                 failure = CallFailed("timeout", "", f"deadline of {header.timeout} s exceeded")
         finally:
             slots.users -= 1
@@ -702,7 +709,12 @@ class RPC:
             await self._fail(stream, failure.code, failure.error_type, failure.message)
 
     async def _run(
-        self, method: _Method, stream: Stream, ctx: CallContext, first: Message | None
+        self,
+        method: _Method,
+        stream: Stream,
+        ctx: CallContext,
+        first: Message | None,
+        call: _Served,
     ) -> CallFailed | None:
         """Run the handler of one call and send its responses; return the failure to report.
 
@@ -733,21 +745,18 @@ class RPC:
             # (which costs a third of a small call): anything more the caller sends is not read,
             # and dropped with the stream.
             finished = False
-            with anyio.CancelScope() as scope:
 
-                def abandoned() -> None:
-                    if not finished:
-                        scope.cancel()
+            def abandoned() -> None:
+                if not finished:
+                    call.caller_left = True
+                    call.scope.cancel()
 
-                if stream.on_abandoned(abandoned):
-                    try:
-                        await self._invoke_guarded(method, stream, ctx, request, fail)
-                    finally:
-                        finished = True
-                    return failures[0] if failures else None
-            if scope.cancelled_caught:  # the caller left: nobody to tell
-                logger.debug("call %r from %s: the caller left", ctx.method, ctx.peer_id)
-                return None
+            if stream.on_abandoned(abandoned):
+                try:
+                    await self._invoke_guarded(method, stream, ctx, request, fail)
+                finally:
+                    finished = True
+                return failures[0] if failures else None
         send_requests: MemoryObjectSendStream[Message] | None = None
         receive_requests: MemoryObjectReceiveStream[Message] | None = None
         if streaming:
@@ -964,38 +973,42 @@ def _decode_opening(data: memoryview, max_size: int) -> tuple[CallHeader, memory
     if end > len(data):
         raise RemoteProtocolError("call header overruns the opening message")
     raw = bytes(data[_OPENING_PREFIX.size : end])
-    header = _HEADERS.get(raw)
-    if header is None:
-        decoded = decode_message(raw, max_size=max_size)
-        if not isinstance(decoded, CallHeader):
-            kind = type(decoded).__name__
-            raise RemoteProtocolError(f"a call must open with a header, not {kind}")
-        header = decoded
-        if not header.timeout:  # no deadline: the same bytes open every such call
-            if len(_HEADERS) >= _MAX_CACHED_HEADERS:
-                _HEADERS.pop(next(iter(_HEADERS)))
-            _HEADERS[raw] = header
-    return header, data[end:]
+    # A header's encoding ends with its timeout, a msgpack float64 (see _encode_header): the
+    # bytes before it are the same for every call of a method, and are decoded once.
+    template = _HEADERS.get(raw[:-_FLOAT_SIZE]) if raw[-_FLOAT_SIZE:-8] == _FLOAT64 else None
+    if template is not None:
+        (timeout,) = _FLOAT.unpack_from(raw, len(raw) - 8)
+        return CallHeader(template.method, template.kind, timeout), data[end:]
+    decoded = decode_message(raw, max_size=max_size)
+    if not isinstance(decoded, CallHeader):
+        raise RemoteProtocolError(f"a call must open with a header, not {type(decoded).__name__}")
+    if raw[-_FLOAT_SIZE:-8] == _FLOAT64:  # (a valid header always ends so; others: no cache)
+        if len(_HEADERS) >= _MAX_CACHED_HEADERS:
+            _HEADERS.pop(next(iter(_HEADERS)))
+        _HEADERS[raw[:-_FLOAT_SIZE]] = decoded
+    return decoded, data[end:]
 
 
 @lru_cache(maxsize=256)
-def _encoded_header_without_deadline(method: str, kind: str) -> bytes:
-    return _prefixed(CallHeader(method, kind, 0.0))
-
-
-def _prefixed(header: CallHeader) -> bytes:
-    head = encode_message_bytes(header)
-    return _OPENING_PREFIX.pack(len(head)) + head
+def _header_template(method: str, kind: str) -> bytes:
+    """``u32 size | CallHeader(method, kind, 0.0)`` without the timeout's 8 bytes at its end."""
+    head = encode_message_bytes(CallHeader(method, kind, 0.0))
+    encoded = _OPENING_PREFIX.pack(len(head)) + head
+    if encoded[-_FLOAT_SIZE:-8] != _FLOAT64:  # the codec changed: the fast path is wrong
+        raise AssertionError("a CallHeader must end with its timeout as a msgpack float64")
+    return encoded[:-8]
 
 
 def _encode_header(header: CallHeader) -> bytes:
-    """``u32 size | CallHeader``; the same bytes for every call of a method without a deadline."""
-    if not header.timeout:
-        return _encoded_header_without_deadline(header.method, header.kind)
-    return _prefixed(header)
+    """``u32 size | CallHeader``: a method's cached bytes with the timeout appended."""
+    return _header_template(header.method, header.kind) + _FLOAT.pack(header.timeout)
 
 
-#: Decoded headers of calls without a deadline, by their encoding (the oldest dropped first).
+#: A msgpack float64: its type byte, then the value big-endian.
+_FLOAT64: Final = b"\xcb"
+_FLOAT: Final = struct.Struct("!d")
+_FLOAT_SIZE: Final = 1 + _FLOAT.size
+#: Decoded headers by their encoding less the timeout (the oldest dropped first).
 _HEADERS: dict[bytes, CallHeader] = {}
 _MAX_CACHED_HEADERS: Final = 256
 
@@ -1035,6 +1048,16 @@ class _Slots:
             self.waiters.popleft().set()  # hand the slot over
         else:
             self.free += 1
+
+
+class _Served:
+    """A call being served: its scope (deadline and the caller leaving) and why it ended."""
+
+    __slots__ = ("caller_left", "scope")
+
+    def __init__(self, scope: anyio.CancelScope) -> None:
+        self.scope = scope
+        self.caller_left = False
 
 
 class _BadRequest(Exception):

@@ -297,6 +297,52 @@ async def _check_send_last(h: _Harness) -> None:
         await stream.aclose()
 
 
+def _would_block(stream: Stream, when: str) -> None:
+    try:
+        got = stream.receive_nowait()
+    except anyio.WouldBlock:
+        return
+    raise AssertionError(f"receive_nowait() {when} must raise WouldBlock, not return {got!r}")
+
+
+async def _check_receive_nowait(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    _would_block(sb, "with nothing to read")
+    messages = [b"one", b"", b"three" * 1000]
+    for msg in messages:
+        await sa.send(msg)
+    await sa.send_eof()
+    # it hands out the messages that are here, in order; receive() goes on after them
+    got: list[bytes] = []
+    while len(got) < len(messages):
+        try:
+            got.append(bytes(sb.receive_nowait()))
+        except anyio.WouldBlock:
+            got.append(bytes(await sb.receive()))
+    assert got == messages, "receive_nowait() and receive() must keep the messages in order"
+    _would_block(sb, "at the end of the stream")
+    try:
+        await sb.receive()
+    except anyio.EndOfStream:
+        pass
+    else:
+        raise AssertionError("receive() after the peer's EOF must raise EndOfStream")
+    # after a reset or a close: WouldBlock too, never another error
+    tb, ta = await _open_pair(b, a)
+    await tb.send(b"unread")
+    await tb.abort()
+    with anyio.fail_after(5):
+        while True:  # until the reset arrives
+            try:
+                await ta.receive()
+            except StreamReset:
+                break
+    _would_block(ta, "on a stream the peer reset")
+    await sb.aclose()
+    _would_block(sb, "on a closed stream")
+
+
 async def _check_concurrent_accept(h: _Harness) -> None:
     """Several tasks may wait in accept_stream at once: each stream goes to exactly one."""
     a, b = await h.pair()
@@ -532,6 +578,7 @@ TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
     "backpressure": _check_backpressure,
     "send_eof": _check_send_eof,
     "send_last": _check_send_last,
+    "receive_nowait": _check_receive_nowait,
     "on_abandoned": _check_on_abandoned,
     "concurrent_accept": _check_concurrent_accept,
     "aclose": _check_aclose,

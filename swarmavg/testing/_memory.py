@@ -181,6 +181,17 @@ class _MemoryStream(Stream):
         peer._inbox.append((at, data))
         peer._changed.notify()
 
+    def receive_nowait(self) -> memoryview:
+        if not self._inbox or self._closed or self._reset_by_peer:
+            raise anyio.WouldBlock
+        at, item = self._inbox[0]
+        if item is _EOF or at > anyio.current_time():
+            raise anyio.WouldBlock  # (EOF: receive() raises EndOfStream)
+        self._inbox.popleft()
+        self._buffered -= len(item)
+        self._changed.notify()  # returns credit to the sender
+        return memoryview(item)
+
     async def receive(self) -> memoryview:
         while True:
             self._check_usable()

@@ -1079,3 +1079,35 @@ def test_register_validates_its_arguments() -> None:
     node.rpc.register("x" * 128, double)  # the longest name is fine
     with pytest.raises(ValueError, match="max_concurrent_calls_per_peer"):
         Node(max_concurrent_calls_per_peer=0)
+
+
+def test_call_headers_keep_their_own_timeout_when_decoded_from_the_cache() -> None:
+    """The callee decodes a method's header once and reads only the timeout of later calls
+    (the last 8 bytes); the wire format is the plain encoding of the CallHeader."""
+    from swarmavg.aio.rpc import _HEADERS, _decode_opening, _encode_header
+
+    def opening(header: CallHeader, request: Message | None = None) -> memoryview:
+        data = _encode_header(header) + (b"" if request is None else encode_message_bytes(request))
+        assert data == _opening(header, *([] if request is None else [request]))
+        return memoryview(data)
+
+    _HEADERS.clear()
+    first = CallHeader("cached.call", "unary", 1.5)
+    header, rest = _decode_opening(opening(first, Num(3)), 1 << 20)
+    assert header == first
+    assert decode_message(rest) == Num(3)
+    assert len(_HEADERS) == 1
+    for timeout in (0.0, 2.25, 1e-9, 86400.0):
+        expected = CallHeader("cached.call", "unary", timeout)
+        header, rest = _decode_opening(opening(expected), 1 << 20)
+        assert header == expected
+        assert not rest
+    nan, _ = _decode_opening(opening(CallHeader("cached.call", "unary", float("nan"))), 1 << 20)
+    assert math.isnan(nan.timeout)  # (serve_stream refuses it)
+    # a header of the same length that differs before the timeout is decoded on its own
+    other = CallHeader("cached.cell", "bidi_x", 7.0)
+    assert _decode_opening(opening(other), 1 << 20)[0] == other
+    assert len(_HEADERS) == 2
+    # something else where a header should be is still refused, cached prefix or not
+    with pytest.raises(RemoteProtocolError):
+        _decode_opening(memoryview(_opening(Num(1))), 1 << 20)

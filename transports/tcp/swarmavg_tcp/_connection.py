@@ -290,6 +290,13 @@ class TcpStream(Stream):
                 raise ConnectionLost(str(self._conn._error))
             await self._changed.wait()
 
+    def receive_nowait(self) -> memoryview:
+        if self._inbox and not self._closed:
+            message, cost, large = self._inbox.popleft()
+            self._conn._consumed(self, cost, large)
+            return message
+        raise anyio.WouldBlock
+
     # -- closing ---------------------------------------------------------------------------------
 
     def _release_buffers(self) -> None:
