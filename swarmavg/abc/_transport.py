@@ -180,6 +180,17 @@ class Stream(TypedAttributeProvider, ABC):
         """
         raise anyio.WouldBlock
 
+    def send_last_nowait(self, *parts: Buffer) -> bool:
+        """:meth:`send_last` if it can be done at once, without waiting or yielding to the
+        event loop; whether it was (``False``: nothing was sent, use :meth:`send_last`).
+
+        A message that the socket cannot take whole at once is still sent, the rest by the
+        transport's machinery: ``True`` means the message and the EOF are on their way, in
+        order. This default never sends. The RPC layer answers inline calls so (see
+        :meth:`Connection.serve_inline`).
+        """
+        return False
+
     @abstractmethod
     async def send_eof(self) -> None:
         """Tell the peer we will send nothing more; we can still receive. Idempotent."""
@@ -260,6 +271,19 @@ class Connection(TypedAttributeProvider, ABC):
 
         :raises ConnectionLost: once the connection is closed (by either side) or broken.
         """
+
+    def serve_inline(self, handler: Callable[[Stream, memoryview], bool] | None) -> bool:
+        """Offer ``handler`` every new stream whose first message came whole with the peer's
+        EOF (a unary call's opening), before the stream is queued for :meth:`accept_stream`.
+
+        ``handler(stream, message)`` is called synchronously from the transport's reader, with
+        the message still unread. It returns ``True`` if it took the stream (the message then
+        counts as read, and the stream is never accepted), ``False`` to leave it to
+        :meth:`accept_stream` untouched. It must not block, and should not raise: an exception
+        is logged and leaves the stream to :meth:`accept_stream`. ``None`` removes it.
+        Returns whether the transport does this (this default does not, and never calls it).
+        """
+        return False
 
     @abstractmethod
     async def aclose(self) -> None:

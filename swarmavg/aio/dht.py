@@ -165,10 +165,11 @@ class DHTProtocol:
             return
         self._registered = True
         rpc = self.node.rpc
-        rpc.register("dht.ping", self._ping, request_type=DHTPingRequest)
+        # Inline handlers: they never wait, so the transport answers them from its reader.
+        rpc.register("dht.ping", self._ping, request_type=DHTPingRequest, inline=True)
         if not self.client_mode:
-            rpc.register("dht.store", self._store, request_type=DHTStoreRequest)
-            rpc.register("dht.find", self._find, request_type=DHTFindRequest)
+            rpc.register("dht.store", self._store, request_type=DHTStoreRequest, inline=True)
+            rpc.register("dht.find", self._find, request_type=DHTFindRequest, inline=True)
 
     def own_info(self) -> DHTPeerInfo | None:
         """What requests announce about us (``None`` in client mode)."""
@@ -223,11 +224,11 @@ class DHTProtocol:
                 self._infos[peer] = info
         return info
 
-    async def _ping(self, request: DHTPingRequest, ctx: CallContext) -> DHTPingResponse:
+    def _ping(self, request: DHTPingRequest, ctx: CallContext) -> DHTPingResponse:
         self.learn(request.sender, ctx.peer_id)
         return DHTPingResponse(dht_time=self.clock(), serving=not self.client_mode)
 
-    async def _store(self, request: DHTStoreRequest, ctx: CallContext) -> DHTStoreResponse:
+    def _store(self, request: DHTStoreRequest, ctx: CallContext) -> DHTStoreResponse:
         count = len(request.keys)
         if count > MAX_KEYS_PER_REQUEST or not (
             len(request.subkeys) == len(request.values) == len(request.expirations) == count
@@ -271,7 +272,7 @@ class DHTProtocol:
         nearest = self.routing.nearest(target, count, exclude=caller)
         return [self.peer_info(peer) for peer, _ in nearest]
 
-    async def _find(self, request: DHTFindRequest, ctx: CallContext) -> DHTFindResponse:
+    def _find(self, request: DHTFindRequest, ctx: CallContext) -> DHTFindResponse:
         if len(request.keys) + len(request.targets) > MAX_KEYS_PER_REQUEST:
             raise _BadRequest(f"a find asks for at most {MAX_KEYS_PER_REQUEST} keys")
         if any(len(t) != ID_BYTES for t in request.targets):

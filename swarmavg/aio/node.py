@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any, Self
 
 import anyio
@@ -289,6 +290,7 @@ class Node:
 
     def _adopt(self, conn: Connection) -> None:
         assert self._tg is not None
+        conn.serve_inline(partial(self._serve_inline, conn.peer_id))
         previous = self._pool.get(conn.peer_id)
         if previous is None or previous.is_closed:
             self._pool[conn.peer_id] = conn
@@ -373,6 +375,12 @@ class Node:
                 del self._pool[conn.peer_id]
             with anyio.CancelScope(shield=True):
                 await conn.aclose()
+
+    def _serve_inline(self, peer_id: PeerID, stream: Stream, opening: memoryview) -> bool:
+        """The connections' inline handler: calls of the RPC layer's inline methods."""
+        if self._handler is not None:
+            return False
+        return self.rpc.serve_inline(stream, peer_id, opening)
 
     async def _serve_stream(self, stream: Stream, peer_id: PeerID) -> None:
         handler = self._handler

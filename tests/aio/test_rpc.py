@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import struct
@@ -1111,3 +1112,142 @@ def test_call_headers_keep_their_own_timeout_when_decoded_from_the_cache() -> No
     # something else where a header should be is still refused, cached prefix or not
     with pytest.raises(RemoteProtocolError):
         _decode_opening(memoryview(_opening(Num(1))), 1 << 20)
+
+
+# -- inline handlers -------------------------------------------------------------------------
+
+
+@over_transports
+async def test_inline_handlers_answer_from_the_reader_where_the_transport_allows(
+    abandon_watch: str,
+) -> None:
+    """An inline handler runs outside any task over TCP (the transport's reader answers the
+    call); over the other transports it runs as usual, and so it does where the caller keeps
+    its side open after the request (a transport without on_abandoned). Both give the same
+    answers and errors."""
+    tasks: list[object] = []
+    contexts: list[CallContext] = []
+
+    def triple(request: Num, ctx: CallContext) -> Num:
+        tasks.append(asyncio.current_task())
+        contexts.append(ctx)
+        if request.value == 7:
+            raise ValueError("seven is not allowed")
+        if request.value == 8:
+            return {"value": 8}  # type: ignore[return-value]
+        return Num(3 * request.value)
+
+    async with _peers(2) as (server, client):
+        server.rpc.register("triple", triple, request_type=Num, inline=True)
+        address = server.addresses[0]
+        with anyio.fail_after(10):
+            # (the first call may arrive before the node adopted the new connection: it is
+            # then served the usual way)
+            assert await client.rpc.call(address, "triple", Num(1)) == Num(3)
+            del tasks[:], contexts[:]
+            async with anyio.create_task_group() as tg:
+                results: dict[int, Message] = {}
+
+                async def one(i: int) -> None:
+                    results[i] = await client.rpc.call(address, "triple", Num(i), timeout=5)
+
+                for i in range(10, 30):  # concurrent calls on one connection
+                    tg.start_soon(one, i)
+            assert results == {i: Num(3 * i) for i in range(10, 30)}
+            with pytest.raises(RemoteError, match="seven is not allowed") as info:
+                await client.rpc.call(address, "triple", Num(7))
+            assert (info.value.code, info.value.remote_type) == ("handler_error", "ValueError")
+            with pytest.raises(RemoteError, match="not a Message") as info:
+                await client.rpc.call(address, "triple", Num(8))
+            assert (info.value.code, info.value.remote_type) == ("handler_error", "TypeError")
+            # a request of the wrong type never reaches it
+            with pytest.raises(RemoteError) as info:
+                await client.rpc.call(address, "triple", Text("x"))
+            assert info.value.code == "bad_request"
+            assert await client.rpc.call(address, "triple", Num(2)) == Num(6)
+    assert len(tasks) == 23
+    assert contexts[0].peer_id == client.peer_id
+    assert contexts[0].method == "triple"
+    assert math.isfinite(contexts[0].deadline)  # the caller's timeout reached it
+    assert math.isinf(contexts[-1].deadline)
+    if _KIND == "tcp" and abandon_watch == "watched":
+        assert tasks == [None] * len(tasks), "TCP should answer inline calls from its reader"
+    else:
+        assert None not in tasks
+
+
+async def test_inline_answers_that_cannot_go_out_at_once_go_out_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No credit or another writer busy: the answer is sent by a task instead, in full."""
+    monkeypatch.setattr(TcpStream, "send_last_nowait", lambda self, *parts: False)
+
+    def triple(request: Num, ctx: CallContext) -> Num:
+        return Num(3 * request.value)
+
+    def huge(request: Num, ctx: CallContext) -> Text:
+        return Text("x" * (2 << 20))
+
+    server = Node(listen=["tcp://127.0.0.1:0"], transports={"tcp": {"max_message_size": 1 << 20}})
+    async with server, Node() as client:
+        server.rpc.register("triple", triple, request_type=Num, inline=True)
+        server.rpc.register("huge", huge, request_type=Num, inline=True)
+        address = server.addresses[0]
+        with anyio.fail_after(10):
+            for i in range(5):
+                assert await client.rpc.call(address, "triple", Num(i)) == Num(3 * i)
+            with pytest.raises(RemoteError) as info:
+                await client.rpc.call(address, "huge", Num(0))
+            assert info.value.code == "response_too_large"
+
+
+async def test_inline_registration_is_checked() -> None:
+    async with _peers(1) as (node,):
+        with pytest.raises(TypeError, match="plain function"):
+            node.rpc.register("async", double, request_type=Num, inline=True)
+        with pytest.raises(ValueError, match="only a unary method"):
+            node.rpc.register("stream", count, kind="server_stream", inline=True)
+
+        def sneaky(request: Num, ctx: CallContext) -> Any:
+            return double(request, ctx)  # a coroutine, from a plain function
+
+        node.rpc.register("sneaky", sneaky, request_type=Num, inline=True)
+
+
+@over_transports
+async def test_an_inline_handler_that_returns_a_coroutine_fails_its_call() -> None:
+    def sneaky(request: Num, ctx: CallContext) -> Any:
+        return double(request, ctx)
+
+    async with _peers(2) as (server, client):
+        server.rpc.register("sneaky", sneaky, request_type=Num, inline=True)
+        with anyio.fail_after(5), pytest.raises(RemoteError, match="awaitable") as info:
+            await client.rpc.call(server.addresses[0], "sneaky", Num(1))
+        assert info.value.code == "handler_error"
+
+
+async def test_a_stream_handler_gets_one_message_streams_not_the_inline_path() -> None:
+    """With a stream handler set, the node serves streams with it, even a stream that looks
+    like an inline call."""
+    seen: list[bytes] = []
+
+    async def handler(stream: Stream) -> None:
+        seen.append(bytes(await stream.receive()))
+        await stream.send_last(b"handled")
+
+    def triple(request: Num, ctx: CallContext) -> Num:
+        return Num(3 * request.value)
+
+    async with Node(listen=["tcp://127.0.0.1:0"]) as server, Node() as client:
+        server.rpc.register("triple", triple, request_type=Num, inline=True)
+        server.set_stream_handler(handler)
+        with anyio.fail_after(5):
+            opening = _opening(CallHeader("triple", "unary", 0.0), Num(2))
+            stream = await client.open_stream(server.addresses[0])
+            await stream.send_last(opening)
+            assert bytes(await stream.receive()) == b"handled"
+            await stream.aclose()
+        assert seen == [opening]
+        server.set_stream_handler(None)
+        with anyio.fail_after(5):
+            assert await client.rpc.call(server.addresses[0], "triple", Num(2)) == Num(6)

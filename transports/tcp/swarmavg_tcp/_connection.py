@@ -78,6 +78,8 @@ logger = logging.getLogger("swarmavg_tcp")
 #: joined with a neighbour before encryption.
 _OWN_RECORD: Final = 64 << 10
 _MAX_STREAM_ID: Final = (1 << 32) - 1
+#: The flags of a record that holds a whole message and the stream's EOF.
+_WHOLE_WITH_EOF: Final = fr.FIRST | fr.LAST | fr.FIN
 
 
 #: Most control records queued (unwritten because the peer does not read) before the
@@ -180,6 +182,7 @@ class TcpStream(Stream):
         self._announced = announced  # the peer knows this stream
         self._abandon = AbandonCallbacks()
         self._stop_on_data = False  # closed: send STOP if the peer sends another message
+        self._held = False  # new, not queued for accept_stream yet: offered to serve_inline first
         self._inbox: deque[tuple[memoryview, int, bool]] = deque()  # (message, cost, large)
         self._changed = Signal()
         self._send_lock = _FifoLock()
@@ -250,6 +253,22 @@ class TcpStream(Stream):
                 self._end_sending(announce=True)
         finally:
             self._send_lock.release()
+
+    def send_last_nowait(self, *parts: Buffer) -> bool:
+        if (
+            self._closed
+            or self._sent_eof
+            or self._reset_by_peer
+            or self._stopped
+            or self._send_lock._locked
+            or self._conn._error is not None
+        ):
+            return False
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(len(v) for v in views)
+        if size > self.max_message_size:
+            return False  # (send_last raises MessageTooLarge)
+        return self._conn._send_last_nowait(self, views, size)
 
     async def send_eof(self) -> None:
         if self._sent_eof or self._closed:
@@ -450,6 +469,8 @@ class TcpConnection(Connection):
         self._accepted_count = 0  # streams the peer opened, not yet forgotten
         self._accept_queue: deque[TcpStream] = deque()
         self._accept_changed = Signal()
+        #: see serve_inline: offered each new stream whose opening came whole with its EOF
+        self._inline: Callable[[Stream, memoryview], bool] | None = None
         self._streams_changed = Signal()
         # sending
         self._write_lock = _FifoLock()
@@ -544,6 +565,10 @@ class TcpConnection(Connection):
         self._idle_since = None
         await anyio.lowlevel.checkpoint_if_cancelled()
         return stream
+
+    def serve_inline(self, handler: Callable[[Stream, memoryview], bool] | None) -> bool:
+        self._inline = handler
+        return True
 
     async def accept_stream(self) -> TcpStream:
         if self._accept_queue:
@@ -759,6 +784,36 @@ class TcpConnection(Connection):
         if not sent_first:  # the peer never heard of this message: take the reservation back
             self._take_back(stream, large, cost)
         self._check_usable()
+
+    def _send_last_nowait(self, stream: TcpStream, parts: list[memoryview], size: int) -> bool:
+        """:meth:`TcpStream.send_last_nowait`: a one-record message and its EOF, written now
+        if there is credit and nobody else is writing."""
+        peer = self._peer_settings
+        cost = size + fr.MESSAGE_OVERHEAD
+        if peer.is_large(size) or stream._credit < cost or self._credit < cost:
+            return False
+        records = plan_records(parts, peer.max_record_size)
+        if len(records) != 1 or not self._write_lock.try_acquire():
+            return False
+        stream._credit -= cost
+        self._credit -= cost
+        stream._announced = True
+        try:
+            buffers = [self._compose_control()] if self._control else []
+            buffers += self._compose(stream.id, fr.FIRST | fr.LAST | fr.FIN, size, records[0])
+            stream._sent_eof = stream._sent_end = True
+            stream._maybe_forget()
+            left = self._write_now(buffers)
+        except OSError as exc:
+            self._write_lock.release()
+            self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+            return True
+        if left:  # the control writer finishes it, holding the lock meanwhile
+            self._pending_out = [bytes(view) for view in left]
+            self._control_changed.notify()
+        else:
+            self._write_lock.release()
+        return True
 
     def _take_back(self, stream: TcpStream, large: bool, cost: int) -> None:
         """Return a message's reservation (credit, or the large-message slot) unsent."""
@@ -1121,7 +1176,8 @@ class TcpConnection(Connection):
 
     def _begin_data(self, stream_id: int, flags: int, arg: int, length: int) -> memoryview | None:
         """Check a DATA header; return where its payload goes (None: read and drop it)."""
-        stream = self._lookup(stream_id, create=True)
+        whole_with_eof = flags & _WHOLE_WITH_EOF == _WHOLE_WITH_EOF
+        stream = self._lookup(stream_id, create=True, hold=whole_with_eof and bool(self._inline))
         self._data_stream = stream
         settings = self._settings
         if stream is not None and stream._recv_end and not stream._discarding:
@@ -1196,9 +1252,33 @@ class TcpConnection(Connection):
             eof_stream = self._lookup(record[4], create=False)
             if eof_stream is not None:
                 eof_stream._on_eof()
+        if stream is not None and stream._held:
+            self._offer_inline(stream)
 
-    def _lookup(self, stream_id: int, *, create: bool) -> TcpStream | None:
-        """The stream a record is for; None for a stream already forgotten."""
+    def _offer_inline(self, stream: TcpStream) -> None:
+        """A new stream's whole opening and its EOF are here: offer it to the inline handler;
+        queue it for accept_stream unless the handler took it."""
+        stream._held = False
+        handler = self._inline
+        if handler is not None and stream._inbox and not stream._closed:
+            message, cost, large = stream._inbox[0]
+            try:
+                taken = handler(stream, message)
+            except Exception:  # (a bug: the handler must not raise) accept_stream serves it
+                logger.exception("the inline stream handler failed")
+                taken = False
+            if taken:
+                if stream._inbox and stream._inbox[0][0] is message:
+                    stream._inbox.popleft()
+                    self._consumed(stream, cost, large)
+                return
+        self._accept_queue.append(stream)
+        self._accept_changed.notify()
+
+    def _lookup(self, stream_id: int, *, create: bool, hold: bool = False) -> TcpStream | None:
+        """The stream a record is for; None for a stream already forgotten. A stream the peer
+        opens with this record is queued for accept_stream, unless ``hold``: then it is offered
+        to the inline handler first, once the record is in (see _offer_inline)."""
         if stream_id == 0:
             raise RemoteProtocolError("stream 0 carries no stream records")
         stream = self._streams.get(stream_id)
@@ -1225,8 +1305,11 @@ class TcpConnection(Connection):
         self._streams[stream_id] = stream
         self._accepted_count += 1
         self._idle_since = None
-        self._accept_queue.append(stream)
-        self._accept_changed.notify()
+        if hold:
+            stream._held = True
+        else:
+            self._accept_queue.append(stream)
+            self._accept_changed.notify()
         return stream
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:

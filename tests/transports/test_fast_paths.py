@@ -1,0 +1,117 @@
+"""The transports' optional fast paths. ``Stream.receive_nowait``: a message that has arrived is
+handed out without waiting (the RPC layer reads a call's opening so; the contract itself, order
+and WouldBlock otherwise, is the conformance check ``receive_nowait``). TCP's
+``Connection.serve_inline`` and ``Stream.send_last_nowait``: a stream opened with one whole
+message and its EOF is offered to a handler from the reader, which can answer it at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import anyio
+import pytest
+from swarmavg_tcp import TcpTransport
+
+from swarmavg.abc import Stream, Transport
+from swarmavg.identity import Identity
+from swarmavg.testing import MemoryNetwork, MemoryTransport
+
+pytestmark = pytest.mark.anyio
+
+
+def _memory() -> tuple[Callable[[Identity], Transport], str]:
+    network = MemoryNetwork()
+    return (lambda ident: MemoryTransport(ident, network=network)), "memory://local:0"
+
+
+def _tcp() -> tuple[Callable[[Identity], Transport], str]:
+    return TcpTransport, "tcp://127.0.0.1:0"
+
+
+@pytest.mark.parametrize("kind", [_memory, _tcp], ids=["memory", "tcp"])
+async def test_an_arrived_message_is_handed_out_without_waiting(
+    kind: Callable[[], tuple[Callable[[Identity], Transport], str]],
+) -> None:
+    factory, where = kind()
+    with anyio.fail_after(10):
+        async with factory(Identity.generate()) as server, factory(Identity.generate()) as client:
+            listener = await server.listen(where)
+            conn = await client.connect(listener.address)
+            accepted = await listener.accept()
+            stream = await conn.open_stream()
+            await stream.send(b"first")
+            await stream.send(b"second")
+            peer = await accepted.accept_stream()
+            assert bytes(await peer.receive()) == b"first"
+            for _ in range(200):  # until "second" has arrived (at most 2 s)
+                try:
+                    got = peer.receive_nowait()
+                    break
+                except anyio.WouldBlock:
+                    await anyio.sleep(0.01)
+            else:
+                raise AssertionError("an arrived message was never handed out")
+            assert bytes(got) == b"second"
+            with pytest.raises(anyio.WouldBlock):
+                peer.receive_nowait()
+            await stream.send(b"third")  # receive() still works after it
+            assert bytes(await peer.receive()) == b"third"
+            await conn.aclose()
+            await accepted.aclose()
+
+
+async def test_tcp_offers_whole_openings_to_the_inline_handler() -> None:
+    offered: list[tuple[bytes, bool]] = []
+
+    def handler(stream: Stream, message: memoryview) -> bool:
+        data = bytes(message)
+        if data.startswith(b"boom"):
+            raise RuntimeError("a buggy handler")
+        take = data.startswith(b"take")
+        offered.append((data, asyncio.current_task() is None))
+        if take:
+            assert stream.send_last_nowait(b"answer to ", data)
+        return take
+
+    with anyio.fail_after(10):
+        async with (
+            TcpTransport(Identity.generate()) as server,
+            TcpTransport(Identity.generate()) as client,
+        ):
+            listener = await server.listen("tcp://127.0.0.1:0")
+            conn = await client.connect(listener.address)
+            accepted = await listener.accept()
+            assert accepted.serve_inline(handler) is True
+            # taken: answered from the reader, never accepted
+            stream = await conn.open_stream()
+            await stream.send_last(b"take me")
+            assert bytes(await stream.receive()) == b"answer to take me"
+            with pytest.raises(anyio.EndOfStream):
+                await stream.receive()
+            assert stream.id not in accepted._streams  # type: ignore[attr-defined]  # no leak
+            # left alone: accepted as usual, with the message unread
+            for data in (b"leave me", b"boom"):
+                stream = await conn.open_stream()
+                await stream.send_last(data)
+                peer = await accepted.accept_stream()
+                assert bytes(await peer.receive()) == data
+                with pytest.raises(anyio.EndOfStream):
+                    await peer.receive()
+                await peer.send_last(b"ok")
+                assert bytes(await stream.receive()) == b"ok"
+            # a stream whose opening comes without the EOF is not offered
+            stream = await conn.open_stream()
+            await stream.send(b"take me too")
+            peer = await accepted.accept_stream()
+            assert bytes(await peer.receive()) == b"take me too"
+            assert offered == [(b"take me", True), (b"leave me", True)]
+            await peer.aclose()
+            await stream.aclose()
+            accepted.serve_inline(None)
+            stream = await conn.open_stream()
+            await stream.send_last(b"take me")
+            peer = await accepted.accept_stream()  # no handler: accepted
+            assert bytes(await peer.receive()) == b"take me"
+            await conn.aclose()
+            await accepted.aclose()
