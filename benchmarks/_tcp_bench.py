@@ -34,7 +34,9 @@ Round trip:
 * reference B: ping-pong of a 64-byte message over raw asyncio sockets, ``loop.sock_sendall`` /
   ``loop.sock_recv_into`` a preallocated buffer, ``TCP_NODELAY`` on both ends.
 * ours: a unary RPC ``node.rpc.call(address, "echo", Ping(nonce))`` over the encrypted TCP
-  transport, the server's handler returning the request.
+  transport, the server's handler returning the request: once with an ``async def`` handler,
+  once with the same handler as a plain function registered ``inline=True`` (answered from the
+  transport's reader, the way the DHT's methods are).
 
 Median and p90 over the samples after a warm-up; the rounds alternate reference and ours, and
 ours takes a quarter as many samples (every call is a whole RPC on a stream of its own). Of
@@ -66,6 +68,7 @@ import time
 import traceback
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -248,6 +251,10 @@ async def _echo(request: Any, ctx: Any) -> Any:
     return request
 
 
+def _echo_inline(request: Any, ctx: Any) -> Any:
+    return request
+
+
 async def _serve_ours(mode: str, encryption: bool) -> None:
     import anyio
 
@@ -258,6 +265,7 @@ async def _serve_ours(mode: str, encryption: bool) -> None:
             node.set_stream_handler(_ours_bulk_handler())
         else:
             node.rpc.register("echo", _echo)
+            node.rpc.register("echo_inline", _echo_inline, inline=True)
         _announce({"address": str(node.addresses[0])})
         await anyio.sleep_forever()  # until our stdin closes or the lifetime runs out
 
@@ -567,7 +575,9 @@ def _ref_rtt(iterations: int, warmup: int) -> list[float]:
         return asyncio.run(client(server.info["port"]))
 
 
-async def _rpc_round_trips(node: Any, address: str, iterations: int, warmup: int) -> list[float]:
+async def _rpc_round_trips(
+    node: Any, address: str, iterations: int, warmup: int, method: str = "echo"
+) -> list[float]:
     """Round trips (seconds) of ``echo(Ping)`` calls, the first ``warmup`` left out."""
     from swarmavg.proto import Ping
 
@@ -575,7 +585,7 @@ async def _rpc_round_trips(node: Any, address: str, iterations: int, warmup: int
     clock = time.perf_counter
     for i in range(warmup + iterations):
         start = clock()
-        answer = await node.rpc.call(address, "echo", Ping(i), response_type=Ping)
+        answer = await node.rpc.call(address, method, Ping(i), response_type=Ping)
         if i >= warmup:
             samples.append(clock() - start)
         if answer.nonce != i:
@@ -583,8 +593,9 @@ async def _rpc_round_trips(node: Any, address: str, iterations: int, warmup: int
     return samples
 
 
-def _ours_rtt(iterations: int, warmup: int) -> list[float]:
-    """Ours: round trips (seconds) of a unary ``echo(Ping)`` RPC over the encrypted transport."""
+def _ours_rtt(iterations: int, warmup: int, method: str = "echo") -> list[float]:
+    """Ours: round trips (seconds) of a unary ``echo(Ping)`` RPC over the encrypted transport
+    (``method``: ``"echo"``, an async handler, or ``"echo_inline"``)."""
     import anyio
 
     from swarmavg.aio.node import Node
@@ -592,7 +603,7 @@ def _ours_rtt(iterations: int, warmup: int) -> list[float]:
     async def client(address: str) -> list[float]:
         with anyio.fail_after(RTT_TIMEOUT):  # around the node too: its start and its close
             async with Node(transports=_tcp_options(True)) as node:
-                return await _rpc_round_trips(node, address, iterations, warmup)
+                return await _rpc_round_trips(node, address, iterations, warmup, method)
 
     with _Server(OURS_RPC) as server:
         return anyio.run(client, server.info["address"])
@@ -702,26 +713,32 @@ def _bulk_rows(total: int, repeats: int, ours_error: str | None) -> list[dict[st
 
 
 def _rtt_rows(iterations: int, rounds: int, ours_error: str | None) -> list[dict[str, Any]]:
-    """Round-trip rows; ``iterations`` reference samples in all, a quarter as many of ours."""
+    """Round-trip rows; ``iterations`` reference samples in all, a quarter as many of each of
+    ours (async and inline handler)."""
     per_round = max(1, iterations // rounds)
     warmup = max(100, per_round // 10)
     ref_samples: list[float] = []
-    ours_samples: list[float] = []
-    ref_error, error = None, ours_error
+    ours: dict[str, list[float]] = {"echo": [], "echo_inline": []}
+    ref_error: str | None = None
+    errors: dict[str, str | None] = {name: ours_error for name in ours}
 
-    def sample(fn: Callable[[int, int], list[float]], count: int, out: list[float]) -> str | None:
+    def sample(fn: Callable[[], list[float]], out: list[float]) -> str | None:
         try:
-            out += fn(count, warmup)
+            out += fn()
         except Exception as exc:
             return _error_text(exc)
         return None
 
-    for i in range(rounds):
-        for name in ("ref", "ours") if i % 2 == 0 else ("ours", "ref"):
+    order = ["ref", *ours]
+    for _ in range(rounds):
+        for name in order:
             if name == "ref" and ref_error is None:
-                ref_error = sample(_ref_rtt, per_round, ref_samples)
-            elif name == "ours" and error is None:
-                error = sample(_ours_rtt, max(1, per_round // 4), ours_samples)
+                ref_error = sample(partial(_ref_rtt, per_round, warmup), ref_samples)
+            elif name != "ref" and errors[name] is None:
+                errors[name] = sample(
+                    partial(_ours_rtt, max(1, per_round // 4), warmup, name), ours[name]
+                )
+        order = order[1:] + order[:1]
 
     rows: list[dict[str, Any]] = []
     ref_name = "raw asyncio sockets ping-pong, sock_sendall / sock_recv_into, 64 B"
@@ -737,25 +754,31 @@ def _rtt_rows(iterations: int, rounds: int, ours_error: str | None) -> list[dict
             samples=len(ref_samples),
         )
     rows.append(ref_row)
-    row: dict[str, Any] = {
-        "name": "tcp unary RPC echo(Ping), ours encrypted",
-        "unit": "µs",
-        "reference_name": f"reference B: {ref_name}",
-        "target": "<= 4x ref, <= 250 µs",
+    labels = {
+        "echo": "tcp unary RPC echo(Ping), ours encrypted",
+        "echo_inline": "tcp unary RPC echo(Ping), inline handler, ours encrypted",
     }
-    if error:
-        row.update(error=error, ok=False)
-    else:
-        median, p90 = _quantiles(ours_samples)
-        row.update(ours=median * 1e6, p90=p90 * 1e6, samples=len(ours_samples))
-        if ref_median is not None:
-            ratio = median / ref_median
-            row.update(
-                reference=ref_median * 1e6,
-                ratio=ratio,
-                ok=ratio <= 4.0 and median <= 250e-6,
-            )
-    rows.append(row)
+    for name, samples in ours.items():
+        row: dict[str, Any] = {
+            "name": labels[name],
+            "unit": "µs",
+            "reference_name": f"reference B: {ref_name}",
+            "target": "<= 4x ref, <= 250 µs",
+        }
+        error = errors[name]
+        if error:
+            row.update(error=error, ok=False)
+        else:
+            median, p90 = _quantiles(samples)
+            row.update(ours=median * 1e6, p90=p90 * 1e6, samples=len(samples))
+            if ref_median is not None:
+                ratio = median / ref_median
+                row.update(
+                    reference=ref_median * 1e6,
+                    ratio=ratio,
+                    ok=ratio <= 4.0 and median <= 250e-6,
+                )
+        rows.append(row)
     return rows
 
 
