@@ -14,8 +14,9 @@ Rows:
   1 MiB messages over raw asyncio sockets (reference A) and over our TCP transport, encrypted
   (target >= 0.6x A) and plain (>= 0.8x A), with CPU s/GB and peak RSS of each side as footnotes;
   a 64-byte raw asyncio ping-pong (reference B) and a unary RPC over our encrypted transport,
-  with an async handler and with an inline one (target <= 4x B and <= 250 µs). Client and server are pinned to two different CPUs where
-  Linux allows. Rows that could not be measured carry an ``error``.
+  with an async handler and with an inline one (target <= 4x B and <= 250 µs). Client and
+  server are pinned to two different CPUs where Linux allows. Rows that could not be measured
+  carry an ``error``.
 - quic (unless ``--no-quic``; see ``_quic_bench.py``): two processes on loopback, pinned the
   same way. Bulk in 1 MiB messages on one stream of our QUIC transport beside a plain aioquic
   client/server pair with the same datagram size, windows (16 MiB stream, 64 MiB connection),
