@@ -92,6 +92,7 @@ __all__ = [
     "CallFailed",
     "CallHeader",
     "EndOfRequests",
+    "Prepared",
     "RPCKind",
     "StreamingCall",
 ]
@@ -116,6 +117,34 @@ class RPCKind(enum.Enum):
     SERVER_STREAM = "server_stream"  #: one request, any number of responses
     CLIENT_STREAM = "client_stream"  #: any number of requests, one response
     BIDI = "bidi"  #: any number each way, interleaved
+
+
+class Prepared:
+    """A request to send in several calls, encoded once (for the first call) instead of once
+    per call: ``rpc.call(peer, method, Prepared(request))``. The request must not change while
+    it is in use (like any message being sent; its arrays are sent from their memory)."""
+
+    __slots__ = ("_limit", "_parts", "message")
+
+    def __init__(self, message: Message) -> None:
+        if not isinstance(message, Message):
+            raise TypeError(f"Prepared takes a Message, not {type(message).__name__}")
+        self.message = message
+        self._parts: list[Buffer] = []
+        self._limit = -1
+
+    def encoded(self, max_size: int) -> list[Buffer]:
+        """The message's buffers (see :func:`~swarmavg.proto.encode_message`).
+
+        :raises MessageTooLarge: it does not fit in ``max_size`` bytes.
+        """
+        if max_size != self._limit:
+            self._parts = encode_message(self.message, max_size=max_size)
+            self._limit = max_size
+        return self._parts
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.message!r})"
 
 
 @message("rpc.call")
@@ -249,12 +278,14 @@ class StreamingCall(Generic[Req, Resp]):
             return _NO_SCOPE
         return _fail_after(self._deadline - anyio.current_time())
 
-    async def _send_opening(self, header: CallHeader, first: Message | None) -> None:
+    async def _send_opening(self, header: CallHeader, first: Message | Prepared | None) -> None:
         """Send the opening message: ``u32 header size | CallHeader | [first request]``."""
         limit = self._stream.max_message_size
         head = _encode_header(header)
         parts: list[Buffer] = [head]
-        if first is not None:
+        if isinstance(first, Prepared):
+            parts += first.encoded(limit)
+        elif first is not None:
             parts += encode_message(first, max_size=limit)
         size = encoded_size(parts)
         if size > limit:
@@ -469,7 +500,7 @@ class RPC:
         kind: RPCKind | str,
         response_type: type[Resp] | None,
         timeout: float | None,
-        first: Message | None,
+        first: Message | Prepared | None,
     ) -> AsyncIterator[StreamingCall[Message, Resp]]:
         """:meth:`open`, sending ``first`` (the request of a unary or server-stream call) in
         the opening message, with the header: one message, one write, one read."""
@@ -488,7 +519,7 @@ class RPC:
         kind: RPCKind | str,
         response_type: type[Resp] | None,
         timeout: float | None,
-        first: Message | None,
+        first: Message | Prepared | None,
         *,
         scoped_outside: bool = False,
     ) -> StreamingCall[Message, Resp]:
@@ -532,12 +563,13 @@ class RPC:
         self,
         peer: PeerID | Address | str,
         method: str,
-        request: Message,
+        request: Message | Prepared,
         *,
         response_type: type[Resp] | None = None,
         timeout: float | None = None,
     ) -> Resp:
-        """A unary call: send ``request``, return the response.
+        """A unary call: send ``request``, return the response. A request sent to several
+        peers can be wrapped in :class:`Prepared` to be encoded once.
 
         :raises RemoteError: if the handler raised or the call was refused (see ``code``), or
             with code ``"interrupted"`` if the connection broke or the callee reset the stream.
@@ -559,7 +591,7 @@ class RPC:
         self,
         peer: PeerID | Address | str,
         method: str,
-        request: Message,
+        request: Message | Prepared,
         response_type: type[Resp] | None,
         timeout: float | None,
     ) -> Resp:
@@ -592,7 +624,7 @@ class RPC:
         self,
         peer: PeerID | Address | str,
         method: str,
-        request: Message,
+        request: Message | Prepared,
         *,
         response_type: type[Resp] | None = None,
         timeout: float | None = None,

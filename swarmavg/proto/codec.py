@@ -275,12 +275,24 @@ def _peer_id_spec() -> _Spec:
     def decode(value: Any, pool: _ArrayPool) -> Any:
         if type(value) is not bytes:
             raise _remote_type_error("PeerID", value)
-        try:
-            return PeerID(value)
-        except ValueError as exc:
-            raise RemoteProtocolError(f"invalid PeerID: {exc}") from exc
+        peer = _DECODED_PEER_IDS.get(value)
+        if peer is None:
+            try:
+                peer = PeerID(value)
+            except ValueError as exc:
+                raise RemoteProtocolError(f"invalid PeerID: {exc}") from exc
+            if len(_DECODED_PEER_IDS) >= _MAX_DECODED_PEER_IDS:
+                _DECODED_PEER_IDS.clear()
+            _DECODED_PEER_IDS[value] = peer
+        return peer
 
     return _Spec("PeerID", "bin", encode, decode, 0)
+
+
+#: PeerIDs decoded lately, by their bytes: messages name the same peers over and over, and the
+#: same (immutable) object each time makes every dict lookup by it an identity match.
+_DECODED_PEER_IDS: dict[bytes, PeerID] = {}
+_MAX_DECODED_PEER_IDS: Final = 4096
 
 
 def _prepare_array(value: Any, dtype_name: str | None) -> NDArray[Any]:

@@ -25,6 +25,7 @@ from swarmavg.aio.rpc import (
     CallFailed,
     CallHeader,
     EndOfRequests,
+    Prepared,
     RPCKind,
     StreamingCall,
 )
@@ -1251,3 +1252,34 @@ async def test_a_stream_handler_gets_one_message_streams_not_the_inline_path() -
         server.set_stream_handler(None)
         with anyio.fail_after(5):
             assert await client.rpc.call(server.addresses[0], "triple", Num(2)) == Num(6)
+
+
+@over_transports
+async def test_a_prepared_request_is_encoded_once_for_several_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import swarmavg.aio.rpc as rpc_module
+
+    encoded: list[Message] = []
+    real_encode = rpc_module.encode_message
+
+    def counting_encode(msg: Message, **kwargs: Any) -> Any:
+        encoded.append(msg)
+        return real_encode(msg, **kwargs)
+
+    monkeypatch.setattr(rpc_module, "encode_message", counting_encode)
+    async with _peers(3) as (a, b, client):
+        for node in (a, b):
+            node.rpc.register("double", double, request_type=Num)
+            node.rpc.register("count", count, kind="server_stream", request_type=Num)
+        request = Prepared(Num(21))
+        assert repr(request) == "Prepared(Num(value=21))"
+        with anyio.fail_after(5):
+            for node in (a, b, a):
+                assert await client.rpc.call(node.addresses[0], "double", request) == Num(42)
+            got: list[Message] = []
+            await _collect(client.rpc.server_stream(b.addresses[0], "count", Prepared(Num(3))), got)
+            assert got == [Num(0), Num(1), Num(2)]
+        assert encoded.count(Num(21)) == 1  # (the callee's answers are encoded too)
+    with pytest.raises(TypeError, match="Message"):
+        Prepared(b"raw")  # type: ignore[arg-type]

@@ -512,6 +512,21 @@ def test_invalid_peer_id() -> None:
         decode_message(evil)
 
 
+def test_decoded_peer_ids_are_shared_and_still_checked() -> None:
+    """A PeerID decoded twice is the same (immutable) object; a bad one is still refused."""
+    data = encode_message_bytes(sample())
+    first, second = decode_message(data), decode_message(data)
+    peers = [getattr(m, f.name) for m in (first, second) for f in dataclasses.fields(m)]
+    found = [p for p in peers if isinstance(p, PeerID)]
+    assert len(found) == 2
+    assert found[0] == PEER
+    assert found[0] is found[1]
+    evil = data.replace(PEER.to_bytes(), b"\x01" + PEER.to_bytes()[1:])
+    for _ in range(2):
+        with pytest.raises(RemoteProtocolError, match="PeerID"):
+            decode_message(evil)
+
+
 def test_invalid_utf8_and_duplicate_keys() -> None:
     header = msgpack.packb(hdr("error", ["code", "MARK"]))
     bad_utf8 = header.replace(b"MARK", b"\xff\xfe\xfd\xfc")

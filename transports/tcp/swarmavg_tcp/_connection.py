@@ -204,13 +204,21 @@ class TcpStream(Stream):
         self._stopped = False  # the peer reads nothing more: sends are dropped
         self._reset_by_peer = False
         self._closed = False  # aclose() or abort() called
-        self._attributes = {**conn._attributes, StreamAttribute.stream_id: lambda: self.id}
+        self._attributes: dict[Any, Callable[[], Any]] | None = None  # made on first use
 
     # -- attributes ------------------------------------------------------------------------------
 
     @property
     def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
-        return self._attributes  # built once: extra() looks attributes up on every call
+        # built once (extra() looks attributes up on every call), and only if asked for: most
+        # streams (calls) never are
+        if self._attributes is None:
+            stream_id = self.id
+            self._attributes = {
+                **self._conn._attributes,
+                StreamAttribute.stream_id: lambda: stream_id,
+            }
+        return self._attributes
 
     @property
     def max_message_size(self) -> int:
@@ -293,11 +301,13 @@ class TcpStream(Stream):
     # -- receiving -------------------------------------------------------------------------------
 
     async def receive(self) -> memoryview:
+        waited = False  # (a wait that returned is a checkpoint: no second one)
         while True:
             if self._closed:
                 raise anyio.ClosedResourceError
             if self._inbox:
-                await anyio.lowlevel.checkpoint_if_cancelled()  # before taking: nothing is lost
+                if not waited:
+                    await anyio.lowlevel.checkpoint_if_cancelled()  # before taking: none lost
                 message, cost, large = self._inbox.popleft()
                 self._conn._consumed(self, cost, large)
                 return message
@@ -308,6 +318,7 @@ class TcpStream(Stream):
             if self._conn._error is not None:
                 raise ConnectionLost(str(self._conn._error))
             await self._changed.wait()
+            waited = True
 
     def receive_nowait(self) -> memoryview:
         if self._inbox and not self._closed:
@@ -331,6 +342,13 @@ class TcpStream(Stream):
 
     async def aclose(self) -> None:
         if self._closed:
+            return
+        if self._sent_end and self._recv_end and not self._inbox and self._partial is None:
+            # Both directions are over and everything was read (a call's usual end): nothing
+            # to give back, nothing to send.
+            self._closed = self._sent_eof = self._discarding = True
+            self._changed.notify()
+            self._maybe_forget()
             return
         self._closed = True
         self._sent_eof = True
