@@ -497,8 +497,13 @@ class DHTNode:
 
     def _answered(self, peer: PeerID, address: Address) -> None:
         """``peer`` answered us at ``address``: it is alive and routable."""
-        self.protocol.blacklist.succeeded(peer)
-        self.protocol.learn(DHTPeerInfo(peer, [str(address)]), peer)
+        protocol = self.protocol
+        protocol.blacklist.succeeded(peer)
+        known = protocol.addresses.get(peer)
+        if known is not None and address in known and peer in protocol.routing:
+            protocol.routing.add_or_update(peer, self.clock())  # (the usual case: just seen)
+            return
+        protocol.learn(DHTPeerInfo(peer, [str(address)]), peer)
 
     def _failed(self, peer: PeerID, why: object) -> None:
         logger.debug("DHT peer %s failed: %s", peer.short(), why)
