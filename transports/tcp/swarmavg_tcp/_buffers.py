@@ -3,7 +3,10 @@
 A fresh buffer for every large message would cost a page fault per 4 KiB page on its first
 write (the allocator returns big blocks to the OS when they are freed and maps new ones): on a
 VM, that alone costs more than the copy from the socket. So buffers of 64 KiB and more come
-from a pool of power-of-two blocks. The message is a view of a slice of a block; when the last
+from a pool of blocks in size classes 1/16 of a power of two apart (a message of 2 MiB and a
+header takes a block of 2.125 MiB, not 4 MiB: with power-of-two blocks, the all-reduce's 2 MiB
+parts needed twice the pool, which then missed, and fresh blocks were page-faulted in every
+round). The message is a view of a slice of a block; when the last
 reference to that slice goes away (wherever and in whatever thread), a finalizer gives the block
 back to the pool. A message thus stays valid for as long as anybody holds it, as the transport
 protocol requires.
@@ -21,6 +24,13 @@ import numpy as np
 POOL_MIN: Final = 64 << 10
 #: Blocks larger than this are not kept.
 POOL_MAX_BLOCK: Final = 32 << 20
+
+
+def block_size_for(size: int) -> int:
+    """The size class of a message of ``size`` (>= 1) bytes: ``size`` rounded up to a multiple
+    of 1/16 of the power of two below it (at most ~6% more), and of 4 KiB (whole pages)."""
+    step = max(4096, 1 << max(0, (size - 1).bit_length() - 5))
+    return -(-size // step) * step
 
 
 class BufferPool:
@@ -44,7 +54,7 @@ class BufferPool:
         """A writable buffer of exactly ``size`` bytes, with unspecified contents."""
         if size < POOL_MIN:
             return memoryview(bytearray(size))
-        block_size = 1 << (size - 1).bit_length()
+        block_size = block_size_for(size)
         block = None
         if block_size <= POOL_MAX_BLOCK:
             with self._lock:
