@@ -510,6 +510,8 @@ class _MessageSpec:
     fields: tuple[tuple[str, _Spec], ...]
     required: int  # how many leading fields have no default
     depth: int
+    #: the fields' decoders, in order (the hot loop of decoding)
+    decoders: tuple[Callable[[Any, _ArrayPool], Any], ...] = ()
 
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -581,7 +583,8 @@ def message(tag: str) -> Callable[[type[_M]], type[_M]]:
                 f"{cls.__name__} nests {depth} levels deep; the limit is {MAX_NESTING_DEPTH}"
             )
         cls.TAG = tag
-        _SPECS[cls] = _MessageSpec(cls, tag, tuple(fields), required, depth)
+        decoders = tuple(spec.decode for _, spec in fields)
+        _SPECS[cls] = _MessageSpec(cls, tag, tuple(fields), required, depth, decoders)
         _REGISTRY[tag] = cls
         return cls
 
@@ -608,12 +611,23 @@ def _decode_fields(spec: _MessageSpec, values: list[Any], pool: _ArrayPool) -> M
                 else f"{spec.required} to {len(spec.fields)}"
             )
         )
-    args = []
-    for (name, field), value in zip(spec.fields, values, strict=False):
-        try:
-            args.append(field.decode(value, pool))
-        except RemoteProtocolError as exc:
-            raise RemoteProtocolError(f"{spec.tag!r} field {name!r}: {exc}") from exc
+    args: list[Any] = []
+    append = args.append
+    taken = pool.taken[:] if pool.arrays else None  # (for a second pass)
+    try:
+        for decode, value in zip(spec.decoders, values, strict=False):
+            append(decode(value, pool))
+    except RemoteProtocolError:  # (rare) say which field: decode them again one by one
+        if taken is not None:
+            pool.taken = taken
+        for (name, field), value in zip(spec.fields, values, strict=False):
+            try:
+                field.decode(value, pool)
+            except RemoteProtocolError as field_exc:
+                raise RemoteProtocolError(
+                    f"{spec.tag!r} field {name!r}: {field_exc}"
+                ) from field_exc
+        raise  # (not reached: one of them fails again)
     try:
         return spec.cls(*args)
     except (TypeError, ValueError) as exc:  # raised by a __post_init__ check

@@ -719,3 +719,18 @@ def test_proto_stays_sans_io(path: Path) -> None:
             continue
         for name in names:
             assert name.split(".")[0] not in FORBIDDEN_MODULES, (path, name)
+
+
+def test_a_bad_field_is_named_even_after_arrays_were_taken() -> None:
+    """Decoding reports the bad field by name; the arrays taken before it (decoding goes on
+    until a field fails, then names it in a second pass) do not make an array field look bad."""
+    good = encode_message_bytes(sample())
+    (size,) = struct.unpack_from(">I", good)
+    header = msgpack.unpackb(good[4 : 4 + size])
+    header["f"][-1] = "not an int"  # ``tail``, after every array field
+    packed = msgpack.packb(header)
+    arrays = good[4 + size + (-(4 + size) % ARRAY_ALIGNMENT) :]  # (after the old padding)
+    padding = bytes(-(4 + len(packed)) % ARRAY_ALIGNMENT)
+    data = struct.pack(">I", len(packed)) + packed + padding + arrays
+    with pytest.raises(RemoteProtocolError, match="field 'tail'"):
+        decode_message(data)
