@@ -75,6 +75,15 @@ async def _open_pair(a: Connection, b: Connection, hello: bytes = b"open") -> tu
     return sa, sb
 
 
+async def _expect_end(stream: Stream, why: str) -> None:
+    """``stream.receive()`` must raise ``EndOfStream``; ``why`` says which rule if not."""
+    try:
+        await stream.receive()
+    except anyio.EndOfStream:
+        return
+    raise AssertionError(why)
+
+
 def _pattern(n: int) -> bytes:
     """``n`` bytes of a random 64 KiB block repeated (cheap, yet misplaced data shows)."""
     block = os.urandom(min(n, 1 << 16))
@@ -243,12 +252,7 @@ async def _check_send_eof(h: _Harness) -> None:
     for i in range(3):
         assert bytes(await sb.receive()) == b"%d" % i
     for _ in range(2):
-        try:
-            await sb.receive()
-        except anyio.EndOfStream:
-            pass
-        else:
-            raise AssertionError("receive() after the peer's EOF must raise EndOfStream")
+        await _expect_end(sb, "receive() after the peer's EOF must raise EndOfStream")
     await sb.send(b"half-open")
     assert bytes(await sa.receive()) == b"half-open", "the other direction must stay open"
     try:
@@ -266,12 +270,7 @@ async def _check_send_last(h: _Harness) -> None:
     await sa.send_last(b"last")
     assert bytes(await sb.receive()) == b"first"
     assert bytes(await sb.receive()) == b"last"
-    try:
-        await sb.receive()
-    except anyio.EndOfStream:
-        pass
-    else:
-        raise AssertionError("send_last() must end the stream after its message")
+    await _expect_end(sb, "send_last() must end the stream after its message")
     await sb.send(b"half-open")
     assert bytes(await sa.receive()) == b"half-open", "the other direction must stay open"
     try:
@@ -287,12 +286,7 @@ async def _check_send_last(h: _Harness) -> None:
         tg.start_soon(sa2.send_last, big)
         sb2 = await b.accept_stream()
         assert bytes(await sb2.receive()) == big
-    try:
-        await sb2.receive()
-    except anyio.EndOfStream:
-        pass
-    else:
-        raise AssertionError("send_last() of a large message must end the stream after it")
+    await _expect_end(sb2, "send_last() of a large message must end the stream after it")
     for stream in (sa, sb, sa2, sb2):
         await stream.aclose()
 
@@ -322,12 +316,7 @@ async def _check_receive_nowait(h: _Harness) -> None:
             got.append(bytes(await sb.receive()))
     assert got == messages, "receive_nowait() and receive() must keep the messages in order"
     _would_block(sb, "at the end of the stream")
-    try:
-        await sb.receive()
-    except anyio.EndOfStream:
-        pass
-    else:
-        raise AssertionError("receive() after the peer's EOF must raise EndOfStream")
+    await _expect_end(sb, "receive() after the peer's EOF must raise EndOfStream")
     # after a reset or a close: WouldBlock too, never another error
     tb, ta = await _open_pair(b, a)
     await tb.send(b"unread")
@@ -398,12 +387,7 @@ async def _check_aclose(h: _Harness) -> None:
     await sa.aclose()
     await sa.aclose()  # idempotent
     assert bytes(await sb.receive()) == b"last words", "data sent before aclose() was lost"
-    try:
-        await sb.receive()
-    except anyio.EndOfStream:
-        pass
-    else:
-        raise AssertionError("receive() after the peer closed must raise EndOfStream")
+    await _expect_end(sb, "receive() after the peer closed must raise EndOfStream")
     for op in (sa.send(b"x"), sa.receive()):
         try:
             await op
