@@ -138,3 +138,43 @@ def test_receive_buffers_come_in_tight_size_classes_and_are_reused() -> None:
     second = pool.get((2 << 20) + 100)  # same class: the same block again
     assert np.frombuffer(second, dtype=np.uint8).ctypes.data == address
     assert pool.cached_bytes == 0
+
+
+async def test_a_burst_of_calls_is_answered_inline_only_up_to_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past a few inline answers per wake-up of the reader, new streams go to accept_stream
+    (a flood of calls cannot hold the event loop in one callback)."""
+    import swarmavg_tcp._connection as tcp_connection
+
+    monkeypatch.setattr(tcp_connection, "_INLINE_PER_READ", 2)
+    taken: list[bytes] = []
+
+    def handler(stream: Stream, message: memoryview) -> bool:
+        taken.append(bytes(message))
+        assert stream.send_last_nowait(b"inline")
+        return True
+
+    with anyio.fail_after(10):
+        async with (
+            TcpTransport(Identity.generate()) as server,
+            TcpTransport(Identity.generate()) as client,
+        ):
+            listener = await server.listen("tcp://127.0.0.1:0")
+            conn = await client.connect(listener.address)
+            accepted = await listener.accept()
+            accepted.serve_inline(handler)
+            streams = [await conn.open_stream() for _ in range(6)]
+            for i, stream in enumerate(streams):  # back to back: one wake-up of the reader
+                await stream.send_last(b"call %d" % i)
+            answers = []
+            for _ in range(4):
+                peer = await accepted.accept_stream()
+                await peer.receive()
+                await peer.send_last(b"queued")
+            for stream in streams:
+                answers.append(bytes(await stream.receive()))
+            assert taken == [b"call 0", b"call 1"]
+            assert answers == [b"inline"] * 2 + [b"queued"] * 4
+            await conn.aclose()
+            await accepted.aclose()

@@ -80,6 +80,10 @@ _OWN_RECORD: Final = 64 << 10
 _MAX_STREAM_ID: Final = (1 << 32) - 1
 #: The flags of a record that holds a whole message and the stream's EOF.
 _WHOLE_WITH_EOF: Final = fr.FIRST | fr.LAST | fr.FIN
+#: At most this many new streams are answered inline per wake-up of the reader; the rest of a
+#: burst is queued for accept_stream (a task each), so a peer that floods calls cannot hold the
+#: event loop in one callback.
+_INLINE_PER_READ = 32
 
 
 #: Most control records queued (unwritten because the peer does not read) before the
@@ -489,6 +493,7 @@ class TcpConnection(Connection):
         self._accept_changed = Signal()
         #: see serve_inline: offered each new stream whose opening came whole with its EOF
         self._inline: Callable[[Stream, memoryview], bool] | None = None
+        self._inline_left = 0  # offers left in this wake-up of the reader
         self._streams_changed = Signal()
         # sending
         self._write_lock = _FifoLock()
@@ -1083,6 +1088,7 @@ class TcpConnection(Connection):
     # buffer (``_direct``); everything else goes through the reusable read buffer.
 
     def _on_readable(self) -> None:
+        self._inline_left = _INLINE_PER_READ
         try:
             budget = 8 << 20  # then give other callbacks and tasks a turn
             while budget > 0 and self._reading:
@@ -1278,7 +1284,8 @@ class TcpConnection(Connection):
         queue it for accept_stream unless the handler took it."""
         stream._held = False
         handler = self._inline
-        if handler is not None and stream._inbox and not stream._closed:
+        if handler is not None and stream._inbox and not stream._closed and self._inline_left > 0:
+            self._inline_left -= 1
             message, cost, large = stream._inbox[0]
             try:
                 taken = handler(stream, message)
