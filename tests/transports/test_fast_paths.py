@@ -7,14 +7,15 @@ message and its EOF is offered to a handler from the reader, which can answer it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import anyio
 import numpy as np
 import pytest
 from swarmavg_tcp import TcpTransport
 
-from swarmavg.abc import Stream, Transport
+from swarmavg.abc import Connection, Stream, Transport
 from swarmavg.identity import Identity
 from swarmavg.testing import MemoryNetwork, MemoryTransport
 
@@ -62,6 +63,23 @@ async def test_an_arrived_message_is_handed_out_without_waiting(
             await accepted.aclose()
 
 
+@asynccontextmanager
+async def _tcp_pair() -> AsyncIterator[tuple[Connection, Connection]]:
+    """A TCP connection on loopback: the dialed end and the accepted end (closed after)."""
+    async with (
+        TcpTransport(Identity.generate()) as server,
+        TcpTransport(Identity.generate()) as client,
+    ):
+        listener = await server.listen("tcp://127.0.0.1:0")
+        conn = await client.connect(listener.address)
+        accepted = await listener.accept()
+        try:
+            yield conn, accepted
+        finally:
+            await conn.aclose()
+            await accepted.aclose()
+
+
 async def test_tcp_offers_whole_openings_to_the_inline_handler() -> None:
     offered: list[tuple[bytes, bool]] = []
 
@@ -76,13 +94,7 @@ async def test_tcp_offers_whole_openings_to_the_inline_handler() -> None:
         return take
 
     with anyio.fail_after(10):
-        async with (
-            TcpTransport(Identity.generate()) as server,
-            TcpTransport(Identity.generate()) as client,
-        ):
-            listener = await server.listen("tcp://127.0.0.1:0")
-            conn = await client.connect(listener.address)
-            accepted = await listener.accept()
+        async with _tcp_pair() as (conn, accepted):
             assert accepted.serve_inline(handler) is True
             # taken: answered from the reader, never accepted
             stream = await conn.open_stream()
@@ -114,8 +126,6 @@ async def test_tcp_offers_whole_openings_to_the_inline_handler() -> None:
             await stream.send_last(b"take me")
             peer = await accepted.accept_stream()  # no handler: accepted
             assert bytes(await peer.receive()) == b"take me"
-            await conn.aclose()
-            await accepted.aclose()
 
 
 def test_receive_buffers_come_in_tight_size_classes_and_are_reused() -> None:
@@ -156,13 +166,7 @@ async def test_a_burst_of_calls_is_answered_inline_only_up_to_a_bound(
         return True
 
     with anyio.fail_after(10):
-        async with (
-            TcpTransport(Identity.generate()) as server,
-            TcpTransport(Identity.generate()) as client,
-        ):
-            listener = await server.listen("tcp://127.0.0.1:0")
-            conn = await client.connect(listener.address)
-            accepted = await listener.accept()
+        async with _tcp_pair() as (conn, accepted):
             accepted.serve_inline(handler)
             streams = [await conn.open_stream() for _ in range(6)]
             for i, stream in enumerate(streams):  # back to back: one wake-up of the reader
@@ -176,5 +180,3 @@ async def test_a_burst_of_calls_is_answered_inline_only_up_to_a_bound(
                 answers.append(bytes(await stream.receive()))
             assert taken == [b"call 0", b"call 1"]
             assert answers == [b"inline"] * 2 + [b"queued"] * 4
-            await conn.aclose()
-            await accepted.aclose()
