@@ -64,7 +64,7 @@ class PeerID:
     ``str(peer_id)`` gives the base58 text; :meth:`from_string` parses it back.
     """
 
-    __slots__ = ("_bytes", "_key")
+    __slots__ = ("_bytes", "_digest", "_key")
 
     def __init__(self, raw: bytes) -> None:
         """Wrap the binary PeerID ``raw`` (38 bytes).
@@ -78,6 +78,7 @@ class PeerID:
             raise ValueError("not an Ed25519 PeerID (expected a 38-byte identity multihash)")
         self._bytes = raw
         self._key: Ed25519PublicKey | None = None
+        self._digest: bytes | None = None
 
     @classmethod
     def from_public_key(cls, key: Ed25519PublicKey | bytes) -> PeerID:
@@ -138,8 +139,10 @@ class PeerID:
         return True
 
     def digest(self) -> bytes:
-        """A SHA-256 hash of the binary ID (used as the Kademlia node id)."""
-        return hashlib.sha256(self._bytes).digest()
+        """A SHA-256 hash of the binary ID (used as the Kademlia node id); computed once."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self._bytes).digest()
+        return self._digest
 
     def __str__(self) -> str:
         return self.to_string()

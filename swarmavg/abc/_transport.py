@@ -88,17 +88,33 @@ class StreamAttribute(TypedAttributeSet):
 
 class Signal:
     """A re-armable broadcast for transport implementations: ``wait()`` returns at the next
-    ``notify()`` (every waiter wakes; waiters re-check their condition in a loop)."""
+    ``notify()`` (every waiter wakes; waiters re-check their condition in a loop). Callbacks
+    added with ``add_callback`` are called once, at the next ``notify()`` (a callback that
+    raises is logged, not propagated: it runs in the transport's machinery)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_callbacks", "_event")
 
     def __init__(self) -> None:
         self._event: anyio.Event | None = None  # made only when someone waits
+        self._callbacks: list[Callable[[], object]] | None = None
 
     def notify(self) -> None:
         if self._event is not None:
             self._event.set()
             self._event = None
+        if self._callbacks is not None:
+            callbacks, self._callbacks = self._callbacks, None
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("a stream's on_readable callback failed")
+
+    def add_callback(self, callback: Callable[[], object]) -> None:
+        if self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
 
     async def wait(self) -> None:
         if self._event is None:
@@ -174,11 +190,26 @@ class Stream(TypedAttributeProvider, ABC):
         loop); otherwise :class:`anyio.WouldBlock`.
 
         A transport may raise ``WouldBlock`` even with a message waiting (this default always
-        does), and raises nothing else: at the end of the stream, or after an error, it raises
-        ``WouldBlock`` too, and :meth:`receive` tells why. The RPC layer reads a call's opening
-        so, to spare the timeout it would put around a wait.
+        does). At the end of the stream, or after an error, it raises what :meth:`receive`
+        would (``EndOfStream``, ``StreamReset``, ...), or ``WouldBlock`` and leaves it to
+        :meth:`receive` to tell; a transport that implements :meth:`on_readable` must raise
+        the end and the errors. The RPC layer reads a call's opening so, to spare the timeout
+        it would put around a wait.
         """
         raise anyio.WouldBlock
+
+    def on_readable(self, callback: Callable[[], object]) -> bool:
+        """Call ``callback()`` once, from the event loop's thread, when :meth:`receive_nowait`
+        may have something new to say: a message arrived, the peer ended or reset the stream,
+        the connection was lost, or we closed the stream. It may also be called when nothing
+        changed for the reader (the caller then asks again), and at once if a message or the
+        end is already here.
+
+        Returns ``False`` (and never calls it) if this transport cannot; the caller must then
+        wait in :meth:`receive`. The RPC layer reads the answers of many calls in one task so
+        (a DHT lookup's queries), instead of a task per call.
+        """
+        return False
 
     def send_last_nowait(self, *parts: Buffer) -> bool:
         """:meth:`send_last` if it can be done at once, without waiting or yielding to the

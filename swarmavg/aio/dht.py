@@ -15,20 +15,22 @@ replicated stores, gets that merge what replicas hold, a local cache, and the up
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeVar
 
 import anyio
 import msgpack
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
-from swarmavg.aio.rpc import Prepared
-from swarmavg.errors import ConnectError, SwarmError
+from swarmavg.aio.rpc import PendingCall, Prepared
+from swarmavg.errors import ConnectError, RemoteProtocolError, SwarmError
 from swarmavg.proto.codec import Message
 from swarmavg.proto.dht_limits import Blacklist, StoreQuota
 from swarmavg.proto.dht_messages import (
@@ -78,7 +80,17 @@ _MAX_HINTS: Final = 4096
 R = TypeVar("R", bound=Message)
 #: What one query of a lookup learned: the peers the answer named, and whether it held a value.
 _Reply = tuple[list[DHTPeerInfo], bool]
-_Query = Callable[["PeerID"], Awaitable[_Reply | None]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Query(Generic[R]):
+    """What a lookup asks each peer: one request (encoded once), and how to read an answer
+    (``read(peer, response)``: the reply, or :class:`RemoteProtocolError` for a bad one)."""
+
+    method: str
+    request: Prepared
+    response_type: type[R]
+    read: Callable[[PeerID, R], _Reply]
 
 
 def dialable_addresses(info: DHTPeerInfo) -> list[Address]:
@@ -551,23 +563,6 @@ class DHTNode:
         known = self.protocol.addresses.get(peer) or self._hints.get(peer)
         return known[0] if known else None
 
-    async def _ask(
-        self, peer: PeerID, method: str, request: Any, response_type: type[R]
-    ) -> R | None:
-        """One request of a lookup; ``None`` (and the peer dropped and banned) if it fails."""
-        address = self._address_of(peer)
-        if address is None or self.protocol.blacklist.is_banned(peer, self.clock()):
-            return None
-        try:
-            response = await self.node.rpc.call(
-                address, method, request, response_type=response_type, timeout=self.request_timeout
-            )
-        except (SwarmError, OSError, TimeoutError) as exc:
-            self._failed(peer, f"{method}: {exc}")
-            return None
-        self._answered(peer, address)
-        return response
-
     def _candidates(self, infos: list[DHTPeerInfo]) -> list[tuple[PeerID, int]]:
         """The peers an answer named (at most k), noting where to dial the ones we do not know."""
         nearest = []
@@ -589,16 +584,15 @@ class DHTNode:
         self,
         target: int,
         beam: int,
-        query: _Query,
+        query: _Query[Any],
         *,
         stop_on_value: bool = False,
         with_self: bool = False,
     ) -> Lookup:
-        """Drive a lookup of ``target`` with a beam of ``beam`` peers: ``query(peer)`` asks one
-        peer and gives back the peers it named (and whether it had a value), or ``None`` if it
-        failed. ``with_self``: this node counts as one of the beam that already answered (the
-        caller has read its own storage), so where it is among the nearest, one peer fewer is
-        asked."""
+        """Drive a lookup of ``target`` with a beam of ``beam`` peers, asking each ``query``
+        (see :class:`_Queries`). ``with_self``: this node counts as one of the beam that
+        already answered (the caller has read its own storage), so where it is among the
+        nearest, one peer fewer is asked."""
         lookup = Lookup(
             target,
             k=beam,
@@ -609,36 +603,13 @@ class DHTNode:
         if with_self:
             lookup.add_responded(self.peer_id, node_id(self.peer_id))
         lookup.add_candidates(self.protocol.routing.nearest(target, max(beam, self.alpha)))
-        # Each answer is handled by the task that got it (one event loop: no locks needed),
-        # which then hands out the next queries; no central loop, no queue.
-        async with anyio.create_task_group() as tg:
-
-            def step() -> None:
-                if lookup.finished:
-                    if lookup.in_flight:  # (cancelling costs: only when a query is left)
-                        tg.cancel_scope.cancel()  # queries still in flight are not needed
-                    return
-                for peer in lookup.next_queries():
-                    tg.start_soon(ask, peer, name="dht query")
-
-            async def ask(peer: PeerID) -> None:
-                answer = await query(peer)
-                if answer is None:
-                    lookup.on_failure(peer)
-                else:
-                    named, found = answer
-                    lookup.on_response(peer, self._candidates(named), found=found)
-                step()
-
-            if lookup.finished:
-                return lookup
-            # The first query runs in this task, now (its request goes out one event-loop step
-            # sooner, and one task fewer is started); the others in tasks of their own.
-            queries = lookup.next_queries()
-            for peer in queries[1:]:
-                tg.start_soon(ask, peer, name="dht query")
-            if queries:
-                await ask(queries[0])
+        if lookup.finished:
+            return lookup
+        queries = _Queries(self, lookup, query)
+        try:
+            await queries.run()
+        finally:
+            await queries.aclose()
         return lookup
 
     async def find_peers(self, target: int) -> list[PeerID]:
@@ -647,22 +618,12 @@ class DHTNode:
             DHTFindRequest(self.protocol.own_info(), [], [target.to_bytes(ID_BYTES, "big")])
         )
 
-        async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
-            found = await self._find_one(peer, request)
-            return None if found is None else (found.nearest, False)
+        def read(peer: PeerID, response: DHTFindResponse) -> _Reply:
+            return _one_result(response).nearest, False
 
+        query = _Query("dht.find", request, DHTFindResponse, read)
         lookup = await self._lookup(target, self.k, query)
         return lookup.nearest_responded()
-
-    async def _find_one(self, peer: PeerID, request: Prepared) -> DHTFound | None:
-        """Ask ``peer`` a find of one key or target; its one result, or ``None``."""
-        response = await self._ask(peer, "dht.find", request, DHTFindResponse)
-        if response is None:
-            return None
-        if len(response.results) != 1:
-            self._failed(peer, "dht.find answered with the wrong number of results")
-            return None
-        return response.results[0]
 
     def _named_per_answer(self) -> int:
         """How many peers a store's or a get's answers should name: twice the beam of
@@ -711,14 +672,12 @@ class DHTNode:
         )
         accepted_by: list[PeerID] = []
 
-        async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
-            response = await self._ask(peer, "dht.store", request, DHTStoreResponse)
-            if response is None:
-                return None
+        def read(peer: PeerID, response: DHTStoreResponse) -> _Reply:
             if response.accepted[:1] == [True]:
                 accepted_by.append(peer)
             return response.nearest, False
 
+        query = _Query("dht.store", request, DHTStoreResponse, read)
         serving = not self.protocol.client_mode  # (a client-mode node stores nothing)
         lookup = await self._lookup(target, self.num_replicas, query, with_self=serving)
         accepted = bool(accepted_by)
@@ -777,10 +736,8 @@ class DHTNode:
                 DHTFindRequest(self.protocol.own_info(), [key_bytes], [], self._named_per_answer())
             )
 
-            async def query(peer: PeerID) -> tuple[list[DHTPeerInfo], bool] | None:
-                result = await self._find_one(peer, request)
-                if result is None:
-                    return None
+            def read(peer: PeerID, response: DHTFindResponse) -> _Reply:
+                result = _one_result(response)
                 if result.value is not None:
                     consider(None, result.value, result.expiration)
                 for entry_key, entry_value, entry_exp in result.entries[:_MAX_ENTRIES]:
@@ -790,7 +747,7 @@ class DHTNode:
             await self._lookup(
                 key_id(key_bytes),
                 self.num_replicas,
-                query,
+                _Query("dht.find", request, DHTFindResponse, read),
                 stop_on_value=not latest,
                 with_self=not self.protocol.client_mode,  # (our own storage was read above)
             )
@@ -813,3 +770,233 @@ class DHTNode:
         return ValueWithExpiration(
             _unpack(self.protocol.validator.strip_value(record)), item.expiration_time
         )
+
+
+def _one_result(response: DHTFindResponse) -> DHTFound:
+    """The one result of a find of one key or target."""
+    if len(response.results) != 1:
+        raise RemoteProtocolError("dht.find answered with the wrong number of results")
+    return response.results[0]
+
+
+class _Queries(Generic[R]):
+    """The queries of one lookup, driven by the lookup's task.
+
+    The requests go out from this task, and the answers are read here as they arrive
+    (:meth:`Stream.on_readable <swarmavg.abc.Stream.on_readable>` tells which call to read)
+    without a task, a cancel scope or a timer per query: one scope bounds the sending of a
+    batch of requests, one wait with the earliest deadline stands for all the answers still
+    due. A query to a peer that must be dialed first, or over a transport that cannot call
+    back, runs in a background task of the node instead (a slow dial never holds up the
+    others), cancelled when the lookup ends.
+    """
+
+    def __init__(self, dht: DHTNode, lookup: Lookup, query: _Query[R]) -> None:
+        self._dht = dht
+        self._lookup = lookup
+        self._query = query
+        self._timeout = dht.request_timeout
+        #: calls in flight whose answers this task reads (by peer)
+        self._pending: dict[PeerID, tuple[PendingCall[R], Address]] = {}
+        #: settled queries not yet handled: (peer, address, the call or why it failed)
+        self._ready: deque[tuple[PeerID, Address | None, PendingCall[R] | Exception]] = deque()
+        self._tasks: set[anyio.CancelScope] = set()  # queries running in tasks of their own
+        self._closed = False
+        self._wake: asyncio.Future[None] | anyio.Event | None = None
+        try:  # on asyncio, the wait is a bare future with a timer (the cheapest there is)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+
+    async def run(self) -> None:
+        lookup = self._lookup
+        dht = self._dht
+        await self._start(lookup.next_queries())
+        while not lookup.finished:
+            if not self._ready:
+                if not self._pending and not self._tasks:
+                    return  # (nothing can arrive: the lookup's bookkeeping says otherwise)
+                await self._wait()
+                continue
+            peer, address, outcome = self._ready.popleft()
+            reply: _Reply | None = None
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                try:
+                    response = outcome.result()
+                finally:
+                    await outcome.aclose()
+                reply = self._query.read(peer, response)
+            except (SwarmError, OSError, TimeoutError) as exc:
+                dht._failed(peer, f"{self._query.method}: {exc}")
+                lookup.on_failure(peer)
+            else:
+                assert address is not None
+                dht._answered(peer, address)
+                named, found = reply
+                lookup.on_response(peer, dht._candidates(named), found=found)
+            await self._start(lookup.next_queries())
+
+    async def aclose(self) -> None:
+        """Leave the calls still in flight (their streams are reset) and the query tasks."""
+        self._closed = True
+        for scope in self._tasks:
+            scope.cancel()
+        pending, self._pending = self._pending, {}
+        for call, _address in pending.values():
+            await call.aclose()
+        while self._ready:
+            outcome = self._ready.popleft()[2]
+            if not isinstance(outcome, Exception):
+                await outcome.aclose()
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    async def _start(self, peers: list[PeerID]) -> None:
+        """Send the requests to ``peers``: from this task to the peers we are connected to,
+        under one deadline; to the others from tasks of their own."""
+        dht = self._dht
+        now: list[tuple[PeerID, Address]] = []
+        for peer in peers:
+            address = dht._address_of(peer)
+            if address is None or dht.protocol.blacklist.is_banned(peer, dht.clock()):
+                self._settled(peer, None, ConnectError(f"no address to ask {peer}, or banned"))
+            elif dht.node.connection_to(peer) is None:
+                self._in_task(self._start_in_task, peer, address)
+            else:
+                now.append((peer, address))
+        done = 0
+        while done < len(now):
+            try:
+                with anyio.fail_after(self._timeout):
+                    for peer, address in now[done:]:
+                        try:
+                            call = await self._call(address)
+                        except (SwarmError, OSError) as exc:
+                            self._settled(peer, address, exc)
+                        else:
+                            if not self._watch(peer, address, call):
+                                self._in_task(self._wait_in_task, peer, address, call)
+                        done += 1
+            except TimeoutError:  # the request to now[done] could not be sent in time
+                peer, address = now[done]
+                self._settled(peer, address, TimeoutError("sending the request timed out"))
+                done += 1
+
+    async def _call(self, address: Address) -> PendingCall[R]:
+        query = self._query
+        return await self._dht.node.rpc.start_call(
+            address,
+            query.method,
+            query.request,
+            response_type=query.response_type,
+            timeout=self._timeout,
+            bounded=False,
+        )
+
+    def _in_task(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        scope: anyio.CancelScope | None = None
+
+        async def run() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._tasks.discard(scope)
+                self._wakeup()
+
+        scope = self._dht.node.spawn(run, name="dht query")
+        self._tasks.add(scope)
+
+    async def _start_in_task(self, peer: PeerID, address: Address) -> None:
+        try:
+            with anyio.fail_after(self._timeout):
+                call = await self._call(address)
+        except (SwarmError, OSError, TimeoutError) as exc:
+            self._settled(peer, address, exc)
+            return
+        if self._closed:
+            await call.aclose()
+        elif not self._watch(peer, address, call):
+            await self._wait_in_task(peer, address, call)
+
+    async def _wait_in_task(self, peer: PeerID, address: Address, call: PendingCall[R]) -> None:
+        try:
+            await call.wait()
+        finally:
+            if self._closed:
+                await call.aclose()
+        self._settled(peer, address, call)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _watch(self, peer: PeerID, address: Address, call: PendingCall[R]) -> bool:
+        """Have the answer of ``call`` read by the lookup's task; ``False`` if the transport
+        cannot call back (a task must wait for it)."""
+        self._pending[peer] = (call, address)
+        if call.on_ready(functools.partial(self._readable, peer, call)):
+            return True
+        del self._pending[peer]
+        return False
+
+    def _readable(self, peer: PeerID, call: PendingCall[R]) -> None:
+        """(From the transport) the answer of ``call`` may be here."""
+        entry = self._pending.get(peer)
+        if entry is None or entry[0] is not call:
+            return  # left already
+        if call.poll():
+            del self._pending[peer]
+            self._settled(peer, entry[1], call)
+        elif not call.on_ready(functools.partial(self._readable, peer, call)):
+            call.expire()  # (cannot happen: the transport could call back before)
+            del self._pending[peer]
+            self._settled(peer, entry[1], call)
+
+    def _settled(
+        self, peer: PeerID, address: Address | None, outcome: PendingCall[R] | Exception
+    ) -> None:
+        if not self._closed:
+            self._ready.append((peer, address, outcome))
+            self._wakeup()
+
+    def _wakeup(self) -> None:
+        wake = self._wake
+        if wake is None:
+            return
+        if isinstance(wake, anyio.Event):
+            wake.set()
+        elif not wake.done():
+            wake.set_result(None)
+
+    async def _wait(self) -> None:
+        """Until a query settles, or the earliest deadline of those in flight passes (those
+        past it have then timed out)."""
+        deadline = min((call.deadline for call, _ in self._pending.values()), default=math.inf)
+        loop = self._loop
+        try:
+            if loop is not None:  # (anyio's clock on asyncio is the loop's)
+                self._wake = wake = loop.create_future()
+                timer = loop.call_at(deadline, _wake_up, wake) if deadline < math.inf else None
+                try:
+                    await wake
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+            else:
+                self._wake = event = anyio.Event()
+                with anyio.move_on_at(deadline):
+                    await event.wait()
+        finally:
+            self._wake = None
+        if not self._ready:
+            now = anyio.current_time()
+            for peer, (call, address) in list(self._pending.items()):
+                if call.deadline <= now:
+                    call.expire()
+                    del self._pending[peer]
+                    self._settled(peer, address, call)
+
+
+def _wake_up(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -92,6 +92,7 @@ __all__ = [
     "CallFailed",
     "CallHeader",
     "EndOfRequests",
+    "PendingCall",
     "Prepared",
     "RPCKind",
     "StreamingCall",
@@ -354,18 +355,7 @@ class StreamingCall(Generic[Req, Resp]):
             raise self._interrupted(exc) from exc
         if isinstance(msg, CallFailed):
             self._finished = True
-            if msg.code == "timeout":  # the callee's clock ran out before ours
-                raise self._timed_out()
-            cls = MethodNotFound if msg.code == "unknown_method" else RemoteError
-            raise cls(msg.message, code=msg.code, remote_type=msg.error_type)
-        if isinstance(msg, _CONTROL):
-            raise RemoteProtocolError(f"call {self._method!r} got a {type(msg).__name__} response")
-        if self._response_type is not None and not isinstance(msg, self._response_type):
-            raise RemoteProtocolError(
-                f"call {self._method!r} expected a {self._response_type.__name__} response, "
-                f"got {type(msg).__name__}"
-            )
-        return msg  # type: ignore[return-value]
+        return _response(msg, self._method, self._response_type, self._timeout)
 
     def __aiter__(self) -> AsyncIterator[Resp]:
         return self
@@ -374,13 +364,165 @@ class StreamingCall(Generic[Req, Resp]):
         return await self.receive()
 
     def _timed_out(self) -> RPCTimeout:
-        return RPCTimeout(f"call {self._method!r} timed out after {self._timeout} s")
+        return _timed_out(self._method, self._timeout)
 
     def _interrupted(self, exc: Exception) -> RemoteError:
-        return RemoteError(
-            f"call {self._method!r} was interrupted: {str(exc) or type(exc).__name__}",
-            code="interrupted",
+        return _interrupted(self._method, exc)
+
+
+def _timed_out(method: str, timeout: float | None) -> RPCTimeout:
+    return RPCTimeout(f"call {method!r} timed out after {timeout} s")
+
+
+def _interrupted(method: str, exc: Exception) -> RemoteError:
+    return RemoteError(
+        f"call {method!r} was interrupted: {str(exc) or type(exc).__name__}", code="interrupted"
+    )
+
+
+def _response(
+    msg: Message, method: str, response_type: type[Resp] | None, timeout: float | None
+) -> Resp:
+    """The response that ``msg`` is; raise what a failure answer or a wrong message means."""
+    if isinstance(msg, CallFailed):
+        if msg.code == "timeout":  # the callee's clock ran out before ours
+            raise _timed_out(method, timeout)
+        cls = MethodNotFound if msg.code == "unknown_method" else RemoteError
+        raise cls(msg.message, code=msg.code, remote_type=msg.error_type)
+    if isinstance(msg, _CONTROL):
+        raise RemoteProtocolError(f"call {method!r} got a {type(msg).__name__} response")
+    if response_type is not None and not isinstance(msg, response_type):
+        raise RemoteProtocolError(
+            f"call {method!r} expected a {response_type.__name__} response, "
+            f"got {type(msg).__name__}"
         )
+    return msg  # type: ignore[return-value]
+
+
+class PendingCall(Generic[Resp]):
+    """A unary call whose request is on its way (:meth:`RPC.start_call`); whoever holds it
+    reads the answer when it is here, without a task of its own: :meth:`poll` when
+    :meth:`on_ready` calls back (or :meth:`wait` where the transport cannot call back), then
+    :meth:`result`, then :meth:`aclose`. A DHT lookup reads all of its queries' answers so,
+    in one task.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_error",
+        "_method",
+        "_response",
+        "_response_type",
+        "_stream",
+        "_timeout",
+        "deadline",
+        "settled",
+    )
+
+    def __init__(
+        self,
+        stream: Stream,
+        method: str,
+        response_type: type[Resp] | None,
+        deadline: float,
+        timeout: float | None,
+    ) -> None:
+        self._stream = stream
+        self._method = method
+        self._response_type = response_type
+        self._timeout = timeout
+        #: when the call times out (``anyio.current_time()`` clock; ``inf`` without a timeout)
+        self.deadline = deadline
+        #: whether the call is over: answered, or failed (see :meth:`result`)
+        self.settled = False
+        self._response: Resp | None = None
+        self._error: Exception | None = None
+        self._closed = False
+
+    def poll(self) -> bool:
+        """Read the answer if it is here (without waiting); whether the call is over."""
+        if self.settled:
+            return True
+        stream = self._stream
+        try:
+            data = stream.receive_nowait()
+        except anyio.WouldBlock:
+            return False
+        except Exception as exc:
+            self._fail(exc)
+            return True
+        self._settle(data)
+        return True
+
+    def on_ready(self, callback: Callable[[], object]) -> bool:
+        """Call ``callback()`` once when :meth:`poll` may settle the call (possibly early, or
+        at once); ``False`` if the transport cannot (then :meth:`wait`). See
+        :meth:`Stream.on_readable <swarmavg.abc.Stream.on_readable>`."""
+        return self._stream.on_readable(callback)
+
+    async def wait(self) -> None:
+        """Wait for the answer, until the deadline (then the call has timed out)."""
+        if self.settled:
+            return
+        try:
+            with _fail_after(self.deadline - anyio.current_time()):
+                data = await self._stream.receive()
+        except TimeoutError:
+            self.expire()
+        except Exception as exc:
+            self._fail(exc)
+        else:
+            self._settle(data)
+
+    def expire(self) -> None:
+        """Give up waiting: the call has timed out (if it is not over)."""
+        if not self.settled:
+            self.settled = True
+            self._error = _timed_out(self._method, self._timeout)
+
+    def result(self) -> Resp:
+        """The response of a settled call.
+
+        :raises RemoteError: a failure answer, or ``"no_response"`` / ``"interrupted"``.
+        :raises RPCTimeout: the call timed out.
+        :raises RemoteProtocolError: the callee sent something that is not a valid response.
+        """
+        if not self.settled:
+            raise RuntimeError(f"call {self._method!r} is not over yet")
+        if self._error is not None:
+            raise self._error
+        return self._response  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        """Leave the call: close its stream if it was answered, reset it otherwise (the
+        callee's handler is then cancelled). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.settled and self._error is None:
+            await self._stream.aclose()
+        else:
+            with anyio.CancelScope(shield=True):
+                await self._stream.abort()
+
+    def _settle(self, data: memoryview) -> None:
+        self.settled = True
+        try:
+            msg = decode_message(data, max_size=self._stream.max_message_size)
+            self._response = _response(msg, self._method, self._response_type, self._timeout)
+        except SwarmError as exc:
+            self._error = exc
+
+    def _fail(self, exc: Exception) -> None:
+        self.settled = True
+        if isinstance(exc, anyio.EndOfStream):
+            self._error = RemoteError(
+                f"call {self._method!r} ended without a response", code="no_response"
+            )
+        elif isinstance(exc, _GONE):
+            self._error = _interrupted(self._method, exc)
+        else:
+            self._error = exc
 
 
 class RPC:
@@ -586,6 +728,42 @@ class RPC:
                 return await self._unary(peer, method, request, response_type, timeout)
         except TimeoutError:
             raise RPCTimeout(f"call {method!r} timed out after {timeout} s") from None
+
+    async def start_call(
+        self,
+        peer: PeerID | Address | str,
+        method: str,
+        request: Message | Prepared,
+        *,
+        response_type: type[Resp] | None = None,
+        timeout: float | None = None,
+        bounded: bool = True,
+    ) -> PendingCall[Resp]:
+        """Send a unary call's request and return at once: its answer is read later, by the
+        caller, from the :class:`PendingCall` (which the caller must ``aclose``). ``timeout``
+        bounds the whole call; ``bounded=False``: the caller bounds the sending itself (one
+        scope around several starts), only the wait for the answer is bounded here.
+
+        :raises RPCTimeout: sending took longer than ``timeout``.
+        :raises MessageTooLarge: ``request`` is too large for one message (nothing is sent).
+        :raises ConnectError: the peer cannot be reached.
+        """
+        budget = _timeout_budget(timeout)
+        deadline = anyio.current_time() + budget
+        try:
+            with _fail_after(budget) if bounded and math.isfinite(budget) else _NO_SCOPE:
+                call = await self._start_call(
+                    peer,
+                    method,
+                    RPCKind.UNARY,
+                    response_type,
+                    timeout,
+                    request,
+                    scoped_outside=True,
+                )
+        except TimeoutError:
+            raise RPCTimeout(f"call {method!r} timed out after {timeout} s") from None
+        return PendingCall(call._stream, method, response_type, deadline, timeout)
 
     async def _unary(
         self,

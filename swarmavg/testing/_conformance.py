@@ -291,12 +291,27 @@ async def _check_send_last(h: _Harness) -> None:
         await stream.aclose()
 
 
-def _would_block(stream: Stream, when: str) -> None:
+def _would_block(stream: Stream, when: str, *ends: type[BaseException]) -> None:
+    """``receive_nowait()`` has nothing to hand out: ``WouldBlock``, or one of ``ends`` (what
+    receive() raises there; a transport with ``on_readable`` must raise it)."""
+    readable = _has_on_readable(stream)
     try:
         got = stream.receive_nowait()
     except anyio.WouldBlock:
+        if readable and ends:
+            raise AssertionError(
+                f"receive_nowait() {when} must raise {ends[0].__name__} on a transport with "
+                "on_readable(), not WouldBlock"
+            ) from None
         return
-    raise AssertionError(f"receive_nowait() {when} must raise WouldBlock, not return {got!r}")
+    except ends:
+        return
+    allowed = " or ".join(["WouldBlock", *(e.__name__ for e in ends)])
+    raise AssertionError(f"receive_nowait() {when} must raise {allowed}, not return {got!r}")
+
+
+def _has_on_readable(stream: Stream) -> bool:
+    return type(stream).on_readable is not Stream.on_readable
 
 
 async def _check_receive_nowait(h: _Harness) -> None:
@@ -315,9 +330,9 @@ async def _check_receive_nowait(h: _Harness) -> None:
         except anyio.WouldBlock:
             got.append(bytes(await sb.receive()))
     assert got == messages, "receive_nowait() and receive() must keep the messages in order"
-    _would_block(sb, "at the end of the stream")
+    _would_block(sb, "at the end of the stream", anyio.EndOfStream)
     await _expect_end(sb, "receive() after the peer's EOF must raise EndOfStream")
-    # after a reset or a close: WouldBlock too, never another error
+    # after a reset or a close: WouldBlock or what receive() raises, never anything else
     tb, ta = await _open_pair(b, a)
     await tb.send(b"unread")
     await tb.abort()
@@ -327,9 +342,98 @@ async def _check_receive_nowait(h: _Harness) -> None:
                 await ta.receive()
             except StreamReset:
                 break
-    _would_block(ta, "on a stream the peer reset")
+    _would_block(ta, "on a stream the peer reset", StreamReset)
     await sb.aclose()
-    _would_block(sb, "on a closed stream")
+    _would_block(sb, "on a closed stream", anyio.ClosedResourceError)
+
+
+async def _check_on_readable(h: _Harness) -> None:
+    """A transport that implements ``on_readable`` calls back once per registration, when a
+    message, the end or a reset is there for ``receive_nowait``, or at once if it already is."""
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    calls: list[str] = []
+    woken = anyio.Event()
+
+    def callback(tag: str) -> Callable[[], None]:
+        def called() -> None:
+            calls.append(tag)
+            woken.set()
+
+        return called
+
+    if not sb.on_readable(callback("first")):
+        await sa.aclose()
+        await sb.aclose()
+        return  # optional: this transport cannot (its users wait in receive())
+
+    async def wait_call() -> None:
+        nonlocal woken
+        with anyio.fail_after(5):
+            await woken.wait()
+        woken = anyio.Event()
+
+    async def next_message(stream: Stream) -> bytes:
+        # a callback may come early (nothing new for the reader): then register again
+        while True:
+            try:
+                return bytes(stream.receive_nowait())
+            except anyio.WouldBlock:
+                assert stream.on_readable(callback("again"))
+                await wait_call()
+
+    await anyio.sleep(0.05)
+    assert not calls, "on_readable() must not call back before anything arrives"
+    await sa.send(b"hello")
+    await wait_call()
+    assert calls[0] == "first"
+    assert await next_message(sb) == b"hello"
+    await sa.send(b"queued")
+    with anyio.fail_after(5):
+        while True:  # until it is here, without reading it
+            if sb.on_readable(callback("ready")) and "ready" in calls:
+                break
+            await anyio.sleep(0.01)
+    assert await next_message(sb) == b"queued"
+    # the end: called back, and receive_nowait raises EndOfStream
+    calls.clear()
+    assert sb.on_readable(callback("eof"))
+    await sa.send_eof()
+    with anyio.fail_after(5):
+        while True:
+            try:
+                sb.receive_nowait()
+            except anyio.EndOfStream:
+                break
+            except anyio.WouldBlock:
+                assert sb.on_readable(callback("again"))
+                await wait_call()
+            else:
+                raise AssertionError("receive_nowait() after EOF must not hand out a message")
+    assert calls, "on_readable() must call back when the peer ends the stream"
+    # a reset by the peer
+    tb, ta = await _open_pair(b, a)
+    calls.clear()
+    assert ta.on_readable(callback("reset"))
+    await tb.abort()
+    with anyio.fail_after(5):
+        while True:
+            try:
+                ta.receive_nowait()
+            except StreamReset:
+                break
+            except anyio.WouldBlock:
+                assert ta.on_readable(callback("again"))
+                await wait_call()
+            else:
+                raise AssertionError("receive_nowait() after a reset must not hand out a message")
+    assert calls, "on_readable() must call back when the peer resets the stream"
+    # our own close wakes a registered reader too
+    calls.clear()
+    assert sa.on_readable(callback("closed"))
+    await sa.aclose()
+    assert calls == ["closed"], "on_readable() must call back when we close the stream"
+    await sb.aclose()
 
 
 async def _check_concurrent_accept(h: _Harness) -> None:
@@ -563,6 +667,7 @@ TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
     "send_eof": _check_send_eof,
     "send_last": _check_send_last,
     "receive_nowait": _check_receive_nowait,
+    "on_readable": _check_on_readable,
     "on_abandoned": _check_on_abandoned,
     "concurrent_accept": _check_concurrent_accept,
     "aclose": _check_aclose,

@@ -182,11 +182,16 @@ class _MemoryStream(Stream):
         peer._changed.notify()
 
     def receive_nowait(self) -> memoryview:
-        if not self._inbox or self._closed or self._reset_by_peer:
+        self._check_usable()
+        if not self._inbox:
+            if self._conn.is_closed:
+                raise ConnectionLost("connection closed")
             raise anyio.WouldBlock
         at, item = self._inbox[0]
-        if item is _EOF or at > anyio.current_time():
-            raise anyio.WouldBlock  # (EOF: receive() raises EndOfStream)
+        if at > anyio.current_time():
+            raise anyio.WouldBlock
+        if item is _EOF:
+            raise anyio.EndOfStream  # (it stays: every later call sees it)
         self._inbox.popleft()
         self._buffered -= len(item)
         self._changed.notify()  # returns credit to the sender
@@ -213,6 +218,16 @@ class _MemoryStream(Stream):
             if self._conn.is_closed:
                 raise ConnectionLost("connection closed")
             await self._changed.wait()
+
+    def on_readable(self, callback: Callable[[], object]) -> bool:
+        peer = self._peer
+        if peer is None or not peer._conn._out_link.ideal:
+            return False  # (a message due later would need a timer: receive() has one)
+        if self._inbox or self._closed or self._reset_by_peer or self._conn.is_closed:
+            callback()
+        else:
+            self._changed.add_callback(callback)
+        return True
 
     def on_abandoned(self, callback: Callable[[], object]) -> bool:
         peer = self._peer

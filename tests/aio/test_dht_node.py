@@ -18,6 +18,8 @@ from swarmavg.aio.node import Node
 from swarmavg.errors import ConnectError
 from swarmavg.identity import Identity
 from swarmavg.proto.dht_messages import (
+    DHTFindRequest,
+    DHTFindResponse,
     DHTPeerInfo,
     DHTStoreRequest,
     DHTStoreResponse,
@@ -475,3 +477,73 @@ async def test_bootstrap_warns_about_a_peer_whose_clock_is_far_off(
         assert len(warnings) == 1
         assert skewed.peer_id.short() in warnings[0]
         assert "30." in warnings[0] or "29." in warnings[0]
+
+
+class _Hang:
+    """A ``dht.find`` handler that never answers, and records that its call was left."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.cancelled = anyio.Event()
+
+    async def __call__(self, request: DHTFindRequest, ctx: Any) -> DHTFindResponse:
+        self.started += 1
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.cancelled.set()
+        raise AssertionError("unreachable")
+
+
+def _hang_finds(dht: DHTNode) -> _Hang:
+    hang = _Hang()
+    dht.node.rpc.unregister("dht.find")
+    dht.node.rpc.register("dht.find", hang, request_type=DHTFindRequest)
+    return hang
+
+
+def _by_distance(dhts: list[DHTNode], key: str) -> list[DHTNode]:
+    target = key_id(msgpack.packb(key))
+    return sorted(dhts, key=lambda d: node_id(d.peer_id) ^ target)
+
+
+async def test_a_peer_that_never_answers_costs_a_lookup_one_timeout() -> None:
+    """A latest get needs every peer of its beam: one that never answers is given up at the
+    request timeout (the other answers were read meanwhile), dropped, and its handler is
+    cancelled when the call is left."""
+    async with _swarm(8, request_timeout=0.5, cache_locally=False) as dhts:
+        expiration = get_dht_time() + 60
+        with anyio.fail_after(10):
+            assert await dhts[0].store("slow", "value", expiration)
+        *near, getter = _by_distance(dhts, "slow")
+        hung = near[0]
+        hang = _hang_finds(hung)
+        start = anyio.current_time()
+        with anyio.fail_after(5):
+            got = await getter.get("slow", latest=True)
+        elapsed = anyio.current_time() - start
+        assert got == ValueWithExpiration("value", expiration)
+        assert hang.started == 1
+        assert 0.4 <= elapsed < 2.5, elapsed
+        assert hung.peer_id not in getter.protocol.routing
+        with anyio.fail_after(5):
+            await hang.cancelled.wait()
+
+
+async def test_a_lookup_that_found_its_value_leaves_the_queries_in_flight() -> None:
+    async with _swarm(8, num_replicas=2, request_timeout=5, cache_locally=False) as dhts:
+        expiration = get_dht_time() + 60
+        with anyio.fail_after(10):
+            assert await dhts[0].store("found", 7, expiration)
+        nearest, second, *_, getter = _by_distance(dhts, "found")
+        assert (await second.get("found")) is not None  # a replica: it answers with the value
+        hang = _hang_finds(nearest)
+        start = anyio.current_time()
+        with anyio.fail_after(3):
+            got = await getter.get("found")
+        assert got == ValueWithExpiration(7, expiration)
+        assert anyio.current_time() - start < 2  # (not the 5 s request timeout)
+        assert hang.started == 1
+        with anyio.fail_after(5):
+            await hang.cancelled.wait()  # the unanswered call was reset when the lookup ended
+        assert nearest.peer_id in getter.protocol.routing  # left, not failed

@@ -25,6 +25,7 @@ from swarmavg.aio.rpc import (
     CallFailed,
     CallHeader,
     EndOfRequests,
+    PendingCall,
     Prepared,
     RPCKind,
     StreamingCall,
@@ -1283,3 +1284,103 @@ async def test_a_prepared_request_is_encoded_once_for_several_calls(
         assert encoded.count(Num(21)) == 1  # (the callee's answers are encoded too)
     with pytest.raises(TypeError, match="Message"):
         Prepared(b"raw")  # type: ignore[arg-type]
+
+
+# -- PendingCall: calls whose answers the caller reads without a task per call -----------------
+
+
+async def _answer_of(call: PendingCall[Any]) -> Any:
+    """Read ``call``'s answer as a DHT lookup does: poll when the transport calls back; wait in
+    ``wait()`` where it cannot."""
+    woken = anyio.Event()
+    with anyio.fail_after(5):
+        while not call.poll():
+            if not call.on_ready(woken.set):
+                await call.wait()
+                break
+            await woken.wait()
+            woken = anyio.Event()
+    try:
+        return call.result()
+    finally:
+        await call.aclose()
+
+
+@over_transports
+async def test_started_calls_are_answered_in_any_order_without_tasks() -> None:
+    async with _peers(3) as (a, b, c):
+        _serve_arithmetic(a)
+        _serve_arithmetic(b)
+        with anyio.fail_after(10):
+            calls = [
+                await c.rpc.start_call(peer.addresses[0], "double", Num(i), response_type=Num)
+                for i, peer in enumerate([a, b, a, b])
+            ]
+            assert not any(call.settled for call in calls)  # (answers take a network trip)
+            # memory and TCP streams call back; QUIC's cannot (wait() reads those)
+            assert calls[0].on_ready(lambda: None) is (_KIND != "quic")
+            answers = [await _answer_of(call) for call in reversed(calls)]
+        assert answers == [Num(6), Num(4), Num(2), Num(0)]
+
+
+@over_transports
+async def test_a_started_call_reports_failures_through_result() -> None:
+    async with _peers(2) as (server, client):
+        _serve_arithmetic(server)
+        _serve_blocker(server)
+        address = server.addresses[0]
+        missing = await client.rpc.start_call(address, "nope", Num(1))
+        with pytest.raises(MethodNotFound):
+            await _answer_of(missing)
+        wrong = await client.rpc.start_call(address, "double", Num(1), response_type=Text)
+        with pytest.raises(RemoteProtocolError, match="expected a Text"):
+            await _answer_of(wrong)
+        early = await client.rpc.start_call(address, "block", Num(1))
+        with pytest.raises(RuntimeError, match="not over"):
+            early.result()
+        await early.aclose()
+        await early.aclose()  # idempotent
+
+
+async def test_a_started_call_times_out_and_leaving_it_cancels_the_handler() -> None:
+    async with _peers(2) as (server, client):
+        blocker = _serve_blocker(server)
+        start = anyio.current_time()
+        call = await client.rpc.start_call(server.addresses[0], "block", Num(0), timeout=0.2)
+        assert call.deadline == pytest.approx(start + 0.2, abs=0.1)
+        with anyio.fail_after(5):
+            await blocker.started.wait()
+        assert not call.poll()
+        with anyio.move_on_at(call.deadline):
+            await anyio.sleep_forever()
+        call.expire()
+        with pytest.raises(RPCTimeout, match="block"):
+            call.result()
+        await call.aclose()  # unanswered: the stream is reset, and the handler cancelled
+        with anyio.fail_after(5):
+            await blocker.cancelled.wait()
+        # wait() gives up at the deadline by itself
+        call = await client.rpc.start_call(server.addresses[0], "block", Num(0), timeout=0.2)
+        with anyio.fail_after(5):
+            await call.wait()
+        assert call.settled
+        with pytest.raises(RPCTimeout):
+            call.result()
+        await call.aclose()
+
+
+async def test_a_started_call_whose_callee_resets_is_interrupted() -> None:
+    async with _peers(2) as (server, client):
+        left = anyio.Event()
+
+        async def leave(stream: Stream) -> None:
+            await stream.receive()
+            await stream.abort()
+            left.set()
+
+        server.set_stream_handler(leave)
+        call = await client.rpc.start_call(server.addresses[0], "anything", Num(0))
+        with pytest.raises(RemoteError) as info:
+            await _answer_of(call)
+        assert info.value.code in {"interrupted", "no_response"}
+        assert left.is_set()

@@ -180,3 +180,26 @@ async def test_a_burst_of_calls_is_answered_inline_only_up_to_a_bound(
                 answers.append(bytes(await stream.receive()))
             assert taken == [b"call 0", b"call 1"]
             assert answers == [b"inline"] * 2 + [b"queued"] * 4
+
+
+async def test_a_memory_link_with_latency_leaves_on_readable_to_receive() -> None:
+    """``on_readable`` calls back when a message is in the inbox; over a link with latency a
+    message is there before it may be read, and no event comes when it may: such a stream
+    says it cannot call back (its readers wait in receive(), which has a timer for that)."""
+    network = MemoryNetwork()
+    with anyio.fail_after(10):
+        async with (
+            MemoryTransport(Identity.generate(), network=network, latency=0.05) as server,
+            MemoryTransport(Identity.generate(), network=network, latency=0.05) as client,
+        ):
+            listener = await server.listen("memory://local:0")
+            conn = await client.connect(listener.address)
+            accepted = await listener.accept()
+            stream = await conn.open_stream()
+            await stream.send(b"hello")
+            peer = await accepted.accept_stream()
+            assert not peer.on_readable(lambda: None)
+            assert not stream.on_readable(lambda: None)
+            assert bytes(await peer.receive()) == b"hello"
+            await conn.aclose()
+            await accepted.aclose()

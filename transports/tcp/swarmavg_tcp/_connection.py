@@ -329,7 +329,28 @@ class TcpStream(Stream):
             message, cost, large = self._inbox.popleft()
             self._conn._consumed(self, cost, large)
             return message
-        raise anyio.WouldBlock
+        if not self._ended():
+            raise anyio.WouldBlock
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if self._reset_by_peer:
+            raise StreamReset(f"{self!r} was reset by the peer")
+        if self._recv_eof:
+            raise anyio.EndOfStream
+        raise ConnectionLost(str(self._conn._error))
+
+    def _ended(self) -> bool:
+        """Whether receive() would raise now, with nothing queued to read."""
+        return (
+            self._closed or self._reset_by_peer or self._recv_eof or self._conn._error is not None
+        )
+
+    def on_readable(self, callback: Callable[[], object]) -> bool:
+        if self._inbox or self._ended():
+            callback()
+        else:
+            self._changed.add_callback(callback)
+        return True
 
     # -- closing ---------------------------------------------------------------------------------
 
