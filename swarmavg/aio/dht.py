@@ -45,7 +45,10 @@ from swarmavg.proto.dht_messages import (
     DHTPingResponse,
     DHTStoreRequest,
     DHTStoreResponse,
+    id_prefix,
     key_id,
+    known_prefixes,
+    parse_known,
 )
 from swarmavg.proto.dht_storage import DictionaryValue, LocalStorage, ValueWithExpiration
 from swarmavg.proto.dht_validation import (
@@ -84,11 +87,13 @@ _Reply = tuple[list[DHTPeerInfo], bool]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Query(Generic[R]):
-    """What a lookup asks each peer: one request (encoded once), and how to read an answer
-    (``read(peer, response)``: the reply, or :class:`RemoteProtocolError` for a bad one)."""
+    """What a lookup asks each peer: one request (encoded once, naming the candidates the
+    lookup starts with as known), and how to read an answer (``read(peer, response)``: the
+    reply, or :class:`RemoteProtocolError` for a bad one)."""
 
     method: str
-    request: Prepared
+    #: the request, given the ``known`` field (see :func:`known_prefixes`)
+    request: Callable[[bytes], Message]
     response_type: type[R]
     read: Callable[[PeerID, R], _Reply]
 
@@ -272,18 +277,27 @@ class DHTProtocol:
                 self.quota.stored(ctx.peer_id, expiration)
             accepted.append(result.accepted)
         nearest = (
-            self._nearest_infos(key_id(request.keys[0]), ctx.peer_id, request.nearest)
+            self._nearest_infos(
+                key_id(request.keys[0]), ctx.peer_id, request.nearest, parse_known(request.known)
+            )
             if count
             else []
         )
         return DHTStoreResponse(accepted, nearest)
 
-    def _nearest_infos(self, target: int, caller: PeerID, wanted: int = 0) -> list[DHTPeerInfo]:
+    def _nearest_infos(
+        self, target: int, caller: PeerID, wanted: int = 0, known: frozenset[int] = frozenset()
+    ) -> list[DHTPeerInfo]:
         """The peers we know nearest to ``target`` (but the caller), to tell the caller: k, or
-        ``wanted`` if the caller asked for fewer."""
+        ``wanted`` if the caller asked for fewer; of those, the ones not ``known`` to it
+        (node-id prefixes)."""
         count = wanted if 0 < wanted < self.k else self.k
         nearest = self.routing.nearest(target, count, exclude=caller)
-        return [self.peer_info(peer) for peer, _ in nearest]
+        return [
+            self.peer_info(peer)
+            for peer, nid in nearest
+            if not known or id_prefix(nid) not in known
+        ]
 
     def _find(self, request: DHTFindRequest, ctx: CallContext) -> DHTFindResponse:
         if len(request.keys) + len(request.targets) > MAX_KEYS_PER_REQUEST:
@@ -292,9 +306,10 @@ class DHTProtocol:
             raise _BadRequest(f"a target is a {ID_BYTES}-byte node id")
         self.learn(request.sender, ctx.peer_id)
         now = self.clock()
+        known = parse_known(request.known)
         results = []
         for key in request.keys:
-            nearest = self._nearest_infos(key_id(key), ctx.peer_id, request.nearest)
+            nearest = self._nearest_infos(key_id(key), ctx.peer_id, request.nearest, known)
             found = self.storage.get(key, now)
             if isinstance(found, DictionaryValue):
                 entries = [(s, v.value, v.expiration_time) for s, v in found.items.items()]
@@ -305,7 +320,7 @@ class DHTProtocol:
                 results.append(DHTFound(None, 0.0, [], nearest))
         for target in request.targets:
             nearest = self._nearest_infos(
-                int.from_bytes(target, "big"), ctx.peer_id, request.nearest
+                int.from_bytes(target, "big"), ctx.peer_id, request.nearest, known
             )
             results.append(DHTFound(None, 0.0, [], nearest))
         return DHTFindResponse(results)
@@ -602,10 +617,12 @@ class DHTNode:
         )
         if with_self:
             lookup.add_responded(self.peer_id, node_id(self.peer_id))
-        lookup.add_candidates(self.protocol.routing.nearest(target, max(beam, self.alpha)))
+        candidates = self.protocol.routing.nearest(target, max(beam, self.alpha))
+        lookup.add_candidates(candidates)
         if lookup.finished:
             return lookup
-        queries = _Queries(self, lookup, query)
+        known = known_prefixes(nid for _, nid in candidates)
+        queries = _Queries(self, lookup, query, Prepared(query.request(known)))
         try:
             await queries.run()
         finally:
@@ -614,9 +631,10 @@ class DHTNode:
 
     async def find_peers(self, target: int) -> list[PeerID]:
         """The k peers nearest to the node id ``target`` that answered us (a node lookup)."""
-        request = Prepared(
-            DHTFindRequest(self.protocol.own_info(), [], [target.to_bytes(ID_BYTES, "big")])
-        )
+
+        def request(known: bytes) -> DHTFindRequest:
+            target_bytes = target.to_bytes(ID_BYTES, "big")
+            return DHTFindRequest(self.protocol.own_info(), [], [target_bytes], 0, known)
 
         def read(peer: PeerID, response: DHTFindResponse) -> _Reply:
             return _one_result(response).nearest, False
@@ -660,16 +678,18 @@ class DHTNode:
         if not self.protocol.validator.validate(dataclasses.replace(record, value=signed)):
             raise ValueError(f"the record under {key!r} does not pass this DHT's validators")
         target = key_id(key_bytes)
-        request = Prepared(
-            DHTStoreRequest(
+
+        def request(known: bytes) -> DHTStoreRequest:
+            return DHTStoreRequest(
                 self.protocol.own_info(),
                 [key_bytes],
                 [subkey_bytes],
                 [signed],
                 [record.expiration_time],
                 self._named_per_answer(),
+                known,
             )
-        )
+
         accepted_by: list[PeerID] = []
 
         def read(peer: PeerID, response: DHTStoreResponse) -> _Reply:
@@ -732,9 +752,10 @@ class DHTNode:
         elif local is not None:
             consider(None, local.value, local.expiration_time)
         if local is None or latest:
-            request = Prepared(
-                DHTFindRequest(self.protocol.own_info(), [key_bytes], [], self._named_per_answer())
-            )
+
+            def request(known: bytes) -> DHTFindRequest:
+                own = self.protocol.own_info()
+                return DHTFindRequest(own, [key_bytes], [], self._named_per_answer(), known)
 
             def read(peer: PeerID, response: DHTFindResponse) -> _Reply:
                 result = _one_result(response)
@@ -791,10 +812,11 @@ class _Queries(Generic[R]):
     others), cancelled when the lookup ends.
     """
 
-    def __init__(self, dht: DHTNode, lookup: Lookup, query: _Query[R]) -> None:
+    def __init__(self, dht: DHTNode, lookup: Lookup, query: _Query[R], request: Prepared) -> None:
         self._dht = dht
         self._lookup = lookup
         self._query = query
+        self._request = request
         self._timeout = dht.request_timeout
         #: calls in flight whose answers this task reads (by peer)
         self._pending: dict[PeerID, tuple[PendingCall[R], Address]] = {}
@@ -889,7 +911,7 @@ class _Queries(Generic[R]):
         return await self._dht.node.rpc.start_call(
             address,
             query.method,
-            query.request,
+            self._request,
             response_type=query.response_type,
             timeout=self._timeout,
             bounded=False,

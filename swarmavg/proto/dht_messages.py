@@ -9,6 +9,8 @@ node sends ``None`` and is never added to anyone's routing table.
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -17,8 +19,10 @@ from swarmavg.proto.codec import Message, message
 
 __all__ = [
     "ID_BYTES",
+    "KNOWN_PREFIX_BYTES",
     "MAX_ADDRESSES",
     "MAX_KEYS_PER_REQUEST",
+    "MAX_KNOWN",
     "DHTFindRequest",
     "DHTFindResponse",
     "DHTFound",
@@ -27,7 +31,10 @@ __all__ = [
     "DHTPingResponse",
     "DHTStoreRequest",
     "DHTStoreResponse",
+    "id_prefix",
     "key_id",
+    "known_prefixes",
+    "parse_known",
 ]
 
 #: Keys one store or find request may carry.
@@ -41,6 +48,37 @@ MAX_ADDRESSES: Final = 16
 def key_id(key: bytes) -> int:
     """Where ``key`` (its serialized bytes) lives in the 256-bit id space."""
     return int.from_bytes(hashlib.sha256(key).digest(), "big")
+
+
+#: A known peer is named by the first 8 bytes of its node id in a request's ``known``.
+KNOWN_PREFIX_BYTES: Final = 8
+#: At most this many known peers are read from a request (the rest is ignored).
+MAX_KNOWN: Final = 64
+_PREFIX_SHIFT: Final = 8 * (ID_BYTES - KNOWN_PREFIX_BYTES)
+
+
+def known_prefixes(node_ids: Iterable[int]) -> bytes:
+    """``known`` for a request: the peers (by node id) the answer need not name. A lookup
+    sends the candidates it starts with: answers then name only peers new to it (in a small
+    swarm, where everyone knows everyone, next to none), which the lookup would otherwise
+    decode and drop."""
+    return b"".join(
+        (nid >> _PREFIX_SHIFT).to_bytes(KNOWN_PREFIX_BYTES, "big")
+        for nid in itertools.islice(node_ids, MAX_KNOWN)
+    )
+
+
+def parse_known(known: bytes) -> frozenset[int]:
+    """The node-id prefixes in a request's ``known`` (at most :data:`MAX_KNOWN`; a trailing
+    partial prefix is ignored), to test with :func:`id_prefix`."""
+    size = KNOWN_PREFIX_BYTES
+    end = min(len(known) // size, MAX_KNOWN) * size
+    return frozenset(int.from_bytes(known[i : i + size], "big") for i in range(0, end, size))
+
+
+def id_prefix(nid: int) -> int:
+    """The prefix of a node id that ``known`` carries."""
+    return nid >> _PREFIX_SHIFT
 
 
 @message("dht.peer")
@@ -75,7 +113,8 @@ class DHTPingResponse(Message):
 class DHTStoreRequest(Message):
     """Store these records (parallel lists, one entry a record; ``subkeys[i]`` ``None`` for a
     plain value). ``nearest``: how many peers the answer names at most (0: the node's k; a
-    lookup whose beam is narrower than k has no use for more)."""
+    lookup whose beam is narrower than k has no use for more). ``known``: peers the sender
+    knows already, which the answer need not name (see :func:`known_prefixes`)."""
 
     sender: DHTPeerInfo | None
     keys: list[bytes]
@@ -83,6 +122,7 @@ class DHTStoreRequest(Message):
     values: list[bytes]
     expirations: list[float]
     nearest: int = 0
+    known: bytes = b""
 
 
 @message("dht.stored")
@@ -113,12 +153,14 @@ class DHTFound(Message):
 class DHTFindRequest(Message):
     """What do you hold for these keys, and whom do you know near them? And whom do you know
     near these ``targets`` (32-byte node ids, for lookups of peers rather than keys)?
-    ``nearest``: how many peers each result names at most (0: the node's k)."""
+    ``nearest``: how many peers each result names at most (0: the node's k); ``known``: peers
+    the sender knows already, which the results need not name (see :func:`known_prefixes`)."""
 
     sender: DHTPeerInfo | None
     keys: list[bytes]
     targets: list[bytes]
     nearest: int = 0
+    known: bytes = b""
 
 
 @message("dht.findings")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -14,6 +16,8 @@ from swarmavg.aio.node import Node
 from swarmavg.errors import RemoteError
 from swarmavg.identity import Identity
 from swarmavg.proto.dht_messages import (
+    KNOWN_PREFIX_BYTES,
+    MAX_KNOWN,
     DHTFindRequest,
     DHTFindResponse,
     DHTPeerInfo,
@@ -21,6 +25,9 @@ from swarmavg.proto.dht_messages import (
     DHTPingResponse,
     DHTStoreRequest,
     DHTStoreResponse,
+    id_prefix,
+    known_prefixes,
+    parse_known,
 )
 from swarmavg.proto.dht_validation import (
     DHTRecord,
@@ -155,6 +162,63 @@ async def test_answers_name_as_many_peers_as_asked_up_to_k() -> None:
                     response_type=DHTStoreResponse,
                 )
                 assert len(stored.nearest) == named
+
+
+async def test_answers_leave_out_the_peers_the_asker_knows() -> None:
+    """``known`` (8-byte node-id prefixes) takes peers out of an answer's nearest list (a find
+    of a key or a target, and a store): the asker has them already; the rest are named as
+    before. Garbage in ``known`` only leaves out nothing."""
+    async with _nodes(7, k=6) as nodes:
+        (server, server_dht), *clients = nodes
+        with anyio.fail_after(5):
+            for node, dht in clients:
+                await node.rpc.call(server.addresses[0], "dht.ping", DHTPingRequest(dht.own_info()))
+            asker = clients[0][0]
+            target = (5).to_bytes(32, "big")
+            everyone = server_dht.routing.nearest(5, 6, exclude=asker.peer_id)
+            skipped = {everyone[0][0], everyone[3][0]}
+            known = known_prefixes(nid for peer, nid in everyone if peer in skipped)
+            expected = [peer for peer, _ in everyone if peer not in skipped]
+            for request in (
+                DHTFindRequest(None, [], [target], 0, known),
+                DHTFindRequest(None, [b"key"], [], 0, known),
+            ):
+                found = await asker.rpc.call(
+                    server.addresses[0], "dht.find", request, response_type=DHTFindResponse
+                )
+                named = [info.peer_id for info in found.results[0].nearest]
+                if request.targets:
+                    assert named == expected
+                else:
+                    assert set(named) == set(expected)  # (nearest to the key: another order)
+            store = _store(None, (b"key", None, _pack(1), T0 + 60))
+            stored = await asker.rpc.call(
+                server.addresses[0],
+                "dht.store",
+                dataclasses.replace(store, known=known),
+                response_type=DHTStoreResponse,
+            )
+            assert stored.accepted == [True]
+            assert not skipped & {info.peer_id for info in stored.nearest}
+            assert len(stored.nearest) == len(expected)
+            for garbage in (b"\x01", b"\xff" * 7, b"\x00" * 8 * 1000):
+                found = await asker.rpc.call(
+                    server.addresses[0],
+                    "dht.find",
+                    DHTFindRequest(None, [], [target], 0, garbage),
+                    response_type=DHTFindResponse,
+                )
+                assert len(found.results[0].nearest) == len(everyone)
+
+
+def test_known_prefixes_round_trip_and_are_bounded() -> None:
+    ids = [random.getrandbits(256) for _ in range(100)]
+    known = known_prefixes(ids)
+    assert len(known) == MAX_KNOWN * KNOWN_PREFIX_BYTES  # at most MAX_KNOWN are sent
+    parsed = parse_known(known + b"\x01\x02")  # (a trailing partial prefix is ignored)
+    assert parsed == {id_prefix(nid) for nid in ids[:MAX_KNOWN]}
+    assert parse_known(known * 2) == parsed  # at most MAX_KNOWN are read
+    assert parse_known(b"") == frozenset()
 
 
 async def test_sender_info_must_be_the_callers_own() -> None:
