@@ -749,21 +749,45 @@ class RPC:
         :raises ConnectError: the peer cannot be reached.
         """
         budget = _timeout_budget(timeout)
+        finite = math.isfinite(budget)
         deadline = anyio.current_time() + budget
         try:
-            with _fail_after(budget) if bounded and math.isfinite(budget) else _NO_SCOPE:
-                call = await self._start_call(
-                    peer,
-                    method,
-                    RPCKind.UNARY,
-                    response_type,
-                    timeout,
-                    request,
-                    scoped_outside=True,
-                )
+            with _fail_after(budget) if bounded and finite else _NO_SCOPE:
+                stream = await self._open_stream(peer)
+                try:
+                    await self._send_request(stream, method, request, deadline, finite)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await stream.abort()
+                    raise
         except TimeoutError:
             raise RPCTimeout(f"call {method!r} timed out after {timeout} s") from None
-        return PendingCall(call._stream, method, response_type, deadline, timeout)
+        except (StreamReset, ConnectionLost) as exc:
+            raise _interrupted(method, exc) from exc
+        return PendingCall(stream, method, response_type, deadline, timeout)
+
+    @staticmethod
+    async def _send_request(
+        stream: Stream, method: str, request: Message | Prepared, deadline: float, finite: bool
+    ) -> None:
+        """A unary call's opening (what :meth:`StreamingCall._send_opening` sends for it),
+        with our EOF where the transport tells the callee that we left (see
+        :meth:`_start_call`)."""
+        limit = stream.max_message_size
+        # the budget left once connected; positive (0 means "none")
+        left = max(deadline - anyio.current_time(), 1e-9) if finite else 0.0
+        parts: list[Buffer] = [_encode_header(CallHeader(method, "unary", left))]
+        if isinstance(request, Prepared):
+            parts += request.encoded(limit)
+        else:
+            parts += encode_message(request, max_size=limit)
+        size = encoded_size(parts)
+        if size > limit:
+            raise MessageTooLarge(f"the request needs {size} bytes; the peer takes {limit}")
+        if _watchable(stream):
+            await stream.send_last(*parts)
+        else:
+            await stream.send(*parts)
 
     async def _unary(
         self,

@@ -842,9 +842,13 @@ async def test_oversized_request_is_refused_locally() -> None:
                 await client.rpc.client_stream(
                     server.addresses[0], "sizes", [Blob(b"small"), Blob(b"x" * 2000)]
                 )
+            with pytest.raises(MessageTooLarge):  # a started call: nothing is sent either
+                await client.rpc.start_call(server.addresses[0], "size", Blob(b"x" * 2000))
             await anyio.wait_all_tasks_blocked()
             assert calls <= 1  # the client-stream handler may have started, never finished
             assert await client.rpc.call(server.addresses[0], "size", Blob(b"x" * 500)) == Num(500)
+            started = await client.rpc.start_call(server.addresses[0], "size", Blob(b"x" * 500))
+            assert await _answer_of(started) == Num(500)
 
 
 async def test_oversized_response_fails_the_call_remotely() -> None:
