@@ -395,38 +395,32 @@ async def _check_on_readable(h: _Harness) -> None:
                 break
             await anyio.sleep(0.01)
     assert await next_message(sb) == b"queued"
+
     # the end: called back, and receive_nowait raises EndOfStream
+    async def until_raises(stream: Stream, end: type[BaseException], after: str) -> None:
+        with anyio.fail_after(5):
+            while True:
+                try:
+                    stream.receive_nowait()
+                except end:
+                    return
+                except anyio.WouldBlock:
+                    assert stream.on_readable(callback("again"))
+                    await wait_call()
+                else:
+                    raise AssertionError(f"receive_nowait() {after} must not hand out a message")
+
     calls.clear()
     assert sb.on_readable(callback("eof"))
     await sa.send_eof()
-    with anyio.fail_after(5):
-        while True:
-            try:
-                sb.receive_nowait()
-            except anyio.EndOfStream:
-                break
-            except anyio.WouldBlock:
-                assert sb.on_readable(callback("again"))
-                await wait_call()
-            else:
-                raise AssertionError("receive_nowait() after EOF must not hand out a message")
+    await until_raises(sb, anyio.EndOfStream, "after EOF")
     assert calls, "on_readable() must call back when the peer ends the stream"
     # a reset by the peer
     tb, ta = await _open_pair(b, a)
     calls.clear()
     assert ta.on_readable(callback("reset"))
     await tb.abort()
-    with anyio.fail_after(5):
-        while True:
-            try:
-                ta.receive_nowait()
-            except StreamReset:
-                break
-            except anyio.WouldBlock:
-                assert ta.on_readable(callback("again"))
-                await wait_call()
-            else:
-                raise AssertionError("receive_nowait() after a reset must not hand out a message")
+    await until_raises(ta, StreamReset, "after a reset")
     assert calls, "on_readable() must call back when the peer resets the stream"
     # our own close wakes a registered reader too
     calls.clear()
