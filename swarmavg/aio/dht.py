@@ -617,7 +617,10 @@ class DHTNode:
         )
         if with_self:
             lookup.add_responded(self.peer_id, node_id(self.peer_id))
-        candidates = self.protocol.routing.nearest(target, max(beam, self.alpha))
+        # the beam, and as many again to stand in for peers that fail: the peers an answer
+        # would name (see _named_per_answer), which the request then says we know
+        wanted = max(beam, self.alpha, min(self.k, 2 * beam))
+        candidates = self.protocol.routing.nearest(target, wanted)
         lookup.add_candidates(candidates)
         if lookup.finished:
             return lookup

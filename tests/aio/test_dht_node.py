@@ -547,3 +547,35 @@ async def test_a_lookup_that_found_its_value_leaves_the_queries_in_flight() -> N
         with anyio.fail_after(5):
             await hang.cancelled.wait()  # the unanswered call was reset when the lookup ended
         assert nearest.peer_id in getter.protocol.routing  # left, not failed
+
+
+async def test_answers_never_name_the_peers_a_lookup_started_with() -> None:
+    """A lookup's request says which candidates it starts with (its routing table's nearest:
+    the beam and as many stand-ins); answers leave them out. In a swarm this small, where
+    tables hold everyone, the answers name no one at all."""
+    async with _swarm(8, cache_locally=False) as dhts:
+        expiration = get_dht_time() + 60
+        with anyio.fail_after(10):
+            for i in range(8):
+                assert await dhts[i].store(f"warm{i}", i, expiration)
+        getter = dhts[5]
+        named: list[list[DHTPeerInfo]] = []
+        real = getter._candidates
+
+        def spy(infos: list[DHTPeerInfo]) -> list[tuple[Any, int]]:
+            named.append(list(infos))
+            return real(infos)
+
+        getter._candidates = spy  # type: ignore[method-assign]
+        for i in range(8):
+            target = key_id(msgpack.packb(f"warm{i}"))
+            started_with = {peer for peer, _ in getter.protocol.routing.nearest(target, 10)}
+            named.clear()
+            with anyio.fail_after(10):
+                got = await getter.get(f"warm{i}", latest=True)
+            assert got is not None
+            assert got.value == i  # type: ignore[union-attr]
+            assert named, "the lookup read answers"
+            assert not started_with & {info.peer_id for answer in named for info in answer}
+            if len(getter.protocol.routing) == len(dhts) - 1:
+                assert all(answer == [] for answer in named)
