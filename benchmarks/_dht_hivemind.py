@@ -49,16 +49,22 @@ EXPIRATION = 300.0  # seconds a stored value lives
 
 
 def _ms_stats(samples: list[float]) -> dict[str, Any]:
-    """Median, p90, min and max of ``samples`` (seconds), in milliseconds."""
-    xs = sorted(s * 1e3 for s in samples)
+    """Median, p90, min and max of ``samples`` (seconds), in milliseconds, and the samples
+    (so that the runs of several phases can be pooled)."""
+    return _stats([s * 1e3 for s in samples])
+
+
+def _stats(samples: list[float]) -> dict[str, Any]:
+    xs = sorted(samples)
     if not xs:
-        return {"n": 0}
+        return {"n": 0, "samples": []}
     return {
         "n": len(xs),
         "median": statistics.median(xs),
         "p90": xs[int(0.9 * (len(xs) - 1))],
         "min": xs[0],
         "max": xs[-1],
+        "samples": [round(x, 5) for x in samples],
     }
 
 
@@ -178,12 +184,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         _timed_join(maddrs, args.op_timeout)  # warm-up
         ready = [_timed_join(maddrs, args.op_timeout) for _ in range(args.ready_repeats)]
-        result["ready_s"] = {
-            "n": len(ready),
-            "median": statistics.median(ready),
-            "min": min(ready),
-            "max": max(ready),
-        }
+        result["ready_s"] = _stats(ready)
     finally:
         for dht in dhts:
             try:

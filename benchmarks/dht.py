@@ -2,7 +2,7 @@
 beside hivemind 1.1.12 measured in the same run.
 
     python benchmarks/dht.py [--quick] [--json results.json] [--no-hivemind] [--no-tcp]
-                             [--no-memory] [--rounds R] [--hivemind-python PATH]
+                             [--no-memory] [--rounds R] [--repeats P] [--hivemind-python PATH]
 
 hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
 ``--hivemind-python`` for another); without one its column says why it is empty.
@@ -40,6 +40,13 @@ Measurements, in this order, after the swarm is up and ``--settle`` seconds of s
    Over TCP that peer is a ninth process, spawned with the others and used only now. This comes
    last so that the peers it adds and removes are not in routing tables during 1 and 2.
 
+Over TCP this runs in phases that alternate between the systems: ours, hivemind's, ours, ...
+(``--repeats`` each, default 3, ``--quick`` 1), each phase a fresh swarm doing all of the above
+with the seed + its number. Each figure pools the samples of a system's phases (median and
+p90 over all of them; success counts summed); a note gives each phase's medians. This machine's
+speed drifts by up to 1.6x over tens of seconds: with one phase each, a slow spell during one
+system's phase alone decided the ratio; alternating phases expose both to the same spells.
+
 Both sides use the same seed and draw peers in the same order, so the pairs and the killed peer
 are the same. Every pipe wait, call and subprocess has a timeout; a call that times out or fails
 counts as a failed store/get and has no latency sample. Peer processes and hivemind's (with their
@@ -67,7 +74,7 @@ from contextlib import AsyncExitStack
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 
@@ -93,16 +100,22 @@ AIM_MS = 2.0
 
 
 def _ms_stats(samples: list[float]) -> dict[str, Any]:
-    """Median, p90, min and max of ``samples`` (seconds), in milliseconds."""
-    xs = sorted(s * 1e3 for s in samples)
+    """Median, p90, min and max of ``samples`` (seconds), in milliseconds, and the samples
+    (so that the runs of several phases can be pooled)."""
+    return _stats([s * 1e3 for s in samples])
+
+
+def _stats(samples: list[float]) -> dict[str, Any]:
+    xs = sorted(samples)
     if not xs:
-        return {"n": 0}
+        return {"n": 0, "samples": []}
     return {
         "n": len(xs),
         "median": statistics.median(xs),
         "p90": xs[int(0.9 * (len(xs) - 1))],
         "min": xs[0],
         "max": xs[-1],
+        "samples": [round(x, 5) for x in samples],
     }
 
 
@@ -430,12 +443,7 @@ async def _measure(
         result[f"killed_gets_{tag}"] = total
 
     ready = await swarm.ready(ready_repeats)
-    result["ready_s"] = {
-        "n": len(ready),
-        "median": statistics.median(ready),
-        "min": min(ready),
-        "max": max(ready),
-    }
+    result["ready_s"] = _stats(ready)
     result["errors"] = errors
     return result
 
@@ -514,6 +522,45 @@ def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
         return {"error": f"exit status {proc.returncode}; stderr: {err[-800:]}"}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+def _pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's phases as one: the samples of every figure pooled (their median and p90
+    recomputed), the counts summed, the killed peers and the errors listed; phases that
+    failed as a whole are left out (their error is in the notes)."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[0]
+    pooled = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, dict) and "samples" in value:
+            pooled[key] = _stats([x for r in ok for x in r.get(key, {}).get("samples", [])])
+        elif isinstance(value, int) and not isinstance(value, bool) and key not in _NOT_SUMMED:
+            pooled[key] = sum(r.get(key, 0) for r in ok)
+    pooled["killed"] = [r.get("killed") for r in ok]
+    pooled["errors"] = [e for r in ok for e in r.get("errors", [])]
+    pooled["phases"] = len(ok)
+    return pooled
+
+
+#: Integer figures that describe a phase rather than count its calls.
+_NOT_SUMMED: Final = frozenset({"peers", "rounds"})
+
+
+def _phase_medians(by_key: dict[str, list[dict[str, Any]]]) -> str:
+    """A note with each phase's medians, so that drift between phases shows."""
+    parts = []
+    for name, key in (
+        ("store", "store_ms"),
+        ("get", "get_ms_first"),
+        ("get latest", "get_ms_latest"),
+    ):
+        sides = []
+        for system in ("swarmavg_tcp", "hivemind_tcp"):
+            medians = [r.get(key, {}).get("median") for r in by_key.get(system, [])]
+            sides.append(" ".join("-" if m is None else f"{m:.2f}" for m in medians) or "-")
+        parts.append(f"{name} {sides[0]} | {sides[1]}")
+    return "medians per phase (ms), swarmavg | hivemind: " + "; ".join(parts)
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -630,6 +677,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write rows and raw figures to this file")
     parser.add_argument("--rounds", type=int, help="rounds per latest=False/True (default 50)")
     parser.add_argument("--ready-repeats", type=int, help="timed constructions (default 5)")
+    parser.add_argument(
+        "--repeats", type=int, help="alternating TCP phases per system (default 3, --quick 1)"
+    )
     parser.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--hivemind", action=argparse.BooleanOptionalAction, default=True)
@@ -644,27 +694,40 @@ def main() -> int:
         args.rounds = 10 if args.quick else 50
     if args.ready_repeats is None:
         args.ready_repeats = 3 if args.quick else 5
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     raw: dict[str, Any] = {}
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     notes = [f"this machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load {load}"]
-    sections: list[tuple[str, str, Callable[[argparse.Namespace], dict[str, Any]]]] = []
-    if args.tcp:
-        sections.append(("swarmavg_tcp", "swarmavg tcp", _run_tcp))
+    # (key, label, run, seed); over TCP, ours and hivemind's phases alternate (see the top)
+    phases: list[tuple[str, str, Callable[[argparse.Namespace], dict[str, Any]], int]] = []
+    for rep in range(args.repeats if args.tcp or args.hivemind else 0):
+        of = f" (phase {rep + 1}/{args.repeats})"
+        if args.tcp:
+            phases.append(("swarmavg_tcp", "swarmavg tcp" + of, _run_tcp, args.seed + rep))
+        if args.hivemind:
+            phases.append(("hivemind_tcp", "hivemind" + of, _run_hivemind, args.seed + rep))
     if args.memory:
-        sections.append(("swarmavg_memory", "swarmavg memory", _run_memory))
-    if args.hivemind:
-        sections.append(("hivemind_tcp", "hivemind", _run_hivemind))
-    for key, label, run in sections:
+        phases.append(("swarmavg_memory", "swarmavg memory", _run_memory, args.seed))
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for key, label, run, seed in phases:
         print(f"running {label} ...", file=sys.stderr, flush=True)
         try:
-            raw[key] = run(args)
+            result = run(argparse.Namespace(**{**vars(args), "seed": seed}))
         except Exception as exc:
-            raw[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        if "error" in raw[key]:
-            notes.append(f"{label}: {raw[key]['error']}")
-        for error in raw[key].get("errors", []):
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        if "error" in result:
+            notes.append(f"{label}: {result['error']}")
+        for error in result.get("errors", []):
             notes.append(f"{label}, a failed call: {error}")
+        by_key.setdefault(key, []).append(result)
+    raw = {key: _pooled(results) for key, results in by_key.items()}
+    raw["phases"] = by_key
+    if args.repeats > 1 and (args.tcp or args.hivemind):
+        notes.append(_phase_medians(by_key))
 
     hivemind = raw.get("hivemind_tcp")
     if hivemind is not None and "error" not in hivemind:
