@@ -17,8 +17,9 @@ def test_a_small_swarm_on_virtual_time_converges(
     scale = load_benchmark("averaging_scale.py")
     started = time.monotonic()
     # 64 peers in groups of 4 from 2 random bits: rounds where a group waits out the averaging
-    # expiration (15 s) or a lone peer its step timeout (30 s) cost no real time for it
-    args = "--peers 64 --group-size 4 --bits 2 --max-rounds 8 --target-rounds 8"
+    # expiration (15 s) or a lone peer its step timeout (30 s) cost no real time for it. The
+    # groups depend on timing, so the rounds it takes vary: 6-8 mostly, now and then 9.
+    args = "--peers 64 --group-size 4 --bits 2 --max-rounds 12 --target-rounds 12"
     status = scale.main([*args.split(), "--tolerance", "1e-2", "--time-limit", "200"])
     out = capsys.readouterr().out
     assert status == 0, out
