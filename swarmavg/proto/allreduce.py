@@ -360,12 +360,21 @@ def _norm(values: npt.NDArray[np.floating]) -> float:
     return math.sqrt(squares)
 
 
+#: The exponent bits of an IEEE half: all set for inf and nan.
+_F16_EXPONENT: Final = 0x7C00
+
+
 def _all_finite(values: npt.NDArray[np.floating]) -> bool:
     """Whether every value is finite, in one vectorized pass without a temporary array: a sum
     (of squares, for float32: BLAS's dot product runs 2.5x as fast as numpy's sum, 33 vs
     85 us per 2 MiB here) is finite when every value is (inf and nan propagate); only a sum
     that overflowed (or a vector that holds a non-finite value) takes the exact, slower
-    check."""
+    check. float16 (whose numpy reductions are scalar: ~1 ms per 512K values) is checked
+    exactly on its bits instead: a value is inf or nan when its 5 exponent bits are all set
+    (~40 us)."""
+    if values.dtype == np.float16:
+        exponents = np.bitwise_and(values.view(np.uint16), _F16_EXPONENT)
+        return bool(exponents.max(initial=0) < _F16_EXPONENT)
     with np.errstate(over="ignore", invalid="ignore"):
         total = np.dot(values, values) if values.dtype == np.float32 else np.add.reduce(values)
         if math.isfinite(total):

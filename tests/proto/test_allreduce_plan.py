@@ -11,6 +11,7 @@ from swarmavg.proto.allreduce import (
     FlatLayout,
     PartReducer,
     TensorSpec,
+    _all_finite,
     load_balance,
     plan_parts,
     schema_digest,
@@ -244,3 +245,30 @@ def test_clipping_survives_a_sum_of_squares_that_overflows_float32() -> None:
     mean = reducer.result()
     assert mean is not None
     np.testing.assert_allclose(mean, [2**-0.5, 2**-0.5], rtol=1e-6)
+
+
+def test_every_float16_bit_pattern_is_judged_as_numpy_judges_it() -> None:
+    # (float16 is checked on its exponent bits: every one of the 65536 values, alone and in
+    # a part of finite values, is taken exactly when it is finite)
+    patterns = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = np.isfinite(patterns)
+    for value, expected in zip(patterns[::257].tolist(), finite[::257].tolist(), strict=True):
+        part = np.full(300, 1.5, dtype=np.float16)
+        part[123] = value
+        assert _all_finite(part) is expected, value
+    assert all(_all_finite(patterns[i : i + 1]) is bool(finite[i]) for i in range(1 << 16))
+    assert _all_finite(np.empty(0, dtype=np.float16))
+    assert not _all_finite(patterns[::-1])  # strided views too
+    assert _all_finite(patterns[finite][::3])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_finiteness_check_agrees_with_numpy_on_random_bits(dtype: str) -> None:
+    rng = np.random.default_rng(7)
+    itemsize = np.dtype(dtype).itemsize
+    for _ in range(200):
+        raw = rng.integers(0, 256, size=itemsize * 64, dtype=np.uint8)
+        values = raw.view(dtype)
+        assert _all_finite(values) == bool(np.isfinite(values).all())
+        finite = values[np.isfinite(values)]
+        assert _all_finite(finite)  # huge finite ones included (their sum overflows)
