@@ -699,7 +699,6 @@ def main() -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
-    raw: dict[str, Any] = {}
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     notes = [f"this machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load {load}"]
     # (key, label, run, seed); over TCP, ours and hivemind's phases alternate (see the top)
@@ -724,7 +723,7 @@ def main() -> int:
         for error in result.get("errors", []):
             notes.append(f"{label}, a failed call: {error}")
         by_key.setdefault(key, []).append(result)
-    raw = {key: _pooled(results) for key, results in by_key.items()}
+    raw: dict[str, Any] = {key: _pooled(results) for key, results in by_key.items()}
     raw["phases"] = by_key
     if args.repeats > 1 and (args.tcp or args.hivemind):
         notes.append(_phase_medians(by_key))
