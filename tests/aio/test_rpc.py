@@ -547,7 +547,11 @@ async def test_timeout_applies_to_streaming_calls(method: str) -> None:
     kind = _KINDS[method]
     async with _peers(2) as (server, client):
         blocker = _serve_blocker(server)
-        call = client.rpc.open(server.addresses[0], method, kind=kind, timeout=0.2)
+        # Connected first, and 0.5 s: the callee must reach the blocking point before its
+        # deadline (a handler cancelled at its first send, as happened once on a busy machine
+        # with 0.2 s that also covered the handshake, never blocks, so never sees it).
+        await client.connect(server.addresses[0])
+        call = client.rpc.open(server.addresses[0], method, kind=kind, timeout=0.5)
         with anyio.fail_after(5), pytest.raises(RPCTimeout):
             await _bidi(call, [Num(0)], done_sending=kind == "client_stream")
         with anyio.fail_after(2):
