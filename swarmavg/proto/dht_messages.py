@@ -63,10 +63,8 @@ def known_prefixes(node_ids: Iterable[int]) -> bytes:
     sends the candidates it starts with: answers then name only peers new to it (in a small
     swarm, where everyone knows everyone, next to none), which the lookup would otherwise
     decode and drop."""
-    return b"".join(
-        (nid >> _PREFIX_SHIFT).to_bytes(KNOWN_PREFIX_BYTES, "big")
-        for nid in itertools.islice(node_ids, MAX_KNOWN)
-    )
+    prefixes = [id_prefix(nid) for nid in itertools.islice(node_ids, MAX_KNOWN)]
+    return _KNOWN_FORMATS[len(prefixes)].pack(*prefixes)
 
 
 def parse_known(known: bytes) -> frozenset[int]:
