@@ -77,7 +77,7 @@ from swarmavg.compression import (
     decompress,
 )
 from swarmavg.errors import AllReduceFailed, SwarmError
-from swarmavg.proto.allreduce import FlatLayout, Part, PartReducer, plan_parts
+from swarmavg.proto.allreduce import AccumulatorPool, FlatLayout, Part, PartReducer, plan_parts
 from swarmavg.proto.averaging_messages import (
     AvgBegin,
     AvgCompressedPart,
@@ -219,17 +219,25 @@ class _Round:
     #: where big means are compressed (while the round's tasks run)
     tasks: anyio.abc.TaskGroup | None = None
     applied: _Applied | None = None
+    #: where the accumulators come from (``None``: fresh arrays)
+    pool: AccumulatorPool | None = None
 
     def __post_init__(self) -> None:
         senders = self.group.senders
         # one accumulator per buffer for the whole span (its parts are contiguous in it)
-        blocks: dict[int, tuple[int, npt.NDArray[Any]]] = {}
+        blocks: dict[int, tuple[int, npt.NDArray[np.floating]]] = {}
         for part in self.parts:
             if part.buffer not in blocks:
                 stop = max(p.stop for p in self.parts if p.buffer == part.buffer)
                 dtype = self.layout.buffers[part.buffer][0]
                 accumulate = np.float64 if dtype == "float64" else np.float32
-                blocks[part.buffer] = (part.start, np.empty(stop - part.start, accumulate))
+                size = stop - part.start
+                acc: npt.NDArray[np.floating] = (
+                    np.empty(size, accumulate)
+                    if self.pool is None
+                    else self.pool.take(size, accumulate)
+                )
+                blocks[part.buffer] = (part.start, acc)
         for part in self.parts:
             dtype = self.layout.buffers[part.buffer][0]
             start, block = blocks[part.buffer]
@@ -451,6 +459,8 @@ class AllReduceService(AllReduceRunner):
         self._reducer_timeouts: dict[bytes, float | None] = {}  # of the rounds running here
         #: finished rounds whose results can still be relayed (see the module docstring)
         self._recent: OrderedDict[bytes, _Applied] = OrderedDict()
+        #: the rounds' accumulators, recycled (a fresh one is page-faulted in every round)
+        self._accumulators = AccumulatorPool()
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
         node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
         node.rpc.register(
@@ -536,7 +546,15 @@ class AllReduceService(AllReduceRunner):
         left = self._left.pop(group.group_id, None)
         started = anyio.current_time()
         self._forget_results(buffers)
-        round_ = _Round(group, me, layout, plans[me], codecs=codecs[me], feedback=error_feedback)
+        round_ = _Round(
+            group,
+            me,
+            layout,
+            plans[me],
+            codecs=codecs[me],
+            feedback=error_feedback,
+            pool=self._accumulators,
+        )
         result = AllReduceResult([], 0.0)
         round_.applied = applied = _Applied(
             group,

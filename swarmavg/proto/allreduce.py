@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -34,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "AccumulatorPool",
     "FlatLayout",
     "Part",
     "PartReducer",
@@ -333,6 +336,72 @@ class PartReducer:
 
 
 #: Elements per chunk of :func:`_add_scaled` (its scratch stays in the CPU's L2 cache).
+class AccumulatorPool:
+    """Accumulators recycled from round to round, so that a round does not page-fault fresh
+    memory in: a new span-sized array costs a page fault (and the kernel zeroing the page) per
+    4 KiB or 2 MiB page on its first write, which on a VM cost ~4% of a round's CPU (perf, N=4
+    peers, 16 Mi float32).
+
+    :meth:`take` hands out an uninitialised array; when the last reference to it (or to any
+    view of it, wherever and in whatever thread) goes away, its memory returns to the pool. An
+    array still referenced (a mean being sent, a result someone keeps) is thus never reused.
+
+    :param max_cached: bytes of free memory kept for reuse; a block that would exceed it is freed.
+    """
+
+    def __init__(self, max_cached: int = 512 << 20) -> None:
+        if max_cached < 0:
+            raise ValueError(f"max_cached must be >= 0, not {max_cached}")
+        self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
+        self._cached = 0
+        self._max_cached = max_cached
+        self._lock = threading.Lock()
+        #: arrays handed out from recycled memory / from fresh memory
+        self.reused = 0
+        self.made = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of free memory held for reuse."""
+        return self._cached
+
+    def take(self, size: int, dtype: npt.DTypeLike) -> npt.NDArray[np.floating]:
+        """An uninitialised array of ``size`` elements of ``dtype``."""
+        dt = np.dtype(dtype)
+        nbytes = size * dt.itemsize
+        if nbytes == 0:
+            return np.empty(size, dt)
+        block = None
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                block = free.pop()
+                self._cached -= nbytes
+        if block is None:
+            block = np.empty(nbytes, np.uint8)
+            self.made += 1
+        else:
+            self.reused += 1
+        # The array's base is a memoryview of ``holder``, which numpy does not look through:
+        # every view of the array keeps the array, hence ``holder``, alive; the finalizer runs
+        # once all of them are gone.
+        holder = block[:]
+        weakref.finalize(holder, self._give_back, block)
+        return np.frombuffer(memoryview(holder), dtype=dt, count=size)  # type: ignore[arg-type]
+
+    def _give_back(self, block: npt.NDArray[np.uint8]) -> None:
+        with self._lock:
+            if self._cached + block.nbytes <= self._max_cached:
+                self._free.setdefault(block.nbytes, []).append(block)
+                self._cached += block.nbytes
+
+    def clear(self) -> None:
+        """Free the memory held for reuse."""
+        with self._lock:
+            self._free.clear()
+            self._cached = 0
+
+
 _CHUNK: Final = 1 << 15
 
 

@@ -761,3 +761,23 @@ async def test_relay_requests_are_checked_and_answer_only_what_is_held() -> None
         # ... and a round with alpha != 1 has nothing to relay: its buffers are not the means
         [have] = await _relay_ask(nodes[1], nodes[0], AvgRelay(group2.group_id, 1, 0, True))
         assert have == AvgHave(0)
+
+
+async def test_later_rounds_reduce_into_recycled_accumulators() -> None:
+    # (a fresh span-sized accumulator is page-faulted in every round; the pool hands the last
+    # round's back once nothing refers to it: the means of later rounds stay exact)
+    rng = np.random.default_rng(3)
+    async with _nodes(4) as nodes:
+        pools = [AllReduceService.for_node(node)._accumulators for node in nodes]
+        for _ in range(3):
+            buffers = [_buffers(rng) for _ in nodes]
+            expected = _expected(buffers, [1.0] * 4, range(4))
+            await _run_all(nodes, _group(nodes), buffers, [1.0] * 4)
+            for member in buffers:
+                for got, want in zip(member, expected, strict=True):
+                    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
+    # every node reduces a span (all dtypes: one accumulator per dtype buffer it covers)
+    assert all(pool.made > 0 for pool in pools)
+    assert all(pool.reused >= 2 * pool.made for pool in pools), [
+        (p.made, p.reused) for p in pools
+    ]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmavg.proto.allreduce import (
+    AccumulatorPool,
     FlatLayout,
     PartReducer,
     TensorSpec,
@@ -272,3 +276,51 @@ def test_the_finiteness_check_agrees_with_numpy_on_random_bits(dtype: str) -> No
         assert _all_finite(values) == bool(np.isfinite(values).all())
         finite = values[np.isfinite(values)]
         assert _all_finite(finite)  # huge finite ones included (their sum overflows)
+
+
+def test_the_accumulator_pool_reuses_memory_only_once_nothing_refers_to_it() -> None:
+    pool = AccumulatorPool()
+    first = pool.take(1000, np.float32)
+    assert first.shape == (1000,) and first.dtype == np.float32 and first.flags.writeable
+    first[:] = 7.0
+    kept = first[10:20]  # a view outlives the array it came from
+    del first
+    second = pool.take(1000, np.float32)  # the first one's memory is still in use
+    assert (pool.made, pool.reused) == (2, 0)
+    second[:] = -1.0
+    np.testing.assert_array_equal(kept, 7.0)
+    address = kept.__array_interface__["data"][0] - 10 * 4
+    del kept
+    assert pool.cached_bytes == 4000
+    third = pool.take(500, np.float64)  # same bytes, another dtype: the same memory
+    assert (pool.made, pool.reused) == (2, 1) and pool.cached_bytes == 0
+    assert third.__array_interface__["data"][0] == address
+    assert third.dtype == np.float64 and third.shape == (500,)
+    assert pool.take(999, np.float32).size == 999 and pool.made == 3  # other sizes: fresh
+    assert pool.take(0, np.float32).size == 0
+
+
+def test_the_accumulator_pool_keeps_at_most_max_cached_bytes() -> None:
+    pool = AccumulatorPool(max_cached=6000)
+    arrays = [pool.take(1000, np.float32) for _ in range(3)]
+    del arrays
+    gc.collect()
+    assert pool.cached_bytes == 4000  # the third did not fit
+    pool.clear()
+    assert pool.cached_bytes == 0
+    with pytest.raises(ValueError, match="max_cached"):
+        AccumulatorPool(max_cached=-1)
+
+
+def test_an_accumulator_released_in_another_thread_returns_to_the_pool() -> None:
+    pool = AccumulatorPool()
+    box = [pool.take(256, np.float64)]
+    thread = threading.Thread(target=box.clear)
+    thread.start()
+    thread.join()
+    assert pool.cached_bytes == 2048
+    reducer = PartReducer(256, "float64", [0], out=pool.take(256, np.float64))
+    reducer.add(0, np.arange(256, dtype=np.float64), 2.0)  # recycled memory holds garbage:
+    mean = reducer.result()  # the first contribution overwrites it
+    assert mean is not None
+    np.testing.assert_array_equal(mean, np.arange(256))
