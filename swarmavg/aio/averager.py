@@ -132,6 +132,24 @@ def _spec_of(tensor: torch.Tensor) -> TensorSpec:
 _NO_COMPRESSION = NoCompression()
 
 
+def _cpu_memory(tensor: torch.Tensor) -> npt.NDArray[Any] | None:
+    """A plain, contiguous CPU tensor's memory as a flat numpy array (``None`` for any other
+    tensor). Copies between the tensors and the flat buffers go through it where they can:
+    numpy copies on one thread, where torch's ``copy_`` splits a large copy over its
+    intra-op threads, which costs 1.6x the CPU (7.6 instead of 4.8 ms of CPU per 64 MiB
+    here), and averaging runs beside training, or beside the other peers of a machine."""
+    import torch
+
+    if (
+        tensor.device.type != "cpu"
+        or tensor.dtype not in (torch.float32, torch.float64, torch.float16)
+        or not tensor.is_contiguous()
+        or tensor.is_neg()
+    ):
+        return None
+    return tensor.detach().numpy().reshape(-1)
+
+
 class DecentralizedAverager:
     """Averages ``averaged_tensors`` with other peers under ``prefix`` (async API).
 
@@ -352,8 +370,12 @@ class DecentralizedAverager:
             for tensor, spec, (buffer, offset) in zip(
                 self._tensors, self.specs, self.layout.places, strict=True
             ):
-                host = torch.from_numpy(buffers[buffer][offset : offset + spec.numel])
-                host.view(tensor.shape).copy_(tensor.detach())
+                flat = buffers[buffer][offset : offset + spec.numel]
+                memory = _cpu_memory(tensor)
+                if memory is not None and memory.dtype == flat.dtype:
+                    np.copyto(flat, memory)
+                else:
+                    torch.from_numpy(flat).view(tensor.shape).copy_(tensor.detach())
         return buffers
 
     def _from_buffers(self, buffers: list[npt.NDArray[Any]]) -> None:
@@ -363,8 +385,16 @@ class DecentralizedAverager:
             for tensor, spec, (buffer, offset) in zip(
                 self._tensors, self.specs, self.layout.places, strict=True
             ):
-                values = torch.from_numpy(buffers[buffer][offset : offset + spec.numel])
-                tensor.copy_(values.view(tensor.shape))
+                flat = buffers[buffer][offset : offset + spec.numel]
+                memory = _cpu_memory(tensor)
+                if memory is not None and memory.dtype == flat.dtype:
+                    np.copyto(memory, flat)
+                    # an in-place op on an empty view bumps the version counter the tensor
+                    # shares with its views, as copy_ would: autograd still catches a backward
+                    # through values that changed under it
+                    tensor.detach().view(-1)[:0].zero_()
+                else:
+                    tensor.copy_(torch.from_numpy(flat).view(tensor.shape))
 
     def _move_on(self) -> None:
         """After an attempt found no group: draw new group bits (of the same length, at

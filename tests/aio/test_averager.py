@@ -307,6 +307,25 @@ async def test_bfloat16_and_non_contiguous_tensors_are_averaged_in_place() -> No
                 torch.testing.assert_close(own[2].double(), expected[2], atol=1e-6, rtol=0)
 
 
+async def test_parameters_are_written_in_place_where_autograd_sees_it() -> None:
+    # (plain contiguous CPU tensors are copied with numpy, which bypasses torch's version
+    # counter: it is bumped by hand, so a backward through the old values still fails loudly)
+    torch.manual_seed(4)
+    params = [[torch.nn.Parameter(torch.randn(4, 3)), torch.zeros(0)] for _ in range(2)]
+    expected = (params[0][0].detach() + params[1][0].detach()) / 2
+    pending = (params[0][0] ** 2).sum()  # saves params[0][0] for its backward
+    versions = [own[0]._version for own in params]
+    pointers = [own[0].data_ptr() for own in params]
+    async with _averagers(params, prefix="autograd", target_group_size=2) as averagers:
+        await _step_all(averagers, timeout=10)
+    for own, version, pointer in zip(params, versions, pointers, strict=True):
+        assert own[0].data_ptr() == pointer and own[0].requires_grad
+        assert own[0]._version > version
+        torch.testing.assert_close(own[0].detach(), expected, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pending.backward()
+
+
 async def test_a_group_that_formed_early_withdraws_its_declarations() -> None:
     tensors = [[torch.full((10,), float(i))] for i in range(3)]
     async with _averagers(
