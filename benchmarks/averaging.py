@@ -13,7 +13,7 @@ Setting: N peers (``--peers``, default 4 and 8), each a process of its own on lo
 averaging one float32 tensor of S elements (``--size``, default 16 Mi = 16·2**20, i.e. 64 MiB;
 ``--quick``: 1 Mi). Every process sets ``torch.set_num_threads(1)``. The runs go one after the
 other, never two at once: gloo (each N), then ours (plain TCP at each N, then encrypted TCP at
-each N), then hivemind (at ``--hivemind-peers``, default the largest N).
+each N), gloo again, then hivemind (at ``--hivemind-peers``, default the largest N).
 
 swarmavg (``_averaging_peer.py``): a pool of max(N) peer processes ("spawn"; torch and swarmavg
 imported before anything is timed), driven over pipes. For each setting the first N of them each
@@ -46,7 +46,10 @@ gloo (``_averaging_gloo.py``): N rank processes, ``init_process_group("gloo", tc
 ``--warmup`` untimed ``all_reduce`` calls, then ``--gloo-iters`` times ``barrier()`` and a timed
 ``all_reduce(SUM)`` of the same S float32 elements: the time is the max over ranks, CPU the sum
 of the ranks' process CPU over the call; machine-wide busy CPU over the timed loop (barriers
-included) per call.
+included) per call. gloo runs before ours and again after (when ours runs), and its figures pool
+both runs' samples: this machine's speed drifts by up to 1.6x over tens of seconds, and gloo's
+median moved 0.084-0.145 s at N=4 between runs of one evening; a slow spell during one run
+alone no longer decides the ratio (the notes give each run's median).
 
 hivemind (``_averaging_hivemind.py``, under hivemind's Python, a session of its own): N DHTs and
 N ``DecentralizedAverager`` (hivemind's defaults: ``min_matchmaking_time=5``,
@@ -644,6 +647,7 @@ def _run_gloo(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "foreign_cpu_s": raw["foreign_cpu_s"],
         "foreign_per_s": raw["foreign_per_s"],
         "times_s": raw["times_s"],
+        "cpu_samples": raw["cpu_s"],
     }
 
 
@@ -658,6 +662,32 @@ def _run_gloo_all(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
             results[n] = {"error": _error(exc)}
             _progress(f"  failed: {results[n]['error']}")
     return results
+
+
+def _pool_gloo(
+    before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """gloo's figures from its runs before and after ours, pooled (samples of both; the
+    machine-wide figures averaged), each run's median kept for the notes."""
+    pooled: dict[int, dict[str, Any]] = {}
+    for n, first in before.items():
+        second = after.get(n, {"error": "not run"})
+        if "error" in first or "error" in second:
+            pooled[n] = second if "error" in first else first
+            continue
+        both = (first, second)
+        merged = dict(first)
+        merged["times_s"] = first["times_s"] + second["times_s"]
+        merged["cpu_samples"] = first["cpu_samples"] + second["cpu_samples"]
+        merged["allreduce_s"] = stats(merged["times_s"])
+        merged["process_cpu_s"] = stats(merged["cpu_samples"])
+        merged["iters"] = first["iters"] + second["iters"]
+        for key in ("machine_cpu_s", "foreign_cpu_s", "foreign_per_s"):
+            values = [run[key] for run in both if run.get(key) is not None]
+            merged[key] = sum(values) / len(values) if values else None
+        merged["run_medians"] = [run["allreduce_s"]["median"] for run in both]
+        pooled[n] = merged
+    return pooled
 
 
 # -- hivemind -------------------------------------------------------------------------------------
@@ -1067,9 +1097,15 @@ def _notes(
         if "error" in got:
             notes.append(f"gloo N={n}: {got['error']}")
         else:
+            runs = got.get("run_medians")
             notes.append(
                 f"gloo N={n}: {got['iters']} timed all_reduce, init {got['init_s']:.2f} s, "
                 f"values finite: {got['finite']}"
+                + (
+                    ""
+                    if runs is None
+                    else f"; run before ours, after ours: medians {runs[0]:.3f}, {runs[1]:.3f} s"
+                )
             )
             foreign.append((f"gloo N={n}", got.get("foreign_per_s")))
     if hivemind is None:
@@ -1140,7 +1176,7 @@ def main() -> int:
     )
     parser.add_argument("--peers", type=_parse_peers, default=[4, 8], help="e.g. 4,8")
     parser.add_argument("--size", type=int, help="float32 elements per peer (default 16 Mi)")
-    parser.add_argument("--rounds", type=int, help="timed rounds (default 3, --quick 2)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 5, --quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--gloo-iters", type=int, help="timed gloo calls (default 10)")
     parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
@@ -1190,7 +1226,7 @@ def main() -> int:
     if args.size is None:
         args.size = MiB if args.quick else 16 * MiB
     if args.rounds is None:
-        args.rounds = 2 if args.quick else 3
+        args.rounds = 2 if args.quick else 5
     if args.gloo_iters is None:
         args.gloo_iters = 3 if args.quick else 10
     if args.hivemind_peers is None:
@@ -1208,6 +1244,8 @@ def main() -> int:
     try:
         gloo = _run_gloo_all(args) if args.gloo else {}
         ours = _run_ours_all(args) if args.plain or args.encrypted else {}
+        if args.gloo and ours:  # again after ours: a slow spell then no longer decides alone
+            gloo = _pool_gloo(gloo, _run_gloo_all(args))
         faults = state = None
         if args.faults:
             _progress(f"running faults N={args.fault_peers} S={args.fault_size} ...")
