@@ -731,20 +731,22 @@ class DHTNode:
         entries: dict[bytes, ValueWithExpiration[bytes]] = {}
 
         def consider(subkey: bytes | None, value: bytes, expiration: float) -> None:
+            # only a record that would replace the newest so far is validated (replicas
+            # mostly answer the same record: a latest get saw it 4-5 times)
             nonlocal plain
             if expiration <= now:
+                return
+            best = plain if subkey is None else entries.get(subkey)
+            if best is not None and expiration <= best.expiration_time:
                 return
             record = DHTRecord(key_bytes, subkey, value, expiration)
             if not self.protocol.validator.validate(record):
                 return
             item = ValueWithExpiration(value, expiration)
             if subkey is None:
-                if plain is None or expiration > plain.expiration_time:
-                    plain = item
+                plain = item
             else:
-                old = entries.get(subkey)
-                if old is None or expiration > old.expiration_time:
-                    entries[subkey] = item
+                entries[subkey] = item
 
         local = self.protocol.storage.get(key_bytes, now)
         if local is None and not latest and self.cache is not None:

@@ -459,6 +459,32 @@ async def test_forged_records_on_a_replica_are_never_returned() -> None:
                 assert got == ValueWithExpiration("genuine", now + 30)
 
 
+async def test_a_latest_get_validates_each_record_once_not_once_per_replica() -> None:
+    async with _swarm(10, cache_locally=False) as dhts:
+        owner = dhts[2]
+        key = "signed" + owner_marker(owner.peer_id).decode()
+        key_bytes = msgpack.packb(key)
+        now = get_dht_time()
+        with anyio.fail_after(30):
+            assert await owner.store(key, "genuine", now + 30)
+            replicas = [d for d in dhts if d.protocol.storage.get(key_bytes, now) is not None]
+            assert len(replicas) >= 4
+            reader = next(d for d in dhts if d not in replicas)
+            validator = reader.protocol.validator
+            checked: list[Any] = []
+            original = validator.validate
+
+            def counting(record: Any) -> bool:
+                checked.append(record)
+                return original(record)
+
+            validator.validate = counting  # type: ignore[method-assign]
+            got = await reader.get(key, latest=True)
+        assert got == ValueWithExpiration("genuine", now + 30)
+        # every replica asked answered with the same record: its signature is checked once
+        assert len(checked) == 1
+
+
 async def test_bootstrap_warns_about_a_peer_whose_clock_is_far_off(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
