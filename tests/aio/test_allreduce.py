@@ -778,6 +778,4 @@ async def test_later_rounds_reduce_into_recycled_accumulators() -> None:
                     np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
     # every node reduces a span (all dtypes: one accumulator per dtype buffer it covers)
     assert all(pool.made > 0 for pool in pools)
-    assert all(pool.reused >= 2 * pool.made for pool in pools), [
-        (p.made, p.reused) for p in pools
-    ]
+    assert all(pool.reused >= 2 * pool.made for pool in pools), [(p.made, p.reused) for p in pools]

@@ -319,7 +319,8 @@ async def test_parameters_are_written_in_place_where_autograd_sees_it() -> None:
     async with _averagers(params, prefix="autograd", target_group_size=2) as averagers:
         await _step_all(averagers, timeout=10)
     for own, version, pointer in zip(params, versions, pointers, strict=True):
-        assert own[0].data_ptr() == pointer and own[0].requires_grad
+        assert own[0].data_ptr() == pointer
+        assert own[0].requires_grad
         assert own[0]._version > version
         torch.testing.assert_close(own[0].detach(), expected, atol=1e-6, rtol=0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

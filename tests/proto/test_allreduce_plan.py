@@ -281,7 +281,9 @@ def test_the_finiteness_check_agrees_with_numpy_on_random_bits(dtype: str) -> No
 def test_the_accumulator_pool_reuses_memory_only_once_nothing_refers_to_it() -> None:
     pool = AccumulatorPool()
     first = pool.take(1000, np.float32)
-    assert first.shape == (1000,) and first.dtype == np.float32 and first.flags.writeable
+    assert first.shape == (1000,)
+    assert first.dtype == np.float32
+    assert first.flags.writeable
     first[:] = 7.0
     kept = first[10:20]  # a view outlives the array it came from
     del first
@@ -293,10 +295,13 @@ def test_the_accumulator_pool_reuses_memory_only_once_nothing_refers_to_it() -> 
     del kept
     assert pool.cached_bytes == 4000
     third = pool.take(500, np.float64)  # same bytes, another dtype: the same memory
-    assert (pool.made, pool.reused) == (2, 1) and pool.cached_bytes == 0
+    assert (pool.made, pool.reused) == (2, 1)
+    assert pool.cached_bytes == 0
     assert third.__array_interface__["data"][0] == address
-    assert third.dtype == np.float64 and third.shape == (500,)
-    assert pool.take(999, np.float32).size == 999 and pool.made == 3  # other sizes: fresh
+    assert third.dtype == np.float64
+    assert third.shape == (500,)
+    assert pool.take(999, np.float32).size == 999
+    assert pool.made == 3  # other sizes: fresh memory
     assert pool.take(0, np.float32).size == 0
 
 
