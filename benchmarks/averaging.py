@@ -46,10 +46,11 @@ gloo (``_averaging_gloo.py``): N rank processes, ``init_process_group("gloo", tc
 ``--warmup`` untimed ``all_reduce`` calls, then ``--gloo-iters`` times ``barrier()`` and a timed
 ``all_reduce(SUM)`` of the same S float32 elements: the time is the max over ranks, CPU the sum
 of the ranks' process CPU over the call; machine-wide busy CPU over the timed loop (barriers
-included) per call. gloo runs before ours and again after (when ours runs), and its figures pool
-both runs' samples: this machine's speed drifts by up to 1.6x over tens of seconds, and gloo's
-median moved 0.084-0.145 s at N=4 between runs of one evening; a slow spell during one run
-alone no longer decides the ratio (the notes give each run's median).
+included) per call. gloo runs before ours and again after (when ours runs), and its figures are
+those of the run with the lower median (the notes give both): this machine's speed drifts by up
+to 1.6x over tens of seconds, gloo's median moved 0.084-0.145 s at N=4 between runs of one
+evening, and its second run came out slower each time; the reference at its best keeps a slow
+spell during one gloo run from flattering our ratio.
 
 hivemind (``_averaging_hivemind.py``, under hivemind's Python, a session of its own): N DHTs and
 N ``DecentralizedAverager`` (hivemind's defaults: ``min_matchmaking_time=5``,
@@ -647,7 +648,6 @@ def _run_gloo(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "foreign_cpu_s": raw["foreign_cpu_s"],
         "foreign_per_s": raw["foreign_per_s"],
         "times_s": raw["times_s"],
-        "cpu_samples": raw["cpu_s"],
     }
 
 
@@ -664,30 +664,21 @@ def _run_gloo_all(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     return results
 
 
-def _pool_gloo(
+def _best_gloo(
     before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]
 ) -> dict[int, dict[str, Any]]:
-    """gloo's figures from its runs before and after ours, pooled (samples of both; the
-    machine-wide figures averaged), each run's median kept for the notes."""
-    pooled: dict[int, dict[str, Any]] = {}
+    """Per N, gloo's run (before ours or after) with the lower median: the reference at its
+    best, so that a slow spell during one gloo run never flatters our ratio (the second run
+    came out 5-45% slower in 2 of 2 tries). Both runs' medians are kept for the notes."""
+    best: dict[int, dict[str, Any]] = {}
     for n, first in before.items():
         second = after.get(n, {"error": "not run"})
         if "error" in first or "error" in second:
-            pooled[n] = second if "error" in first else first
+            best[n] = second if "error" in first else first
             continue
-        both = (first, second)
-        merged = dict(first)
-        merged["times_s"] = first["times_s"] + second["times_s"]
-        merged["cpu_samples"] = first["cpu_samples"] + second["cpu_samples"]
-        merged["allreduce_s"] = stats(merged["times_s"])
-        merged["process_cpu_s"] = stats(merged["cpu_samples"])
-        merged["iters"] = first["iters"] + second["iters"]
-        for key in ("machine_cpu_s", "foreign_cpu_s", "foreign_per_s"):
-            values = [run[key] for run in both if run.get(key) is not None]
-            merged[key] = sum(values) / len(values) if values else None
-        merged["run_medians"] = [run["allreduce_s"]["median"] for run in both]
-        pooled[n] = merged
-    return pooled
+        runs = [first["allreduce_s"]["median"], second["allreduce_s"]["median"]]
+        best[n] = {**(first if runs[0] <= runs[1] else second), "run_medians": runs}
+    return best
 
 
 # -- hivemind -------------------------------------------------------------------------------------
@@ -1104,7 +1095,8 @@ def _notes(
                 + (
                     ""
                     if runs is None
-                    else f"; run before ours, after ours: medians {runs[0]:.3f}, {runs[1]:.3f} s"
+                    else f"; runs before, after ours: medians {runs[0]:.3f}, {runs[1]:.3f} s "
+                    "(the lower is used)"
                 )
             )
             foreign.append((f"gloo N={n}", got.get("foreign_per_s")))
@@ -1244,8 +1236,8 @@ def main() -> int:
     try:
         gloo = _run_gloo_all(args) if args.gloo else {}
         ours = _run_ours_all(args) if args.plain or args.encrypted else {}
-        if args.gloo and ours:  # again after ours: a slow spell then no longer decides alone
-            gloo = _pool_gloo(gloo, _run_gloo_all(args))
+        if args.gloo and ours:  # again after ours: one slow spell no longer decides the ratio
+            gloo = _best_gloo(gloo, _run_gloo_all(args))
         faults = state = None
         if args.faults:
             _progress(f"running faults N={args.fault_peers} S={args.fault_size} ...")
