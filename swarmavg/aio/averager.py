@@ -141,7 +141,8 @@ def _cpu_memory(tensor: torch.Tensor) -> npt.NDArray[Any] | None:
     import torch
 
     if (
-        tensor.device.type != "cpu"
+        tensor.layout != torch.strided
+        or tensor.device.type != "cpu"
         or tensor.dtype not in (torch.float32, torch.float64, torch.float16)
         or not tensor.is_contiguous()
         or tensor.is_neg()

@@ -335,7 +335,6 @@ class PartReducer:
         return mean
 
 
-#: Elements per chunk of :func:`_add_scaled` (its scratch stays in the CPU's L2 cache).
 class AccumulatorPool:
     """Accumulators recycled from round to round, so that a round does not page-fault fresh
     memory in: a new span-sized array costs a page fault (and the kernel zeroing the page) per
@@ -402,6 +401,7 @@ class AccumulatorPool:
             self._cached = 0
 
 
+#: Elements per chunk of :func:`_add_scaled` (its scratch stays in the CPU's L2 cache).
 _CHUNK: Final = 1 << 15
 
 
