@@ -440,15 +440,23 @@ async def test_latest_finds_the_newest_where_first_found_may_not() -> None:
             assert await reader.get("version", latest=True) == ValueWithExpiration("v2", now + 60)
 
 
+async def _owned_record(
+    dhts: list[DHTNode], owner: DHTNode, name: str
+) -> tuple[str, bytes, float, list[DHTNode]]:
+    """``owner`` stores "genuine" (for 30 s) under a key it owns: the key, packed, the time
+    and the replicas that hold it."""
+    key = name + owner_marker(owner.peer_id).decode()
+    key_bytes = msgpack.packb(key)
+    now = get_dht_time()
+    assert await owner.store(key, "genuine", now + 30)
+    replicas = [d for d in dhts if d.protocol.storage.get(key_bytes, now) is not None]
+    return key, key_bytes, now, replicas
+
+
 async def test_forged_records_on_a_replica_are_never_returned() -> None:
     async with _swarm(10, cache_locally=False) as dhts:
-        owner = dhts[3]
-        key = "owned" + owner_marker(owner.peer_id).decode()
-        key_bytes = msgpack.packb(key)
-        now = get_dht_time()
         with anyio.fail_after(30):
-            assert await owner.store(key, "genuine", now + 30)
-            replicas = [d for d in dhts if d.protocol.storage.get(key_bytes, now) is not None]
+            key, key_bytes, now, replicas = await _owned_record(dhts, dhts[3], "owned")
             # a dishonest replica holds a newer record with a forged or missing signature
             forged = msgpack.packb([msgpack.packb("forged"), b"\x00" * 64])
             unsigned = msgpack.packb("unsigned")
@@ -461,13 +469,8 @@ async def test_forged_records_on_a_replica_are_never_returned() -> None:
 
 async def test_a_latest_get_validates_each_record_once_not_once_per_replica() -> None:
     async with _swarm(10, cache_locally=False) as dhts:
-        owner = dhts[2]
-        key = "signed" + owner_marker(owner.peer_id).decode()
-        key_bytes = msgpack.packb(key)
-        now = get_dht_time()
         with anyio.fail_after(30):
-            assert await owner.store(key, "genuine", now + 30)
-            replicas = [d for d in dhts if d.protocol.storage.get(key_bytes, now) is not None]
+            key, _, now, replicas = await _owned_record(dhts, dhts[2], "signed")
             assert len(replicas) >= 4
             reader = next(d for d in dhts if d not in replicas)
             validator = reader.protocol.validator
