@@ -77,7 +77,14 @@ from swarmavg.compression import (
     decompress,
 )
 from swarmavg.errors import AllReduceFailed, SwarmError
-from swarmavg.proto.allreduce import AccumulatorPool, FlatLayout, Part, PartReducer, plan_parts
+from swarmavg.proto.allreduce import (
+    AccumulatorPool,
+    FlatLayout,
+    Part,
+    PartReducer,
+    _all_finite,
+    plan_parts,
+)
 from swarmavg.proto.averaging_messages import (
     AvgBegin,
     AvgCompressedPart,
@@ -794,6 +801,8 @@ class AllReduceService(AllReduceRunner):
                 if isinstance(answer, AvgPart):
                     if answer.values.shape != local.shape or answer.values.dtype != local.dtype:
                         raise ValueError(f"member {member} relayed a wrong shape or dtype")
+                    if not _all_finite(answer.values):
+                        raise ValueError(f"member {member} relayed non-finite values")
                     result.bytes_received += answer.values.nbytes
                     _apply(local, answer.values, alpha)
                 applied.applied(reducer, keep=isinstance(answer, AvgKeep))
@@ -1085,6 +1094,8 @@ class AllReduceService(AllReduceRunner):
                             local.dtype
                         ):
                             raise ValueError(f"member {reducer} answered a wrong shape or dtype")
+                        if not _all_finite(answer.values):  # (one NaN would spread everywhere)
+                            raise ValueError(f"member {reducer} answered non-finite values")
                         result.bytes_received += answer.values.nbytes
                         _apply(local, answer.values, out.alpha)
                     progress[0] += 1

@@ -704,6 +704,85 @@ async def test_a_reducer_cut_short_while_answering_leaves_no_disagreement(die: b
     np.testing.assert_allclose(flats[0], want, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+async def test_a_reducer_answering_non_finite_means_leaves_its_span_local(bad: str) -> None:
+    """Member 2 reduces honestly but answers every sender means with a NaN or inf in them
+    (and relays nothing): the others refuse its answers and keep their own values for its
+    span, which no non-finite value ever reaches."""
+    async with _nodes(3) as nodes:
+        rng = np.random.default_rng(5)
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        original = [[b.copy() for b in own] for own in buffers]
+        expected = _expected(buffers, [1.0] * 3, [0, 1, 2])
+        service = AllReduceService.for_node(nodes[2])
+
+        async def serve(requests: AsyncIterator[Message], ctx: Any) -> AsyncIterator[Message]:
+            async for reply in service._serve(requests, ctx):
+                if isinstance(reply, AvgPart):
+                    values = reply.values.copy()
+                    values[len(values) // 2] = np.nan if bad == "nan" else -np.inf
+                    reply = AvgPart(reply.index, values)
+                yield reply
+
+        nodes[2].rpc.unregister("avg.allreduce")
+        nodes[2].rpc.register("avg.allreduce", serve, kind="bidi", request_type=Message)
+        nodes[2].rpc.unregister("avg.relay")
+        outcomes = await _run_all(
+            nodes, group, buffers, [1.0] * 3, part_size=97, reducer_timeout=1, sender_timeout=5
+        )
+    plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), 97)
+    for i in (0, 1):
+        [(reducer, first, why)] = outcomes[i].local_spans
+        assert (reducer, first) == (2, 0)
+        assert "non-finite" in why
+        for buffer, values in enumerate(buffers[i]):
+            assert np.isfinite(values).all()
+            for reducer, parts in enumerate(plans):
+                for part in (p for p in parts if p.buffer == buffer):
+                    got = values[part.start : part.stop]
+                    if reducer == 2:  # kept local
+                        np.testing.assert_array_equal(
+                            got, original[i][buffer][part.start : part.stop]
+                        )
+                    else:
+                        want = expected[buffer][part.start : part.stop]
+                        np.testing.assert_allclose(
+                            got, want, rtol=0, atol=_tolerance(got.dtype) * 4
+                        )
+
+
+async def test_non_finite_values_relayed_are_refused() -> None:
+    """As above (member 2 dies partway through answering member 1), but member 0 relays
+    the rest with a NaN in it: member 1 refuses it and keeps the rest of member 2's span."""
+    async with _nodes(3) as nodes:
+        rng = np.random.default_rng(21)  # (what _reducer_cut_short starts from)
+        original = [_flat(_buffers(rng)) for _ in range(3)]
+        service = AllReduceService.for_node(nodes[0])
+
+        async def relay(ask: AvgRelay, ctx: Any) -> AsyncIterator[Message]:
+            async for answer in service._serve_relay(ask, ctx):
+                if isinstance(answer, AvgPart):
+                    answer.values[0] = np.nan
+                yield answer
+
+        nodes[0].rpc.unregister("avg.relay")
+        nodes[0].rpc.register("avg.relay", relay, kind="server_stream", request_type=AvgRelay)
+        group, buffers, outcomes = await _reducer_cut_short(nodes, die=True)
+    second = outcomes[1]
+    assert isinstance(second, AllReduceResult), second
+    assert not second.relayed
+    [(reducer, first, _)] = second.local_spans
+    assert (reducer, first) == (2, 3)
+    plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), 97)
+    flat = _flat(buffers[1])
+    assert np.isfinite(flat).all()
+    starts = [LAYOUT.buffer_start(b) for b in range(len(LAYOUT.buffers))]
+    for part in plans[2][3:]:  # kept: member 1's own values
+        at = starts[part.buffer] + part.start
+        np.testing.assert_array_equal(flat[at : at + part.size], original[1][at : at + part.size])
+
+
 def buffers_of(flats: Sequence[npt.NDArray[np.float64]]) -> list[list[npt.NDArray[Any]]]:
     """Flat float64 vectors split back into LAYOUT's buffers."""
     out = []
