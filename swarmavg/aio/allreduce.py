@@ -1071,6 +1071,8 @@ class AllReduceService(AllReduceRunner):
                 told = await receive()
                 if not isinstance(told, AvgWeights) or len(told.weights) != len(group.members):
                     raise ValueError(f"member {reducer} did not say the weights first")
+                if not all(w >= 0 and math.isfinite(w) for w in told.weights):
+                    raise ValueError(f"member {reducer} said weights that are not finite >= 0")
                 for index, told_weight in enumerate(told.weights):
                     if told_weight > 0 or index not in out.weights:
                         out.weights[index] = told_weight

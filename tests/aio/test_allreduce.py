@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -31,6 +32,7 @@ from swarmavg.proto.averaging_messages import (
     AvgLeave,
     AvgPart,
     AvgRelay,
+    AvgWeights,
 )
 from swarmavg.proto.codec import Message
 from swarmavg.testing import MemoryNetwork
@@ -704,11 +706,11 @@ async def test_a_reducer_cut_short_while_answering_leaves_no_disagreement(die: b
     np.testing.assert_allclose(flats[0], want, rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "weights"])
 async def test_a_reducer_answering_non_finite_means_leaves_its_span_local(bad: str) -> None:
-    """Member 2 reduces honestly but answers every sender means with a NaN or inf in them
-    (and relays nothing): the others refuse its answers and keep their own values for its
-    span, which no non-finite value ever reaches."""
+    """Member 2 reduces honestly but answers every sender means with a NaN or inf in them,
+    or NaN and negative weights (and relays nothing): the others refuse its answers and keep
+    their own values for its span, which no non-finite value ever reaches."""
     async with _nodes(3) as nodes:
         rng = np.random.default_rng(5)
         group = _group(nodes)
@@ -719,7 +721,9 @@ async def test_a_reducer_answering_non_finite_means_leaves_its_span_local(bad: s
 
         async def serve(requests: AsyncIterator[Message], ctx: Any) -> AsyncIterator[Message]:
             async for reply in service._serve(requests, ctx):
-                if isinstance(reply, AvgPart):
+                if bad == "weights" and isinstance(reply, AvgWeights):
+                    reply = AvgWeights([math.nan, -1.0, *reply.weights[2:]])
+                elif bad != "weights" and isinstance(reply, AvgPart):
                     values = reply.values.copy()
                     values[len(values) // 2] = np.nan if bad == "nan" else -np.inf
                     reply = AvgPart(reply.index, values)
@@ -735,7 +739,7 @@ async def test_a_reducer_answering_non_finite_means_leaves_its_span_local(bad: s
     for i in (0, 1):
         [(reducer, first, why)] = outcomes[i].local_spans
         assert (reducer, first) == (2, 0)
-        assert "non-finite" in why
+        assert ("weights" if bad == "weights" else "non-finite") in why
         for buffer, values in enumerate(buffers[i]):
             assert np.isfinite(values).all()
             for reducer, parts in enumerate(plans):
