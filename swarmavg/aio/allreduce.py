@@ -799,10 +799,7 @@ class AllReduceService(AllReduceRunner):
                 part = parts[got]
                 local = buffers[part.buffer][part.start : part.stop]
                 if isinstance(answer, AvgPart):
-                    if answer.values.shape != local.shape or answer.values.dtype != local.dtype:
-                        raise ValueError(f"member {member} relayed a wrong shape or dtype")
-                    if not _all_finite(answer.values):
-                        raise ValueError(f"member {member} relayed non-finite values")
+                    _check_mean(answer.values, local, f"member {member} relayed")
                     result.bytes_received += answer.values.nbytes
                     _apply(local, answer.values, alpha)
                 applied.applied(reducer, keep=isinstance(answer, AvgKeep))
@@ -1092,12 +1089,7 @@ class AllReduceService(AllReduceRunner):
                         result.bytes_received += answer.nbytes
                         _apply(local, mean, out.alpha)
                     elif isinstance(answer, AvgPart):
-                        if answer.values.shape != local.shape or answer.values.dtype != (
-                            local.dtype
-                        ):
-                            raise ValueError(f"member {reducer} answered a wrong shape or dtype")
-                        if not _all_finite(answer.values):  # (one NaN would spread everywhere)
-                            raise ValueError(f"member {reducer} answered non-finite values")
+                        _check_mean(answer.values, local, f"member {reducer} answered")
                         result.bytes_received += answer.values.nbytes
                         _apply(local, answer.values, out.alpha)
                     progress[0] += 1
@@ -1248,6 +1240,15 @@ def _answer(round_: _Round, index: int) -> Message:
         return compressed
     mean = round_.results[index]
     return AvgKeep(index) if mean is None else AvgPart(index, mean)
+
+
+def _check_mean(values: npt.NDArray[Any], local: npt.NDArray[Any], who: str) -> None:
+    """A mean from a groupmate (answered or relayed) fits ``local`` and is finite (one NaN
+    would spread through every member's tensors); ``ValueError`` naming ``who`` if not."""
+    if values.shape != local.shape or values.dtype != local.dtype:
+        raise ValueError(f"{who} a wrong shape or dtype")
+    if not _all_finite(values):
+        raise ValueError(f"{who} non-finite values")
 
 
 def _apply(local: npt.NDArray[Any], mean: npt.NDArray[Any] | None, alpha: float) -> None:
