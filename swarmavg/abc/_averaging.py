@@ -11,7 +11,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from swarmavg.compression import (
     AdaptiveCompression,
@@ -141,7 +141,19 @@ _NO_COMPRESSION = NoCompression()
 
 
 class AllReduceRunner(ABC):
-    """Averages flat buffers over a group."""
+    """Averages flat buffers over a group.
+
+    ``in_place``: whether the buffers may be the caller's own memory (the averager then
+    passes a tensor's memory itself, without copying it in and out). A runner that says so
+    writes into the buffers nothing but the round's results (a part of the vector is left as
+    it was, or given its average, also when the round fails), takes the keyword argument
+    ``results_valid`` (``None``, or a callable that tells whether the buffers still hold this
+    round's results once :meth:`run` has returned: the caller's memory changes afterwards), and
+    does not read or write the buffers after :meth:`run` returned unless it says yes. Runners
+    that do not set it get copies, and a failed round leaves the caller's values as they were.
+    """
+
+    in_place: ClassVar[bool] = False
 
     @abstractmethod
     async def run(

@@ -37,9 +37,11 @@ how much of that span they applied, and fetches the rest from the one that appli
 ``averaging_alpha=1`` a member's buffer there holds exactly the mean it was answered. A member
 answers for a round in progress once it is done with that span, and for a finished round as
 long as its buffers hold the round's results (until its next round; at most ``_RELAY_KEEP``
-seconds). Members with another ``averaging_alpha`` neither relay nor are relayed to the
-wrong values: they answer that they have nothing. Asking a member that stalls costs no more
-than the ask's budget (a transport must let a send that has not started be cancelled).
+seconds; buffers that are the caller's tensors, averaged in place, until the caller says they
+changed: ``results_valid``). Members with another ``averaging_alpha`` neither relay nor are
+relayed to the wrong values: they answer that they have nothing. Asking a member that stalls
+costs no more than the ask's budget (a transport must let a send that has not started be
+cancelled).
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ class _Applied:
     #: the senders each reducer left out: ``(reducer, sender, part, reason)``
     dropped: list[tuple[int, int, int, str]] = field(default_factory=list)
     until: float = math.inf
+    #: once the round is over: whether ``buffers`` still hold its results (``None``: they do,
+    #: until ``until`` or the next round on them)
+    valid: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         for reducer in range(len(self.plans)):
@@ -188,6 +193,13 @@ class _Applied:
     def close(self) -> None:
         for event in self.settled.values():
             event.set()
+
+    def holds_results(self, in_progress: bool) -> bool:
+        """Whether the buffers still hold what this round applied (a round in progress
+        holds the caller's memory; a finished one may have given it back)."""
+        if self.until < anyio.current_time():
+            return False
+        return in_progress or self.valid is None or self.valid()
 
 
 @dataclass
@@ -454,6 +466,9 @@ _services: weakref.WeakKeyDictionary[Node, AllReduceService] = weakref.WeakKeyDi
 class AllReduceService(AllReduceRunner):
     """Runs all-reduce rounds for the members on one node and serves ``avg.allreduce``."""
 
+    #: the buffers may be the caller's tensors (see :class:`~swarmavg.abc.AllReduceRunner`)
+    in_place = True
+
     def __init__(self, node: Node, *, join_wait: float = _JOIN_WAIT) -> None:
         self.node = node
         self.join_wait = join_wait
@@ -501,9 +516,14 @@ class AllReduceService(AllReduceRunner):
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: ErrorFeedback | None = None,
         clip_norm: float | None = None,
+        results_valid: Callable[[], bool] | None = None,
     ) -> AllReduceResult:
         """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
         place) with the rest of ``group``.
+
+        ``results_valid``: the buffers are the caller's memory, which changes after this
+        returns; groupmates are relayed results from them only while it says ``True`` (see
+        the module docstring).
 
         With ``clip_norm``, each contribution to a part of our span (ours included) is scaled
         down to an L2 norm of ``clip_norm · sqrt(part size / vector size)`` if longer: a
@@ -569,6 +589,7 @@ class AllReduceService(AllReduceRunner):
             buffers,
             relayable=averaging_alpha == 1.0 and mode is not MemberMode.AUX,
             dropped=result.dropped,
+            valid=results_valid,
         )
         if left is not None:
             peer, sender, reason = left
@@ -663,7 +684,9 @@ class AllReduceService(AllReduceRunner):
         that earlier rounds left in them."""
         now = anyio.current_time()
         for group_id, applied in list(self._recent.items()):
-            if applied.until < now or any(a is b for a in applied.buffers for b in buffers):
+            if applied.until < now or any(
+                np.may_share_memory(a, b) for a in applied.buffers for b in buffers
+            ):
                 applied.until = -math.inf
                 del self._recent[group_id]
 
@@ -845,7 +868,7 @@ class AllReduceService(AllReduceRunner):
             raise ValueError("a malformed relay request")
         round_ = self._rounds.get(ask.group_id)
         applied = round_.applied if round_ is not None else self._recent.get(ask.group_id)
-        if applied is None or applied.until < anyio.current_time():
+        if applied is None or not applied.holds_results(round_ is not None):
             yield AvgHave(0)
             return
         members = applied.group.members
@@ -874,7 +897,9 @@ class AllReduceService(AllReduceRunner):
                 continue
             part = parts[index]
             values = applied.buffers[part.buffer][part.start : part.stop].copy()
-            if applied.until < anyio.current_time():  # (the buffers were reused meanwhile)
+            # (the buffers were reused, or given back and changed, meanwhile)
+            in_progress = round_ is not None and self._rounds.get(ask.group_id) is round_
+            if not applied.holds_results(in_progress):
                 raise ValueError("those results are gone")
             yield AvgPart(index, values)
 

@@ -5,9 +5,18 @@ Each :meth:`~DecentralizedAverager.step` finds a group through the DHT
 (:class:`~swarmavg.aio.allreduce.AllReduceService`), writes the weighted mean into the tensors
 in place and moves to new group bits (Moshpit), so that repeated steps mix the whole swarm.
 
-The tensors are copied into flat host buffers (one per dtype) for the round and the result is
-copied back under :meth:`~DecentralizedAverager.get_tensors`'s lock, so a training loop that
-holds the lock while it updates the tensors never sees a half-written average.
+The all-reduce works on one flat buffer per dtype. Where a dtype's tensors are one plain
+contiguous CPU tensor (float16/32/64), or views that lie back to back in one storage in the
+order given (keep the parameters in one flat tensor to get this), that buffer is their own
+memory: the round reads and writes the tensors in place, without a copy in or out (a copy of
+64 MiB in and out was a fifth of a round's time on loopback), and holds
+:meth:`~DecentralizedAverager.get_tensors`'s lock from its start until its results are written
+(as hivemind does): a training thread that wants the tensors meanwhile waits for the average.
+If such a round fails, the parts of the vector it averaged before the failure keep their
+averages. Other tensors are copied into flat host buffers for the round (under the lock) and
+the results are copied back under it, so a training loop that holds the lock while it updates
+the tensors never sees a half-written average (updates it makes during the round are
+overwritten where the round averaged).
 """
 
 from __future__ import annotations
@@ -149,6 +158,34 @@ def _cpu_memory(tensor: torch.Tensor) -> npt.NDArray[Any] | None:
     ):
         return None
     return tensor.detach().numpy().reshape(-1)
+
+
+class _InPlace:
+    """A round that averages some of the tensors in place (their memory is its buffers)."""
+
+    def __init__(
+        self,
+        averager: DecentralizedAverager,
+        buffers: list[npt.NDArray[Any] | None],
+        tensors: list[torch.Tensor],
+        epoch: int,
+    ) -> None:
+        self.averager = averager
+        self.buffers = buffers
+        self.tensors = tensors
+        self.epoch = epoch
+        #: the tensors' versions when the round gave them back (``None`` while it holds them)
+        self.versions: list[int] | None = None
+
+    def results_valid(self) -> bool:
+        """Whether the tensors still hold the round's results: nobody entered
+        ``get_tensors`` nor changed them with torch since (writes through other views, such as
+        ``.data`` or numpy, outside ``get_tensors`` are not seen)."""
+        averager = self.averager
+        if averager._closed or averager._tensors_epoch != self.epoch:
+            return False
+        versions = self.versions
+        return versions is None or versions == [tensor._version for tensor in self.tensors]
 
 
 class DecentralizedAverager:
@@ -307,7 +344,14 @@ class DecentralizedAverager:
         self._lock = threading.Lock()  # the tensors' lock (get_tensors); also taken by threads
         self._step_lock = anyio.Lock()
         self._live: set[StepControl] = set()  # steps in progress (cancelled at close)
-        self._buffers: list[npt.NDArray[Any]] | None = None  # flat copies, one per dtype
+        #: flat copies, one per layout buffer (made when first needed: none for a buffer that
+        #: is averaged in place)
+        self._buffers: list[npt.NDArray[Any] | None] = [None] * len(self.layout.buffers)
+        #: entries into get_tensors (a finished round's results in a tensor averaged in place
+        #: are relayed to groupmates only while nobody entered it since)
+        self._tensors_epoch = 0
+        #: the thread of the round that holds the tensors' lock while it averages in place
+        self._in_place_thread: int | None = None
         self._closed = False
         self._init_state_sharing(
             allow_state_sharing,
@@ -344,9 +388,25 @@ class DecentralizedAverager:
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
         """The averaged tensors, locked: averaging results are not written while it is held
-        (update them in place inside the block)."""
-        with self._lock:
+        (update them in place inside the block). While a step averages tensors in place (see
+        the module docstring) this waits for the end of its all-reduce.
+
+        :raises RuntimeError: called on the event loop whose step is averaging the tensors in
+            place right now (it would wait for itself): await the step first.
+        """
+        if not self._lock.acquire(blocking=False):
+            if self._in_place_thread == threading.get_ident():
+                raise RuntimeError(
+                    "get_tensors() was called on the event loop while a step of this averager "
+                    "is averaging the tensors in place there: it would wait for itself forever; "
+                    "await the step (or its control) first"
+                )
+            self._lock.acquire()
+        try:
+            self._tensors_epoch += 1
             yield self._tensors
+        finally:
+            self._lock.release()
 
     def get_group_bits(self) -> str:
         """This peer's current group key bits (without the prefix)."""
@@ -355,22 +415,108 @@ class DecentralizedAverager:
     def set_group_bits(self, bits: str) -> None:
         self._bits = validate_bits(bits)
 
-    def _to_buffers(self) -> list[npt.NDArray[Any]]:
-        """The tensors' values, copied into the flat buffers (kept from round to round: fresh
-        ones would cost a page fault per 4 KiB each round)."""
-        if self._buffers is None:
-            self._buffers = [
-                np.empty(size, dtype=np.float32 if dtype == "bfloat16" else dtype)
-                for dtype, size in self.layout.buffers
-            ]
-        buffers = self._buffers
+    def _begin_round(self) -> tuple[list[npt.NDArray[Any]], _InPlace | None]:
+        """The round's buffers (see :meth:`_to_buffers`) and, when some are the tensors'
+        memory, the lock the round now holds on them (released by :meth:`_end_in_place`)."""
+        # (blocks the loop while a training thread holds the tensors, as a copy would)
+        self._lock.acquire()
+        try:
+            own = self._in_place_buffers()
+            buffers = self._to_buffers(own)
+        except BaseException:
+            self._lock.release()
+            raise
+        if all(buffer is None for buffer in own):
+            self._lock.release()
+            return buffers, None
+        # the round reads and writes the tensors: they stay locked until it ends
+        self._in_place_thread = threading.get_ident()
+        tensors = [
+            tensor
+            for tensor, (buffer, _) in zip(self._tensors, self.layout.places, strict=True)
+            if own[buffer] is not None
+        ]
+        return buffers, _InPlace(self, own, tensors, self._tensors_epoch)
+
+    def _end_in_place(self, in_place: _InPlace | None) -> None:
+        """The round is over with the tensors it averaged in place: tell autograd they
+        changed and unlock them. Idempotent."""
+        if in_place is None or in_place.versions is not None:
+            return
+        try:
+            for tensor in in_place.tensors:
+                # numpy wrote them: an in-place op on an empty view bumps the version counter
+                # the tensor shares with its views, as copy_ would
+                tensor.detach().view(-1)[:0].zero_()
+            in_place.versions = [tensor._version for tensor in in_place.tensors]
+        finally:
+            self._in_place_thread = None
+            self._lock.release()
+
+    def _in_place_buffers(self) -> list[npt.NDArray[Any] | None]:
+        """For each layout buffer, the tensors' own memory where it can be averaged in place
+        (else ``None``): the buffer's tensors are plain contiguous CPU tensors of its dtype
+        (float16/32/64) that lie back to back in one storage, in the order they were given:
+        one flat tensor, or views of one. Only for runners that work in place. Call it holding
+        the tensors' lock."""
+        if not self.allreduce.in_place:  # type: ignore[union-attr]
+            return [None] * len(self.layout.buffers)
         import torch
 
-        with self._lock, torch.no_grad():
+        found: list[npt.NDArray[Any] | None] = []
+        for index, (_dtype, size) in enumerate(self.layout.buffers):
+            members = [
+                (tensor, offset)
+                for tensor, (buffer, offset) in zip(self._tensors, self.layout.places, strict=True)
+                if buffer == index
+            ]
+            memories = [_cpu_memory(tensor) for tensor, _ in members]
+            first = memories[0]
+            if first is None or size == 0:
+                found.append(None)
+                continue
+            base = first.ctypes.data
+            storage = members[0][0].untyped_storage().data_ptr()
+            if not all(
+                memory is not None
+                and memory.ctypes.data == base + offset * first.itemsize
+                and tensor.untyped_storage().data_ptr() == storage
+                for (tensor, offset), memory in zip(members, memories, strict=True)
+            ):
+                found.append(None)
+                continue
+            if len(members) == 1:
+                found.append(first)
+                continue
+            head = members[0][0]
+            whole = torch.empty(0, dtype=head.dtype).set_(
+                head.untyped_storage(), head.storage_offset(), (size,), (1,)
+            )
+            found.append(whole.detach().numpy())
+        return found
+
+    def _to_buffers(self, in_place: list[npt.NDArray[Any] | None]) -> list[npt.NDArray[Any]]:
+        """The buffers of a round: a tensor's memory where it is averaged in place, else a
+        flat copy of the tensors' values (the copies are kept from round to round: fresh ones
+        would cost a page fault per 4 KiB each round). Call it holding the tensors' lock."""
+        import torch
+
+        buffers: list[npt.NDArray[Any]] = []
+        for index, (dtype, size) in enumerate(self.layout.buffers):
+            own = in_place[index]
+            if own is None:
+                own = self._buffers[index]
+                if own is None:
+                    own = np.empty(size, dtype=np.float32 if dtype == "bfloat16" else dtype)
+                    self._buffers[index] = own
+            buffers.append(own)
+        with torch.no_grad():
             # one copy per tensor, whatever its device, dtype (bfloat16 -> float32) or strides
             for tensor, spec, (buffer, offset) in zip(
                 self._tensors, self.specs, self.layout.places, strict=True
             ):
+                if in_place[buffer] is not None:
+                    continue
                 flat = buffers[buffer][offset : offset + spec.numel]
                 memory = _cpu_memory(tensor)
                 if memory is not None and memory.dtype == flat.dtype:
@@ -379,22 +525,29 @@ class DecentralizedAverager:
                     torch.from_numpy(flat).view(tensor.shape).copy_(tensor.detach())
         return buffers
 
-    def _from_buffers(self, buffers: list[npt.NDArray[Any]]) -> None:
+    def _from_buffers(
+        self, buffers: list[npt.NDArray[Any]], in_place: list[npt.NDArray[Any] | None]
+    ) -> None:
+        """Write the round's results into the tensors (those averaged in place hold them
+        already: ``in_place`` as given by :meth:`_in_place_buffers`). Call it holding the
+        tensors' lock."""
         import torch
 
-        with self._lock, torch.no_grad():
+        with torch.no_grad():
             for tensor, spec, (buffer, offset) in zip(
                 self._tensors, self.specs, self.layout.places, strict=True
             ):
-                flat = buffers[buffer][offset : offset + spec.numel]
+                if in_place[buffer] is not None:
+                    continue  # (see _end_in_place)
                 memory = _cpu_memory(tensor)
-                if memory is not None and memory.dtype == flat.dtype:
-                    np.copyto(memory, flat)
-                    # an in-place op on an empty view bumps the version counter the tensor
-                    # shares with its views, as copy_ would: autograd still catches a backward
-                    # through values that changed under it
+                if memory is not None:
+                    np.copyto(memory, buffers[buffer][offset : offset + spec.numel])
+                    # numpy wrote them: an in-place op on an empty view bumps the version
+                    # counter the tensor shares with its views, as copy_ would: autograd still
+                    # catches a backward through values that changed under it
                     tensor.detach().view(-1)[:0].zero_()
                 else:
+                    flat = buffers[buffer][offset : offset + spec.numel]
                     tensor.copy_(torch.from_numpy(flat).view(tensor.shape))
 
     def _move_on(self) -> None:
@@ -762,13 +915,14 @@ class DecentralizedAverager:
         where[0] = bits
         matched = anyio.current_time()
         group = info.group
+        in_place: _InPlace | None = None
         try:
             if control.require_trigger and not control.triggered:
                 self.allreduce.expect(group)
                 control._set_stage(AveragingStage.AWAITING_TRIGGER)
                 await control._wait_for_trigger()
             weight = control._begin_allreduce()
-            buffers = self._to_buffers()
+            buffers, in_place = self._begin_round()
             compressing: dict[str, Any] = {}  # (left out when off: runners that predate it)
             if not isinstance(self.compression, NoCompression):
                 compressing = {
@@ -778,6 +932,8 @@ class DecentralizedAverager:
                 }
             if self.clip_norm is not None:
                 compressing["clip_norm"] = self.clip_norm
+            if in_place is not None:
+                compressing["results_valid"] = in_place.results_valid
             outcome = await self.allreduce.run(
                 group,
                 buffers,
@@ -791,11 +947,17 @@ class DecentralizedAverager:
                 reducer_timeout=self.reducer_timeout,
                 **compressing,
             )
+            if in_place is not None and self.mode is not MemberMode.AUX and outcome.contributors:
+                self._from_buffers(buffers, in_place.buffers)  # (the tensors not in place)
         except anyio.get_cancelled_exc_class():
+            self._end_in_place(in_place)
             await self.allreduce.leave(group, "its step was cancelled")
             raise
-        if self.mode is not MemberMode.AUX and outcome.contributors:
-            self._from_buffers(buffers)
+        finally:
+            self._end_in_place(in_place)
+        if in_place is None and self.mode is not MemberMode.AUX and outcome.contributors:
+            with self._lock:
+                self._from_buffers(buffers, [None] * len(buffers))
         members = group.members
         me = group.index_of(self.dht.peer_id)
         self._bits = next_group_bits(self._bits, group.group_id, me, len(members))

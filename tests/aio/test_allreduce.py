@@ -846,6 +846,33 @@ async def test_relay_requests_are_checked_and_answer_only_what_is_held() -> None
         assert have == AvgHave(0)
 
 
+async def test_results_in_the_callers_memory_are_relayed_only_while_it_says_they_hold() -> None:
+    """Buffers that are the caller's tensors (``results_valid``) are relayed from after the
+    round only while the caller says they still hold its results; a round on another view of
+    the same memory ends the relaying too."""
+    rng = np.random.default_rng(37)
+    async with _nodes(2) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in range(2)]
+        holds = [True]
+        await _run_all(nodes, group, buffers, [1.0, 1.0], results_valid=lambda: holds[0])
+        ask = AvgRelay(group.group_id, 1, 0, True)
+        plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), 1 << 16)
+        got = await _relay_ask(nodes[1], nodes[0], ask)
+        assert got[0] == AvgHave(len(plans[1]))
+        assert len(got) == 1 + len(plans[1])
+        holds[0] = False  # (the caller changed its tensors)
+        [have] = await _relay_ask(nodes[1], nodes[0], ask)
+        assert have == AvgHave(0)
+        # a new round on views of the same memory (new array objects) forgets the old one
+        holds[0] = True
+        group2 = _group(nodes)
+        views = [[buffer[:] for buffer in own] for own in buffers]
+        await _run_all(nodes, group2, views, [1.0, 1.0])
+        [have] = await _relay_ask(nodes[1], nodes[0], ask)
+        assert have == AvgHave(0)
+
+
 async def test_later_rounds_reduce_into_recycled_accumulators() -> None:
     # (a fresh span-sized accumulator is page-faulted in every round; the pool hands the last
     # round's back once nothing refers to it: the means of later rounds stay exact)

@@ -600,3 +600,177 @@ async def test_a_failed_round_formed_under_the_prefix_key_is_retried_there() -> 
         for averager in averagers:
             with averager.get_tensors() as got:
                 assert torch.equal(got[0], torch.full((50,), 0.5))
+
+
+class _NeverRuns(AllReduceRunner):
+    """A runner that does not say it works in place (and is never run)."""
+
+    async def run(self, group: Group, buffers: Any, layout: Any, **options: Any) -> Any:
+        raise AssertionError("not run in this test")
+
+
+class _Paused(AllReduceRunner):
+    """The node's all-reduce (in place), held at its start until ``go`` is set."""
+
+    in_place = True
+
+    def __init__(self, inner: AllReduceRunner) -> None:
+        self.inner = inner
+        self.entered = anyio.Event()
+        self.go = anyio.Event()
+        self.results_valid: Any = None
+
+    async def run(self, group: Group, buffers: Any, layout: Any, **options: Any) -> Any:
+        self.results_valid = options.get("results_valid")
+        self.entered.set()
+        await self.go.wait()
+        return await self.inner.run(group, buffers, layout, **options)
+
+    def expect(self, group: Group) -> None:
+        self.inner.expect(group)
+
+    async def leave(self, group: Group, reason: str) -> None:
+        await self.inner.leave(group, reason)
+
+
+async def test_which_tensors_are_averaged_in_place() -> None:
+    """A dtype's tensors are averaged in their own memory when they are one plain contiguous
+    CPU tensor, or views that lie back to back in one storage in the order given; anything
+    else is copied in and out."""
+    flat = torch.zeros(10)
+    cases: list[tuple[list[torch.Tensor], list[bool]]] = [
+        ([torch.zeros(2, 3)], [True]),
+        ([flat[:4].view(2, 2), flat[4:]], [True]),  # views of one flat tensor, in order
+        ([flat[4:], flat[:4]], [False]),  # out of order
+        ([flat[:4], flat[5:]], [False]),  # a gap
+        ([torch.zeros(3), torch.zeros(3)], [False]),  # two storages
+        ([torch.zeros(4, 4).t()], [False]),  # not contiguous
+        ([torch.zeros(3, dtype=torch.bfloat16)], [False]),  # averaged in float32
+        ([torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(0)], [False, True]),
+    ]
+    for tensors, expected in cases:
+        async with _averagers([tensors], prefix="which", target_group_size=2) as (averager,):
+            with averager._lock:
+                own = averager._in_place_buffers()
+            assert [memory is not None for memory in own] == expected
+            for memory, (dtype, size) in zip(own, averager.layout.buffers, strict=True):
+                if memory is not None:
+                    assert memory.shape == (size,)
+                    assert str(memory.dtype) == dtype
+                    assert any(memory.ctypes.data == t.data_ptr() for t in tensors)
+    # a runner that does not say it works in place gets copies
+    async with _averagers(
+        [[torch.zeros(3)]], prefix="which", target_group_size=2, allreduce=_NeverRuns()
+    ) as (averager,):
+        with averager._lock:
+            assert averager._in_place_buffers() == [None]
+
+
+async def test_views_of_one_flat_tensor_are_averaged_without_copies() -> None:
+    torch.manual_seed(11)
+    tensors = []
+    for _ in range(3):
+        flat = torch.randn(100)
+        tensors.append([flat[:60].view(6, 10), flat[60:], torch.randn(7, dtype=torch.float64)])
+    expected = [sum(t[k].double() for t in tensors) / 3 for k in range(3)]
+    async with _averagers(tensors, prefix="views", target_group_size=3) as averagers:
+        for _ in range(2):
+            results = await _step_all(averagers, timeout=10)
+            assert all(r.group_size == 3 and not r.incomplete for r in results)
+        for averager in averagers:
+            assert averager._buffers == [None, None]  # no flat copy was ever made
+            with averager.get_tensors() as own:
+                for got, want in zip(own, expected, strict=True):
+                    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
+
+
+async def test_an_in_place_round_holds_the_tensors_until_its_results_are_written() -> None:
+    """While a round averages the tensors in place, a training thread that wants them waits
+    and then sees the averaged values; on the event loop itself, where waiting would never
+    end, ``get_tensors`` says so."""
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        dhts: list[DHT] = []
+        for _ in range(2):
+            seeds = [a for d in dhts for a in d.get_visible_maddrs()]
+            dhts.append(
+                await stack.enter_async_context(
+                    DHT(seeds, transport="memory", transport_options={"network": network})
+                )
+            )
+        runners = [_Paused(AllReduceService.for_node(d.node)) for d in dhts]
+        averagers = [
+            await stack.enter_async_context(
+                DecentralizedAverager(
+                    [torch.full((50,), float(i))],
+                    dht,
+                    prefix="held",
+                    target_group_size=2,
+                    allreduce=runner,
+                )
+            )
+            for i, (dht, runner) in enumerate(zip(dhts, runners, strict=True))
+        ]
+        controls = [await a.step(wait=False, timeout=10) for a in averagers]
+        with anyio.fail_after(10):
+            for runner in runners:
+                await runner.entered.wait()
+        with pytest.raises(RuntimeError, match="wait for itself"), averagers[0].get_tensors():
+            pass
+        entered = []
+
+        def train() -> torch.Tensor:
+            with averagers[0].get_tensors() as own:
+                entered.append(True)
+                return own[0].clone()
+
+        async with anyio.create_task_group() as tg:
+            seen: list[torch.Tensor] = []
+
+            async def training_thread() -> None:
+                seen.append(await anyio.to_thread.run_sync(train))
+
+            tg.start_soon(training_thread)
+            await anyio.sleep(0.3)
+            assert not entered  # the round holds the tensors
+            assert runners[0].results_valid() is True  # (the round has them)
+            for runner in runners:
+                runner.go.set()
+            with anyio.fail_after(10):
+                results = [await control for control in controls]
+        assert all(r.group_size == 2 for r in results)
+        torch.testing.assert_close(seen[0], torch.full((50,), 0.5))
+        # what a groupmate may be relayed from our tensors: until someone enters them again
+        valid = runners[1].results_valid
+        assert valid() is True
+        with averagers[1].get_tensors() as own:
+            assert torch.equal(own[0], torch.full((50,), 0.5))
+        assert valid() is False
+        # ... or changes them with torch, even without get_tensors
+        controls = [await a.step(wait=False, timeout=10) for a in averagers]
+        for runner in runners:
+            runner.go.set()
+        with anyio.fail_after(10):
+            for control in controls:
+                await control
+        valid = runners[0].results_valid
+        assert valid() is True
+        averagers[0]._tensors[0].add_(1.0)
+        assert valid() is False
+
+
+async def test_a_parameter_averaged_in_place_is_seen_changed_by_autograd() -> None:
+    torch.manual_seed(5)
+    params = [[torch.nn.Parameter(torch.randn(4, 3))] for _ in range(2)]
+    expected = (params[0][0].detach() + params[1][0].detach()) / 2
+    pending = (params[0][0] ** 2).sum()  # saves params[0][0] for its backward
+    versions = [own[0]._version for own in params]
+    async with _averagers(params, prefix="autograd1", target_group_size=2) as averagers:
+        assert all(a._in_place_buffers()[0] is not None for a in averagers)
+        await _step_all(averagers, timeout=10)
+        assert all(a._buffers == [None] for a in averagers)
+    for own, version in zip(params, versions, strict=True):
+        assert own[0]._version > version
+        torch.testing.assert_close(own[0].detach(), expected, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pending.backward()
