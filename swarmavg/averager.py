@@ -96,7 +96,9 @@ class DecentralizedAverager:
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
-        """The averaged tensors, locked against averaging results (update them in place)."""
+        """The averaged tensors, locked against averaging results (update them in place).
+        While a step averages them in place (one flat tensor per dtype, see
+        :mod:`swarmavg.aio.averager`), this waits until the step's results are written."""
         with self._averager.get_tensors() as tensors:
             yield tensors
 
