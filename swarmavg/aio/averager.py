@@ -160,6 +160,18 @@ def _cpu_memory(tensor: torch.Tensor) -> npt.NDArray[Any] | None:
     return tensor.detach().numpy().reshape(-1)
 
 
+def _written(tensor: torch.Tensor) -> None:
+    """numpy wrote into ``tensor``: bump the version counter it shares with its views, as
+    ``copy_`` would, so that autograd still catches a backward through values that changed
+    under it (an in-place op on an empty view; inference tensors have no counter)."""
+    if not tensor.is_inference():
+        tensor.detach().view(-1)[:0].zero_()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version
+
+
 class _InPlace:
     """A round that averages some of the tensors in place (their memory is its buffers)."""
 
@@ -185,7 +197,7 @@ class _InPlace:
         if averager._closed or averager._tensors_epoch != self.epoch:
             return False
         versions = self.versions
-        return versions is None or versions == [tensor._version for tensor in self.tensors]
+        return versions is None or versions == [_version(tensor) for tensor in self.tensors]
 
 
 class DecentralizedAverager:
@@ -445,10 +457,8 @@ class DecentralizedAverager:
             return
         try:
             for tensor in in_place.tensors:
-                # numpy wrote them: an in-place op on an empty view bumps the version counter
-                # the tensor shares with its views, as copy_ would
-                tensor.detach().view(-1)[:0].zero_()
-            in_place.versions = [tensor._version for tensor in in_place.tensors]
+                _written(tensor)
+            in_place.versions = [_version(tensor) for tensor in in_place.tensors]
         finally:
             self._in_place_thread = None
             self._lock.release()
@@ -542,13 +552,12 @@ class DecentralizedAverager:
                 memory = _cpu_memory(tensor)
                 if memory is not None:
                     np.copyto(memory, buffers[buffer][offset : offset + spec.numel])
-                    # numpy wrote them: an in-place op on an empty view bumps the version
-                    # counter the tensor shares with its views, as copy_ would: autograd still
-                    # catches a backward through values that changed under it
-                    tensor.detach().view(-1)[:0].zero_()
+                    _written(tensor)
                 else:
                     flat = buffers[buffer][offset : offset + spec.numel]
-                    tensor.copy_(torch.from_numpy(flat).view(tensor.shape))
+                    # (an inference tensor is written only in inference mode)
+                    with torch.inference_mode(tensor.is_inference()):
+                        tensor.copy_(torch.from_numpy(flat).view(tensor.shape))
 
     def _move_on(self) -> None:
         """After an attempt found no group: draw new group bits (of the same length, at

@@ -774,3 +774,19 @@ async def test_a_parameter_averaged_in_place_is_seen_changed_by_autograd() -> No
         torch.testing.assert_close(own[0].detach(), expected, atol=1e-6, rtol=0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         pending.backward()
+
+
+async def test_inference_tensors_are_averaged_too() -> None:
+    # (they have no version counter to bump, and torch refuses to write them outside
+    # inference mode: a round used to average them and then fail)
+    torch.manual_seed(6)
+    with torch.inference_mode():
+        tensors = [[torch.randn(8), torch.randn(5).to(torch.bfloat16)] for _ in range(2)]
+    expected = [(tensors[0][k].double() + tensors[1][k].double()) / 2 for k in range(2)]
+    async with _averagers(tensors, prefix="inference", target_group_size=2) as averagers:
+        results = await _step_all(averagers, timeout=10)
+        assert all(r.group_size == 2 for r in results)
+        for averager in averagers:
+            with averager.get_tensors() as own:
+                torch.testing.assert_close(own[0].double(), expected[0], atol=1e-6, rtol=0)
+                torch.testing.assert_close(own[1].double(), expected[1], atol=2e-2, rtol=0)
