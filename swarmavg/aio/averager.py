@@ -188,6 +188,7 @@ class _InPlace:
         self.epoch = epoch
         #: the tensors' versions when the round gave them back (``None`` while it holds them)
         self.versions: list[int] | None = None
+        self.ended = False
 
     def results_valid(self) -> bool:
         """Whether the tensors still hold the round's results: nobody entered
@@ -197,7 +198,9 @@ class _InPlace:
         if averager._closed or averager._tensors_epoch != self.epoch:
             return False
         versions = self.versions
-        return versions is None or versions == [_version(tensor) for tensor in self.tensors]
+        if versions is None:
+            return not self.ended  # (held by the round; or it ended without seeing them)
+        return versions == [_version(tensor) for tensor in self.tensors]
 
 
 class DecentralizedAverager:
@@ -453,8 +456,9 @@ class DecentralizedAverager:
     def _end_in_place(self, in_place: _InPlace | None) -> None:
         """The round is over with the tensors it averaged in place: tell autograd they
         changed and unlock them. Idempotent."""
-        if in_place is None or in_place.versions is not None:
+        if in_place is None or in_place.ended:
             return
+        in_place.ended = True
         try:
             for tensor in in_place.tensors:
                 _written(tensor)
