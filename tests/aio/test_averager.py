@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgpack
@@ -33,6 +33,8 @@ from swarmavg.compression import (
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
+
+R = TypeVar("R", bound=AllReduceRunner)
 
 
 @asynccontextmanager
@@ -525,6 +527,18 @@ async def _pair_failing_first(
     stack: AsyncExitStack, prefix: str, bits: Sequence[str] = ("", ""), **options: Any
 ) -> tuple[list[DecentralizedAverager], list[_FailsFirst]]:
     """Two averagers (tensors of 0s and 1s, groups of 2) whose first all-reduce fails."""
+    return await _pair(stack, prefix, _FailsFirst, bits, **options)
+
+
+async def _pair(
+    stack: AsyncExitStack,
+    prefix: str,
+    wrap: Callable[[AllReduceRunner], R],
+    bits: Sequence[str] = ("", ""),
+    **options: Any,
+) -> tuple[list[DecentralizedAverager], list[R]]:
+    """Two averagers (tensors of 0s and 1s, groups of 2), each with its node's all-reduce
+    wrapped by ``wrap``."""
     network = MemoryNetwork()
     dhts: list[DHT] = []
     for _ in range(2):
@@ -534,7 +548,7 @@ async def _pair_failing_first(
                 DHT(seeds, transport="memory", transport_options={"network": network})
             )
         )
-    runners = [_FailsFirst(AllReduceService.for_node(d.node)) for d in dhts]
+    runners = [wrap(AllReduceService.for_node(d.node)) for d in dhts]
     averagers = [
         await stack.enter_async_context(
             DecentralizedAverager(
@@ -688,29 +702,8 @@ async def test_an_in_place_round_holds_the_tensors_until_its_results_are_written
     """While a round averages the tensors in place, a training thread that wants them waits
     and then sees the averaged values; on the event loop itself, where waiting would never
     end, ``get_tensors`` says so."""
-    network = MemoryNetwork()
     async with AsyncExitStack() as stack:
-        dhts: list[DHT] = []
-        for _ in range(2):
-            seeds = [a for d in dhts for a in d.get_visible_maddrs()]
-            dhts.append(
-                await stack.enter_async_context(
-                    DHT(seeds, transport="memory", transport_options={"network": network})
-                )
-            )
-        runners = [_Paused(AllReduceService.for_node(d.node)) for d in dhts]
-        averagers = [
-            await stack.enter_async_context(
-                DecentralizedAverager(
-                    [torch.full((50,), float(i))],
-                    dht,
-                    prefix="held",
-                    target_group_size=2,
-                    allreduce=runner,
-                )
-            )
-            for i, (dht, runner) in enumerate(zip(dhts, runners, strict=True))
-        ]
+        averagers, runners = await _pair(stack, "held", _Paused)
         controls = [await a.step(wait=False, timeout=10) for a in averagers]
         with anyio.fail_after(10):
             for runner in runners:
