@@ -25,6 +25,7 @@ not hide honest peers that another answer names.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Iterable
 from enum import Enum
 from typing import Final
@@ -43,6 +44,29 @@ class PeerState(Enum):
     IN_FLIGHT = "in flight"
     RESPONDED = "responded"
     FAILED = "failed"
+
+
+_NEW: Final = PeerState.NEW
+_IN_FLIGHT: Final = PeerState.IN_FLIGHT
+_RESPONDED: Final = PeerState.RESPONDED
+_FAILED: Final = PeerState.FAILED
+
+
+class _Candidate:
+    """One peer of the lookup: its distance to the target and where it is. The ranking holds
+    these, so that scanning the beam reads attributes rather than hashing PeerIDs (a Python
+    ``__hash__`` each: ~150 per latest get, when the beam was scanned through a dict)."""
+
+    __slots__ = ("distance", "peer", "state")
+
+    def __init__(self, distance: int, peer: PeerID, state: PeerState) -> None:
+        self.distance = distance
+        self.peer = peer
+        self.state = state
+
+
+#: the ranking's key (C, not a Python function: bisect calls it at every step)
+_distance: Final = operator.attrgetter("distance")
 
 
 class Lookup:
@@ -73,10 +97,9 @@ class Lookup:
         self.alpha = alpha
         self.stop_on_value = stop_on_value
         self._excluded = set(exclude)
-        self._state: dict[PeerID, PeerState] = {}
-        self._distance: dict[PeerID, int] = {}
+        self._candidates: dict[PeerID, _Candidate] = {}
         #: every candidate that has not failed, nearest first (the beam is its first k)
-        self._ranked: list[tuple[int, PeerID]] = []
+        self._ranked: list[_Candidate] = []
         self._in_flight = 0
         self.value_found = False
         self.queries = 0  # requests handed out so far
@@ -85,37 +108,39 @@ class Lookup:
 
     def add_candidates(self, peers: Iterable[tuple[PeerID, int]]) -> None:
         """Peers (with their node ids) that might be near the target."""
-        state = self._state
+        candidates = self._candidates
+        excluded = self._excluded
+        ranked = self._ranked
+        target = self.target
         for count, (peer, nid) in enumerate(peers):
             if count >= _MAX_CANDIDATES_PER_ANSWER:
                 break  # an answer naming thousands of peers costs us no more than 64
-            if peer in state or peer in self._excluded:
+            if peer in candidates or peer in excluded:
                 continue
-            dist = nid ^ self.target
-            state[peer] = PeerState.NEW
-            self._distance[peer] = dist
-            bisect.insort(self._ranked, (dist, peer))
+            candidate = _Candidate(nid ^ target, peer, _NEW)
+            candidates[peer] = candidate
+            bisect.insort(ranked, candidate, key=_distance)
 
     def add_responded(self, peer: PeerID, nid: int) -> None:
         """A peer whose answer is already in hand and that is never asked: the node itself,
         whose own storage the caller has read. It takes its place in the beam like a peer that
         answered, so a lookup for the ``k`` nearest asks one peer fewer when the node is among
         them (and :meth:`nearest_responded` may name it)."""
-        if peer in self._state:
+        if peer in self._candidates:
             return
-        dist = nid ^ self.target
-        self._state[peer] = PeerState.RESPONDED
-        self._distance[peer] = dist
-        bisect.insort(self._ranked, (dist, peer))
+        candidate = _Candidate(nid ^ self.target, peer, _RESPONDED)
+        self._candidates[peer] = candidate
+        bisect.insort(self._ranked, candidate, key=_distance)
 
     def on_response(
         self, peer: PeerID, nearest: Iterable[tuple[PeerID, int]] = (), *, found: bool = False
     ) -> None:
         """``peer`` answered, naming the peers it knows nearest to the target, and whether it
         holds a value for it."""
-        if self._state.get(peer) is not PeerState.IN_FLIGHT:
+        candidate = self._candidates.get(peer)
+        if candidate is None or candidate.state is not _IN_FLIGHT:
             return  # not asked, or already settled: ignore
-        self._state[peer] = PeerState.RESPONDED
+        candidate.state = _RESPONDED
         self._in_flight -= 1
         if found:
             self.value_found = True
@@ -123,13 +148,17 @@ class Lookup:
 
     def on_failure(self, peer: PeerID) -> None:
         """``peer`` did not answer (timeout, refusal, bad answer): the beam moves past it."""
-        if self._state.get(peer) is PeerState.IN_FLIGHT:
-            self._state[peer] = PeerState.FAILED
+        candidate = self._candidates.get(peer)
+        if candidate is not None and candidate.state is _IN_FLIGHT:
+            candidate.state = _FAILED
             self._in_flight -= 1
-            entry = (self._distance[peer], peer)
-            index = bisect.bisect_left(self._ranked, entry)
-            if index < len(self._ranked) and self._ranked[index] == entry:
-                del self._ranked[index]
+            ranked = self._ranked
+            index = bisect.bisect_left(ranked, candidate.distance, key=_distance)
+            while index < len(ranked) and ranked[index].distance == candidate.distance:
+                if ranked[index] is candidate:
+                    del ranked[index]
+                    break
+                index += 1
 
     # -- output ----------------------------------------------------------------------------------
 
@@ -137,27 +166,20 @@ class Lookup:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def _beam(self) -> list[tuple[int, PeerID]]:
-        """The k nearest candidates that have not failed, nearest first."""
-        return self._ranked[: self.k]
-
     @property
     def finished(self) -> bool:
         """Whether the lookup is over: a value was found (if that is enough), or every peer of
         the beam answered, or nothing is left to ask."""
         if self.value_found and self.stop_on_value:
             return True
-        state = self._state
-        responded = PeerState.RESPONDED
-        beam = self._beam()
-        if all(state[peer] is responded for _, peer in beam):
-            return True
-        return self._in_flight == 0 and not self._askable(beam)
-
-    def _askable(self, beam: list[tuple[int, PeerID]]) -> list[PeerID]:
-        state = self._state
-        new = PeerState.NEW
-        return [peer for _, peer in beam if state[peer] is new]
+        waiting = False  # a peer of the beam not yet answered
+        for candidate in self._ranked[: self.k]:
+            state = candidate.state
+            if state is _NEW:
+                return False  # (there is someone to ask)
+            if state is not _RESPONDED:
+                waiting = True
+        return not waiting or self._in_flight == 0
 
     def next_queries(self) -> list[PeerID]:
         """The peers to ask now (marked in flight): the nearest new candidates of the beam, so
@@ -167,9 +189,13 @@ class Lookup:
         room = self.alpha - self._in_flight
         if room <= 0:
             return []
-        chosen = self._askable(self._beam())[:room]
-        for peer in chosen:
-            self._state[peer] = PeerState.IN_FLIGHT
+        chosen = []
+        for candidate in self._ranked[: self.k]:
+            if candidate.state is _NEW:
+                candidate.state = _IN_FLIGHT
+                chosen.append(candidate.peer)
+                if len(chosen) == room:
+                    break
         self._in_flight += len(chosen)
         self.queries += len(chosen)
         return chosen
@@ -177,10 +203,9 @@ class Lookup:
     def nearest_responded(self, count: int | None = None) -> list[PeerID]:
         """Up to ``count`` (default ``k``) peers that answered, nearest to the target first."""
         count = self.k if count is None else count
-        state = self._state
-        responded = PeerState.RESPONDED
-        answered = [peer for _, peer in self._ranked if state[peer] is responded]
+        answered = [c.peer for c in self._ranked if c.state is _RESPONDED]
         return answered[:count]
 
     def state(self, peer: PeerID) -> PeerState | None:
-        return self._state.get(peer)
+        candidate = self._candidates.get(peer)
+        return None if candidate is None else candidate.state
