@@ -783,3 +783,24 @@ async def test_inference_tensors_are_averaged_too() -> None:
             with averager.get_tensors() as own:
                 torch.testing.assert_close(own[0].double(), expected[0], atol=1e-6, rtol=0)
                 torch.testing.assert_close(own[1].double(), expected[1], atol=2e-2, rtol=0)
+
+
+async def test_a_step_cancelled_during_an_in_place_round_gives_the_tensors_back() -> None:
+    async with AsyncExitStack() as stack:
+        averagers, runners = await _pair(stack, "cancelled", _Paused)
+        controls = [await a.step(wait=False, timeout=10) for a in averagers]
+        with anyio.fail_after(10):
+            for runner in runners:
+                await runner.entered.wait()
+        assert averagers[0]._in_place_thread is not None  # the round holds the tensors
+        assert controls[0].cancel()
+        with anyio.fail_after(10), pytest.raises(concurrent.futures.CancelledError):
+            await controls[0]
+        lock = averagers[0]._lock  # given back once the cancelled round has left
+        assert await anyio.to_thread.run_sync(lambda: lock.acquire(timeout=5))
+        lock.release()
+        assert averagers[0]._in_place_thread is None
+        with averagers[0].get_tensors() as own:  # unlocked, untouched (the round never ran)
+            assert torch.equal(own[0], torch.zeros(50))
+        runners[1].go.set()
+        controls[1].cancel()
