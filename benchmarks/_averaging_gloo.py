@@ -60,6 +60,7 @@ def rank_main(
             dist.all_reduce(x)
         times = torch.zeros(iters, dtype=torch.float64)
         cpus = torch.zeros(iters, dtype=torch.float64)
+        kernel = torch.zeros(iters, dtype=torch.float64)  # (the kernel's part of cpus)
         dist.barrier()
         busy0 = machine_busy_seconds()
         loop_cpu = time.process_time()
@@ -67,16 +68,19 @@ def rank_main(
         for i in range(iters):
             dist.barrier()
             cpu = time.process_time()
+            sys0 = os.times().system
             t = time.perf_counter()
             dist.all_reduce(x)
             times[i] = time.perf_counter() - t
             cpus[i] = time.process_time() - cpu
+            kernel[i] = os.times().system - sys0
         dist.barrier()
         busy1 = machine_busy_seconds()
         loop = torch.tensor([time.process_time() - loop_cpu], dtype=torch.float64)
         loop_wall = time.perf_counter() - loop_wall
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         dist.all_reduce(cpus, op=dist.ReduceOp.SUM)
+        dist.all_reduce(kernel, op=dist.ReduceOp.SUM)
         dist.all_reduce(loop, op=dist.ReduceOp.SUM)
         if rank == 0:
             machine = None if busy0 is None or busy1 is None else busy1 - busy0
@@ -84,6 +88,7 @@ def rank_main(
                 "init_s": init_s,
                 "times_s": times.tolist(),
                 "cpu_s": cpus.tolist(),
+                "cpu_sys_s": kernel.tolist(),
                 "finite": bool(torch.isfinite(x).all()),
                 "machine_cpu_s": None if machine is None else machine / iters,
                 # busy CPU of processes other than the ranks (load from elsewhere) per call, and

@@ -14,8 +14,8 @@ first, says that torch and swarmavg are imported). The operations, methods of :c
 - ``step(go_at, timeout)``: sleeps until ``go_at`` (``time.monotonic()``, which on Linux is
   CLOCK_MONOTONIC, one clock for all processes) and then calls ``averager.step(timeout=...)``;
   returns when it was called and returned (monotonic), this process's CPU seconds over the
-  call (``time.process_time()``: all its threads) and what the ``StepResult`` says, or the
-  error.
+  call (``time.process_time()``: all its threads; ``cpu_sys``: the kernel's part) and what
+  the ``StepResult`` says, or the error.
 - ``step_watch(go_at, timeout)`` (the ``--faults`` rows): as ``step``, but through
   ``step(wait=False)``: a first message ``(seq, "event", monotonic time)`` when the step's stage
   becomes ``RUNNING_ALLREDUCE`` (or it ended first), then the answer, which also says whether
@@ -156,6 +156,7 @@ class _Peer:
         if wait > 0:
             time.sleep(wait)
         cpu = time.process_time()
+        kernel = os.times().system
         start = time.monotonic()
         try:
             result = self.averager.step(timeout=timeout)
@@ -165,6 +166,7 @@ class _Peer:
                 "start": start,
                 "end": end,
                 "cpu": time.process_time() - cpu,
+                "cpu_sys": os.times().system - kernel,
                 "error": f"{type(exc).__name__}: {exc}"[:300],
             }
         end = time.monotonic()
@@ -172,6 +174,7 @@ class _Peer:
             "start": start,
             "end": end,
             "cpu": time.process_time() - cpu,
+            "cpu_sys": os.times().system - kernel,
             "matchmaking_s": float(result.matchmaking_seconds),
             "allreduce_s": float(result.allreduce_seconds),
             "group_size": int(result.group_size),
@@ -189,6 +192,7 @@ class _Peer:
         if wait > 0:
             time.sleep(wait)
         cpu = time.process_time()
+        kernel = os.times().system
         start = time.monotonic()
         handle = self.averager.step(timeout=timeout, wait=False)
         deadline = start + timeout + 300.0
@@ -207,6 +211,7 @@ class _Peer:
                 "start": start,
                 "end": end,
                 "cpu": time.process_time() - cpu,
+                "cpu_sys": os.times().system - kernel,
                 "error": f"{type(exc).__name__}: {exc}"[:300],
             }
         end = time.monotonic()
@@ -214,6 +219,7 @@ class _Peer:
             "start": start,
             "end": end,
             "cpu": time.process_time() - cpu,
+            "cpu_sys": os.times().system - kernel,
             "allreduce_s": float(result.allreduce_seconds),
             "group_size": int(result.group_size),
             "contributors": len(result.contributors),

@@ -252,6 +252,7 @@ def _ours_round(
     ends = [a["end"] for a in answers]
     out["start_skew_s"] = max(starts) - min(starts)
     out["process_cpu_s"] = sum(a["cpu"] for a in answers)
+    out["process_sys_s"] = sum(a.get("cpu_sys", 0.0) for a in answers)
     out["machine_cpu_s"] = None if busy0 is None or busy1 is None else busy1 - busy0
     if out["machine_cpu_s"] is not None and tree0 is not None and tree1 is not None:
         # busy CPU of processes that are not this benchmark's: load from elsewhere
@@ -325,6 +326,7 @@ def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -
         "matchmaking_s",
         "start_skew_s",
         "process_cpu_s",
+        "process_sys_s",
         "machine_cpu_s",
         "foreign_cpu_s",
         "foreign_per_s",
@@ -644,6 +646,7 @@ def _run_gloo(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "finite": raw["finite"],
         "allreduce_s": stats(raw["times_s"]),
         "process_cpu_s": stats(raw["cpu_s"]),
+        "process_sys_s": stats(raw["cpu_sys_s"]),
         "machine_cpu_s": raw["machine_cpu_s"],
         "foreign_cpu_s": raw["foreign_cpu_s"],
         "foreign_per_s": raw["foreign_per_s"],
@@ -1005,6 +1008,15 @@ def _rows(
             mine.get("process_cpu_s"),
             "gloo",
             gloo.get(n, {}).get("process_cpu_s"),
+            None,
+        )
+        row["unit"] = "CPU s"
+        rows.append(row)
+        row = _row(
+            f"  of which in the kernel, N={n} {kind}",
+            mine.get("process_sys_s"),
+            "gloo",
+            gloo.get(n, {}).get("process_sys_s"),
             None,
         )
         row["unit"] = "CPU s"
