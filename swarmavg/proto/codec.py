@@ -460,18 +460,55 @@ _LEAF_SPECS: Final[Mapping[object, _Spec]] = {
 }
 
 
+def _alias_types() -> tuple[type, ...]:
+    found: list[type] = []
+    kind = getattr(typing, "TypeAliasType", None)  # (Python >= 3.12)
+    if isinstance(kind, type):
+        found.append(kind)
+    try:
+        import typing_extensions
+    except ImportError:  # pragma: no cover (anyio needs it below Python 3.13)
+        return tuple(found)
+    kind = getattr(typing_extensions, "TypeAliasType", None)
+    if isinstance(kind, type) and kind not in found:
+        found.append(kind)
+    return tuple(found)
+
+
+#: the classes of PEP 695 type aliases (``type X[T] = ...``); numpy >= 2.5 defines ``NDArray``
+#: as one on Python >= 3.12, where ``NDArray[Any]`` no longer has ``np.ndarray`` as its origin
+_ALIAS_TYPES: Final = _alias_types()
+
+
+def _resolve_alias(tp: Any) -> Any:
+    """What a (subscripted) PEP 695 type alias stands for; ``tp`` itself if it is none."""
+    for _ in range(MAX_NESTING_DEPTH):  # (an alias of an alias; bounded)
+        origin = typing.get_origin(tp)
+        if isinstance(origin, _ALIAS_TYPES):
+            alias: Any = origin
+            value, args = alias.__value__, typing.get_args(tp)
+            tp = value[args] if alias.__type_params__ and args else value
+        elif isinstance(tp, _ALIAS_TYPES):
+            tp = typing.cast(Any, tp).__value__
+        else:
+            return tp
+    return tp
+
+
 def _compile(tp: Any, where: str) -> _Spec:
     """The spec of annotation ``tp`` (of field ``where``).
 
     :raises TypeError: if the wire cannot carry ``tp``.
     """
+    if _ALIAS_TYPES:
+        tp = _resolve_alias(tp)
     leaf = _LEAF_SPECS.get(tp) if isinstance(tp, typing.Hashable) else None
     if leaf is not None:
         return leaf
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is np.ndarray:  # NDArray[...] / np.ndarray[shape, np.dtype[...]]
         scalar = typing.get_args(args[1])[0] if len(args) == 2 else Any
-        if scalar is Any:
+        if scalar is Any or isinstance(scalar, TypeVar):  # (any dtype)
             return _LEAF_SPECS[np.ndarray]
         try:
             return _array_spec(wire_dtype_name(scalar))

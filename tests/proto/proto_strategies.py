@@ -28,6 +28,7 @@ from swarmavg.proto import (
     registered_messages,
     wire_dtype_name,
 )
+from swarmavg.proto.codec import _resolve_alias
 
 __all__ = [
     "any_array",
@@ -97,12 +98,13 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.binary(max_size=20)
     if tp is PeerID:
         return st.binary(min_size=32, max_size=32).map(PeerID.from_public_key)
+    tp = _resolve_alias(tp)  # (NDArray is a PEP 695 alias on numpy >= 2.5)
     if tp is np.ndarray:
         return any_array()
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is np.ndarray:
         scalar = typing.get_args(args[1])[0]
-        if scalar is Any:
+        if scalar is Any or isinstance(scalar, typing.TypeVar):
             return any_array()
         name = next(n for n, dt in WIRE_DTYPES.items() if dt == np.dtype(scalar))
         return any_array([name])

@@ -8,7 +8,7 @@ import functools
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -427,6 +427,42 @@ def test_unsupported_field_types(annotation: Any) -> None:
     cls = dataclasses.dataclass(frozen=True, slots=True)(type("Bad", (Message,), namespace))
     with pytest.raises(TypeError):
         message(f"test.unsupported.{annotation}"[:64])(cls)
+
+
+def test_array_fields_annotated_through_a_type_alias() -> None:
+    """numpy >= 2.5 on Python >= 3.12 defines ``NDArray`` as a PEP 695 alias (``type NDArray[T]
+    = ndarray[...]``): ``NDArray[Any]`` then has the alias, not ``np.ndarray``, as its origin,
+    and every message with an array field failed to register (``import swarmavg`` failed).
+    Here the alias is made as numpy makes it (``typing_extensions`` makes one on 3.11 too)."""
+    from typing_extensions import TypeAliasType
+
+    scalar = TypeVar("scalar", bound=np.generic)
+    alias = TypeAliasType(  # type: ignore[misc]
+        "NDArrayAlias", np.ndarray[tuple[Any, ...], np.dtype[scalar]], type_params=(scalar,)
+    )
+    annotations = {
+        "any": alias[Any],
+        "floats": alias[np.float32],
+        "bare": alias,
+        "many": list[alias[np.int16]],
+        "maybe": alias[np.float64] | None,
+    }
+    namespace: dict[str, Any] = {"__annotations__": annotations, "__module__": __name__}
+    cls = message("test.alias.arrays")(
+        dataclasses.dataclass(frozen=True, slots=True)(type("Aliased", (Message,), namespace))
+    )
+    sent = cls(
+        np.arange(3, dtype=np.uint8),
+        np.ones(4, np.float32),
+        np.zeros(2),
+        [np.arange(5, dtype=np.int16)],
+        None,
+    )
+    got = decode_message(b"".join(bytes(b) for b in encode_message(sent)))
+    assert type(got) is cls
+    assert wire_equal(got, sent)
+    with pytest.raises(LocalProtocolError):  # the declared dtype is still enforced
+        encode_message(cls(np.zeros(1), np.zeros(1), np.zeros(1), [], None))
 
 
 def test_kw_only_fields_are_refused() -> None:
