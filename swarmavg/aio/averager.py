@@ -558,10 +558,12 @@ class DecentralizedAverager:
                     np.copyto(memory, buffers[buffer][offset : offset + spec.numel])
                     _written(tensor)
                 else:
-                    flat = buffers[buffer][offset : offset + spec.numel]
-                    # (an inference tensor is written only in inference mode)
-                    with torch.inference_mode(tensor.is_inference()):
-                        tensor.copy_(torch.from_numpy(flat).view(tensor.shape))
+                    source = torch.from_numpy(buffers[buffer][offset : offset + spec.numel])
+                    if tensor.is_inference():  # (written only in inference mode)
+                        with torch.inference_mode():
+                            tensor.copy_(source.view(tensor.shape))
+                    else:  # (not inference_mode(False): it turns grad mode back on)
+                        tensor.copy_(source.view(tensor.shape))
 
     def _move_on(self) -> None:
         """After an attempt found no group: draw new group bits (of the same length, at

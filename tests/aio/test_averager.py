@@ -329,6 +329,35 @@ async def test_parameters_are_written_in_place_where_autograd_sees_it() -> None:
         pending.backward()
 
 
+async def test_parameters_that_torch_copies_are_averaged_too() -> None:
+    """Parameters that are not plain contiguous CPU float16/32/64 (bfloat16, strided) are
+    written back with torch's ``copy_``: outside grad mode (a leaf that requires grad refuses
+    an in-place op in it; ``inference_mode(False)`` had turned grad mode back on, and every
+    round of such parameters failed)."""
+    torch.manual_seed(6)
+    params = [
+        [
+            torch.nn.Parameter(torch.randn(5, 4).to(torch.bfloat16)),
+            torch.nn.Parameter(torch.randn(8, 3).t()),
+        ]
+        for _ in range(2)
+    ]
+    assert not params[0][1].is_contiguous()
+    expected = [
+        (params[0][k].detach().double() + params[1][k].detach().double()) / 2 for k in (0, 1)
+    ]
+    pending = (params[0][1] ** 2).sum()
+    async with _averagers(params, prefix="copied", target_group_size=2) as averagers:
+        results = await _step_all(averagers, timeout=10)
+    assert all(r.group_size == 2 for r in results)
+    for own in params:
+        assert all(p.requires_grad for p in own)
+        torch.testing.assert_close(own[0].detach().double(), expected[0], atol=2e-2, rtol=0)
+        torch.testing.assert_close(own[1].detach().double(), expected[1], atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pending.backward()
+
+
 async def test_a_group_that_formed_early_withdraws_its_declarations() -> None:
     tensors = [[torch.full((10,), float(i))] for i in range(3)]
     async with _averagers(
