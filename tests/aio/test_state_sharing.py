@@ -474,7 +474,20 @@ async def test_several_donors_serve_disjoint_ranges_of_one_snapshot() -> None:
         donors = await _donors(swarm, [3, 2, 1])
         taker = await swarm.averager([torch.zeros(1)], state_max_donors=3)
         await _wait_until(_sharing(*donors), taker.dht)
+        # The best donor answers each call late: a fast one could otherwise take every range
+        # from the queue before the others have answered their first call (seen on a
+        # 16-core machine), and this test is about the others taking some.
+        best = donors[0]._state_sharer
+        serve = best._serve
+
+        async def late(request: Any, ctx: CallContext) -> AsyncIterator[Message]:
+            await anyio.sleep(0.05)
+            async for answer in serve(request, ctx):
+                yield answer
+
+        best._serve = late  # type: ignore[method-assign]
         loaded = await taker.load_state_from_peers(timeout=20)
+        del best._serve
         assert loaded is not None
         assert loaded[0] == {"kind": "same"}
         _assert_state_equal(loaded[1], SAME)
