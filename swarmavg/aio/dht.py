@@ -1011,7 +1011,7 @@ class _Queries(Generic[R]):
                         timer.cancel()
             else:
                 self._wake = event = anyio.Event()
-                with anyio.move_on_at(deadline):
+                with anyio.CancelScope(deadline=deadline):  # (move_on_at: anyio >= 4.15)
                     await event.wait()
         finally:
             self._wake = None

@@ -1359,7 +1359,7 @@ async def test_a_started_call_times_out_and_leaving_it_cancels_the_handler() -> 
         with anyio.fail_after(5):
             await blocker.started.wait()
         assert not call.poll()
-        with anyio.move_on_at(call.deadline):
+        with anyio.CancelScope(deadline=call.deadline):
             await anyio.sleep_forever()
         call.expire()
         with pytest.raises(RPCTimeout, match="block"):
