@@ -1,4 +1,4 @@
-"""Developer and CI sessions: ``nox -s lint typecheck tests`` is what CI runs.
+"""Developer and CI sessions: ``nox -s lint typecheck tests oldest`` is what CI runs.
 
 torch is pinned to the CPU build (2.13.0) before anything else is installed: an unpinned
 ``torch`` would pull a multi-GB CUDA build.
@@ -11,7 +11,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "oldest"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
@@ -22,6 +22,16 @@ PACKAGES = [
     if Path(p).exists()
 ]
 
+
+#: The lower bounds that pyproject.toml declares for swarmavg's dependencies, installed
+#: exactly by ``nox -s oldest`` (tests/test_packaging.py checks that they match). torch stays
+#: at TORCH: no CPU wheel of its bound (2.1) for this Python is at hand.
+OLDEST = {
+    "anyio": "4.11.0",
+    "msgpack": "1.0.5",
+    "cryptography": "47.0.0",
+    "numpy": "1.26.4",
+}
 
 #: Distributions released in lockstep with swarmavg (it pins them to its own version), so they
 #: are installed from this tree together with it.
@@ -64,6 +74,29 @@ def tests(session: nox.Session) -> None:
         *session.posargs,
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=codes,
+    )
+
+
+@nox.session(python=PYTHON)
+def oldest(session: nox.Session) -> None:
+    """The suite with the oldest dependencies pyproject.toml allows (OLDEST), so that its
+    lower bounds stay true: the latest versions, which ``tests`` gets, hide an API that an
+    older release lacks."""
+    session.install(TORCH)
+    constraints = Path(session.create_tmp()) / "oldest.txt"
+    constraints.write_text("".join(f"{name}=={version}\n" for name, version in OLDEST.items()))
+    session.install("-c", str(constraints), *LOCKSTEP, *PLUGINS, "-e", ".", "-e", ".[test]")
+    session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m, sys; "
+        "sys.exit(any(m.version(n) != v for n, v in " + repr(OLDEST) + ".items()))",
+    )
+    session.run(
+        "pytest",
+        *(session.posargs or ["-q"]),
+        env={"HYPOTHESIS_PROFILE": "ci"},
+        success_codes=[0, 5] if session.posargs else [0],
     )
 
 
