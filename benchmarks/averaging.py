@@ -1003,33 +1003,14 @@ def _rows(
             )
     for kind, n in settings:  # 4. CPU per round
         mine = ours.get(f"{kind}-{n}", {})
-        row = _row(
-            f"CPU s per round, processes, N={n} {kind}",
-            mine.get("process_cpu_s"),
-            "gloo",
-            gloo.get(n, {}).get("process_cpu_s"),
-            None,
-        )
-        row["unit"] = "CPU s"
-        rows.append(row)
-        row = _row(
-            f"  of which in the kernel, N={n} {kind}",
-            mine.get("process_sys_s"),
-            "gloo",
-            gloo.get(n, {}).get("process_sys_s"),
-            None,
-        )
-        row["unit"] = "CPU s"
-        rows.append(row)
-        row = _row(
-            f"CPU s per round, machine busy, N={n} {kind}",
-            mine.get("machine_cpu_s"),
-            "gloo",
-            gloo.get(n, {}).get("machine_cpu_s"),
-            None,
-        )
-        row["unit"] = "CPU s"
-        rows.append(row)
+        for label, metric in (
+            (f"CPU s per round, processes, N={n} {kind}", "process_cpu_s"),
+            (f"  of which in the kernel, N={n} {kind}", "process_sys_s"),
+            (f"CPU s per round, machine busy, N={n} {kind}", "machine_cpu_s"),
+        ):
+            row = _row(label, mine.get(metric), "gloo", gloo.get(n, {}).get(metric), None)
+            row["unit"] = "CPU s"
+            rows.append(row)
         if hm_ok and hivemind is not None and kind == "encrypted" and n == args.hivemind_peers:
             for metric, what in (("process_cpu_s", "processes"), ("machine_cpu_s", "machine busy")):
                 row = _row(

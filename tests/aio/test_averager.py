@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
 import anyio
 import msgpack
 import pytest
 import torch
+from averager_swarm import averagers as _averagers
+from averager_swarm import step_all as _step_all
 
 from swarmavg import get_dht_time
 from swarmavg.abc import AllReduceRunner, Group, GroupInfo, GroupMember, Matchmaker
@@ -21,7 +23,6 @@ from swarmavg.aio.averager import (
     DecentralizedAverager,
     MatchmakingFailed,
     StepControl,
-    StepResult,
     _unpack_gathered,
 )
 from swarmavg.compression import (
@@ -35,40 +36,6 @@ from swarmavg.testing import MemoryNetwork
 pytestmark = pytest.mark.anyio
 
 R = TypeVar("R", bound=AllReduceRunner)
-
-
-@asynccontextmanager
-async def _averagers(
-    tensors: Sequence[list[torch.Tensor]], **options: Any
-) -> AsyncIterator[list[DecentralizedAverager]]:
-    network = MemoryNetwork()
-    async with AsyncExitStack() as stack:
-        dhts: list[DHT] = []
-        averagers = []
-        for own in tensors:
-            seeds = [a for d in dhts[:2] for a in d.get_visible_maddrs()]
-            dht = await stack.enter_async_context(
-                DHT(seeds, transport="memory", transport_options={"network": network})
-            )
-            dhts.append(dht)
-            averagers.append(
-                await stack.enter_async_context(DecentralizedAverager(own, dht, **options))
-            )
-        yield averagers
-
-
-async def _step_all(averagers: Sequence[DecentralizedAverager], **kwargs: Any) -> list[StepResult]:
-    results: list[StepResult | None] = [None] * len(averagers)
-
-    async def one(i: int) -> None:
-        extra = {k: v[i] if isinstance(v, list) else v for k, v in kwargs.items()}
-        results[i] = await averagers[i].step(**extra)
-
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            for i in range(len(averagers)):
-                tg.start_soon(one, i)
-    return results  # type: ignore[return-value]
 
 
 async def test_four_peers_average_in_place_and_gather() -> None:

@@ -10,19 +10,18 @@ global mean; after 6 they do not yet.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import pytest
 import torch
+from averager_swarm import averagers
 
-from swarmavg.aio import DHT
 from swarmavg.aio.averager import DecentralizedAverager, MatchmakingFailed, StepResult
-from swarmavg.testing import MemoryNetwork
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -37,30 +36,10 @@ BITS = ROUNDS - 1  # one key per group of the first round: 64 keys of 6 bits
 DHT_OPTIONS: dict[str, Any] = {"k": 8, "num_replicas": 3, "request_timeout": 10.0}
 
 
-@asynccontextmanager
-async def _averagers(
+def _averagers(
     tensors: Sequence[list[torch.Tensor]], **options: Any
-) -> AsyncIterator[list[DecentralizedAverager]]:
-    """One DHT and averager per peer; each DHT bootstraps from two of the peers before it."""
-    network = MemoryNetwork()
-    async with AsyncExitStack() as stack:
-        dhts: list[DHT] = []
-        averagers = []
-        for i, own in enumerate(tensors):
-            seeds = [a for d in dhts[max(0, i - 2) : i] for a in d.get_visible_maddrs()]
-            dht = await stack.enter_async_context(
-                DHT(
-                    seeds,
-                    transport="memory",
-                    transport_options={"network": network},
-                    **DHT_OPTIONS,
-                )
-            )
-            dhts.append(dht)
-            averagers.append(
-                await stack.enter_async_context(DecentralizedAverager(own, dht, **options))
-            )
-        yield averagers
+) -> contextlib.AbstractAsyncContextManager[list[DecentralizedAverager]]:
+    return averagers(tensors, dht_options=DHT_OPTIONS, **options)
 
 
 async def _step_all(averagers: Sequence[DecentralizedAverager], **kwargs: Any) -> list[StepResult]:

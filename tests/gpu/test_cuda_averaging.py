@@ -7,19 +7,18 @@ process for the async averager, TCP on loopback for the sync facade.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
-from typing import Any
+from collections.abc import Sequence
+from contextlib import ExitStack
 
 import anyio
 import pytest
 import torch
+from averager_swarm import averagers as _averagers
+from averager_swarm import step_all
 
 import swarmavg
-from swarmavg.aio import DHT
 from swarmavg.aio.averager import DecentralizedAverager, StepResult
 from swarmavg.compression import Uniform8BitQuantization
-from swarmavg.testing import MemoryNetwork
 
 pytestmark = [
     pytest.mark.anyio,
@@ -38,40 +37,11 @@ TOLERANCE = {
 }
 
 
-@asynccontextmanager
-async def _averagers(
-    tensors: Sequence[list[torch.Tensor]], **options: Any
-) -> AsyncIterator[list[DecentralizedAverager]]:
-    network = MemoryNetwork()
-    async with AsyncExitStack() as stack:
-        dhts: list[DHT] = []
-        averagers = []
-        for own in tensors:
-            seeds = [a for d in dhts[:2] for a in d.get_visible_maddrs()]
-            dht = await stack.enter_async_context(
-                DHT(seeds, transport="memory", transport_options={"network": network})
-            )
-            dhts.append(dht)
-            averagers.append(
-                await stack.enter_async_context(DecentralizedAverager(own, dht, **options))
-            )
-        yield averagers
-
-
 async def _step_all(
     averagers: Sequence[DecentralizedAverager], weights: Sequence[float] | None = None
 ) -> list[StepResult]:
-    results: list[StepResult | None] = [None] * len(averagers)
-
-    async def one(i: int) -> None:
-        weight = None if weights is None else weights[i]
-        results[i] = await averagers[i].step(weight=weight, timeout=30)
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for i in range(len(averagers)):
-                tg.start_soon(one, i)
-    return results  # type: ignore[return-value]
+    weight = None if weights is None else list(weights)
+    return await step_all(averagers, within=60, weight=weight, timeout=30)
 
 
 def _mean(tensors: Sequence[list[torch.Tensor]], k: int, weights: Sequence[float]) -> torch.Tensor:
@@ -190,31 +160,10 @@ async def test_compressed_rounds_with_error_feedback_on_cuda_end_identical() -> 
 async def test_the_state_of_cuda_tensors_is_shared() -> None:
     generator = torch.Generator().manual_seed(9)
     own = [torch.randn(1000, generator=generator).to(CUDA), torch.randn(4, 4).half().to(CUDA)]
-    network = MemoryNetwork()
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(
-            DHT(transport="memory", transport_options={"network": network})
-        )
-        second = await stack.enter_async_context(
-            DHT(
-                first.get_visible_maddrs(),
-                transport="memory",
-                transport_options={"network": network},
-            )
-        )
-        await stack.enter_async_context(
-            DecentralizedAverager(
-                own, first, prefix="state", target_group_size=2, allow_state_sharing=True
-            )
-        )
-        taker = await stack.enter_async_context(
-            DecentralizedAverager(
-                [torch.zeros(1000), torch.zeros(4, 4).half()],
-                second,
-                prefix="state",
-                target_group_size=2,
-            )
-        )
+    host = [torch.zeros(1000), torch.zeros(4, 4).half()]
+    async with _averagers(
+        [own, host], prefix="state", target_group_size=2, allow_state_sharing=True
+    ) as (_, taker):
         loaded = None
         with anyio.fail_after(30):
             while loaded is None:  # (until the donor's declaration is in the DHT)
