@@ -643,6 +643,18 @@ class _Paused(AllReduceRunner):
         await self.inner.leave(group, reason)
 
 
+async def _paused_round(
+    stack: AsyncExitStack, prefix: str
+) -> tuple[list[DecentralizedAverager], list[_Paused], list[StepControl]]:
+    """Two peers whose in-place round has begun (the tensors are held) and is paused."""
+    averagers, runners = await _pair(stack, prefix, _Paused)
+    controls = [await a.step(wait=False, timeout=10) for a in averagers]
+    with anyio.fail_after(10):
+        for runner in runners:
+            await runner.entered.wait()
+    return averagers, runners, controls
+
+
 async def test_which_tensors_are_averaged_in_place() -> None:
     """A dtype's tensors are averaged in their own memory when they are one plain contiguous
     CPU tensor, or views that lie back to back in one storage in the order given; anything
@@ -699,11 +711,7 @@ async def test_an_in_place_round_holds_the_tensors_until_its_results_are_written
     and then sees the averaged values; on the event loop itself, where waiting would never
     end, ``get_tensors`` says so."""
     async with AsyncExitStack() as stack:
-        averagers, runners = await _pair(stack, "held", _Paused)
-        controls = [await a.step(wait=False, timeout=10) for a in averagers]
-        with anyio.fail_after(10):
-            for runner in runners:
-                await runner.entered.wait()
+        averagers, runners, controls = await _paused_round(stack, "held")
         with pytest.raises(RuntimeError, match="wait for itself"), averagers[0].get_tensors():
             pass
         entered = []
@@ -783,11 +791,7 @@ async def test_inference_tensors_are_averaged_too() -> None:
 
 async def test_a_step_cancelled_during_an_in_place_round_gives_the_tensors_back() -> None:
     async with AsyncExitStack() as stack:
-        averagers, runners = await _pair(stack, "cancelled", _Paused)
-        controls = [await a.step(wait=False, timeout=10) for a in averagers]
-        with anyio.fail_after(10):
-            for runner in runners:
-                await runner.entered.wait()
+        averagers, runners, controls = await _paused_round(stack, "cancelled")
         assert averagers[0]._in_place_thread is not None  # the round holds the tensors
         assert controls[0].cancel()
         with anyio.fail_after(10), pytest.raises(concurrent.futures.CancelledError):
