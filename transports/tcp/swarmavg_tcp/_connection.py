@@ -541,6 +541,9 @@ class TcpConnection(Connection):
         # (sealed records are opened from the read buffer whatever their size: read big)
         self._read_size = len(self._rbuf) if rtag else _SMALL_READ
         self._rview = memoryview(self._rbuf)
+        #: a full-size sealed record and its successor's header (what a read expects after
+        #: a header)
+        self._full_record = settings.max_record_size + rtag + fr.HEADER_SIZE
         self._rpos = 0
         self._rend = 0
         self._scratch_view = memoryview(bytearray(settings.max_record_size))
@@ -1126,6 +1129,8 @@ class TcpConnection(Connection):
                         if self._rend == len(self._rbuf):
                             self._compact()
                         end = min(len(self._rbuf), self._rend + self._read_size)
+                    if self._opener is not None:
+                        end = self._sealed_read_end(end)
                     target = self._rview[self._rend : end]
                 try:
                     n = self._sock.recv_into(target)
@@ -1154,6 +1159,23 @@ class TcpConnection(Connection):
             self._fail(exc)
         except OSError as exc:
             self._fail(ConnectionLost(f"reading from the socket failed: {exc}"))
+
+    def _sealed_read_end(self, end: int) -> int:
+        """Where a read of sealed records into the read buffer should end (at most ``end``):
+        at the end of the record being read and its successor's header, then of as many
+        full-size records after it as fit. Reads that end between records leave the buffer
+        empty once the records are opened, so no partial record is moved to its front
+        (moving them cost a third of the bytes received in bulk transfers)."""
+        avail = self._rend - self._rpos
+        record = self._record
+        if record is None:  # (a header is due: fewer than HEADER_SIZE bytes of it are here)
+            need = fr.HEADER_SIZE - avail
+        else:  # its payload and tag start at _rpos; then the next header
+            need = record[1] + fr.TAG_SIZE - avail + fr.HEADER_SIZE
+        aligned = self._rend + need
+        if aligned >= end:
+            return end
+        return aligned + (end - aligned) // self._full_record * self._full_record
 
     def _compact(self) -> None:
         unread = self._rend - self._rpos
