@@ -222,3 +222,91 @@ async def test_a_follower_survives_a_leader_that_sends_garbage() -> None:
         (follower,) = _matchmakers(dhts[1:], target=2)
         with anyio.fail_after(10), pytest.raises(MatchmakingFailed):
             await follower.look_for_group("", gather=b"", begin_at=begin_at)
+
+
+def _spy_on_joins(matchmaker: DHTMatchmaker) -> list[tuple[float, float, str]]:
+    """Record ``(arrived, answered, code)`` of every first reply ``matchmaker`` gives to a
+    join request (anyio time)."""
+    answers: list[tuple[float, float, str]] = []
+    serve = matchmaker._serve_join
+
+    async def spy(request: JoinRequest, ctx: Any) -> AsyncIterator[JoinReply]:
+        arrived = anyio.current_time()
+        first = True
+        async for reply in serve(request, ctx):
+            if first:
+                answers.append((arrived, anyio.current_time(), reply.code))
+                first = False
+            yield reply
+
+    matchmaker._serve_join = spy  # type: ignore[method-assign]
+    return answers
+
+
+def _slow_first_read(matchmaker: DHTMatchmaker, delay: float) -> None:
+    """``matchmaker``'s first read of the key's declarations takes ``delay`` s longer."""
+    read = matchmaker._candidates
+    calls = [0]
+
+    async def slow(key: str) -> list[tuple[Any, float]]:
+        calls[0] += 1
+        if calls[0] == 1:
+            await anyio.sleep(delay)
+        return await read(key)
+
+    matchmaker._candidates = slow  # type: ignore[method-assign]
+
+
+async def _best_reads_slowly(
+    delay: float,
+) -> tuple[list[Any], list[tuple[float, float, str]], Any]:
+    """Four peers; the best-ranked one (smallest PeerID: all declare the same time) starts
+    first, and its first read of the key takes ``delay`` s more; the others start 0.1 s later,
+    see its declaration and ask it to take them in. Their outcomes, its answers, its PeerID."""
+    async with _dhts(4) as dhts:
+        matchmakers = _matchmakers(dhts, target=4)
+        best = min(matchmakers, key=lambda m: m.peer_id.to_bytes())
+        answers = _spy_on_joins(best)
+        _slow_first_read(best, delay)
+        outcomes: dict[Any, GroupInfo | BaseException] = {}
+        begin_at = get_dht_time() + 10
+
+        async def one(m: DHTMatchmaker) -> None:
+            try:
+                outcomes[m.peer_id] = await m.look_for_group("", gather=b"", begin_at=begin_at)
+            except MatchmakingFailed as exc:
+                outcomes[m.peer_id] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, best)
+                await anyio.sleep(0.1)
+                for m in matchmakers:
+                    if m is not best:
+                        tg.start_soon(one, m)
+        return [outcomes[m.peer_id] for m in matchmakers], answers, best.peer_id
+
+
+async def test_a_peer_still_reading_the_key_holds_join_requests_until_it_leads() -> None:
+    """Peers that start together ask the best-ranked one while it still reads the key: it
+    takes them in once it leads instead of turning them away (they would follow worse
+    leaders, which disband only when they next read the key)."""
+    outcomes, answers, best = await _best_reads_slowly(0.3)
+    assert all(isinstance(o, GroupInfo) for o in outcomes), outcomes
+    infos = [o for o in outcomes if isinstance(o, GroupInfo)]
+    assert {i.leader for i in infos} == {best}
+    assert len({i.group.group_id for i in infos}) == 1
+    assert [code for _, _, code in answers] == ["accepted"] * 3, answers
+
+
+async def test_a_join_request_waits_for_an_undecided_peer_only_so_long() -> None:
+    """A peer that takes longer than half of request_timeout (1 s here) to decide answers
+    what it would have answered then (``rejected``: not leading), before the requester gives
+    up on it; every peer still ends in one group, led by it."""
+    outcomes, answers, best = await _best_reads_slowly(1.5)
+    assert all(isinstance(o, GroupInfo) for o in outcomes), outcomes
+    rejected = [(a, b) for a, b, code in answers if code == "rejected"]
+    assert rejected, answers
+    assert all(0.4 <= answered - arrived < 1.0 for arrived, answered in rejected), rejected
+    infos = [o for o in outcomes if isinstance(o, GroupInfo)]
+    assert {i.leader for i in infos} == {best}
