@@ -14,8 +14,8 @@ leader appears it disbands its followers (they look again and find that leader) 
 
 A peer that follows rejects join requests (pointing to its leader), and every peer only asks
 peers ranked better than itself, so two peers never wait for each other; a peer that has not yet
-decided (it still reads the key) holds a request until it leads or follows, for at most half of
-``request_timeout``. Client-mode peers (nobody can dial them) never
+decided (it still reads the key) holds a request for its key until it leads or follows, for at
+most half of ``request_timeout``. Client-mode peers (nobody can dial them) never
 declare or lead; they only follow.
 """
 
@@ -154,6 +154,7 @@ class DHTMatchmaker(Matchmaker):
         self._following: tuple[PeerID, Address | None] | None = None  # the leader we wait for
         self._declared: dict[PeerID, Address] = {}  # addresses read in declarations
         self._looking = False
+        self._key: str | None = None  # the key we look under (while looking)
         #: set (and replaced) whenever we start or stop leading, following or looking
         self._changed = anyio.Event()
         registry = _matchmakers.get(dht.node)
@@ -181,11 +182,12 @@ class DHTMatchmaker(Matchmaker):
         self._changed.set()
         self._changed = anyio.Event()
 
-    def _deciding(self) -> bool:
-        """Whether we look for a group but neither lead nor follow yet (we are reading the
-        key, or asking a better-ranked peer to take us)."""
+    def _deciding(self, key: str) -> bool:
+        """Whether we look for a group under ``key`` but neither lead nor follow yet (we are
+        reading the key, or asking a better-ranked peer to take us)."""
         return (
             self._looking
+            and self._key == key
             and self._leading is None
             and self._following is None
             and self.mode is not MemberMode.CLIENT
@@ -209,7 +211,7 @@ class DHTMatchmaker(Matchmaker):
         if self._looking:
             raise RuntimeError("this matchmaker is already looking for a group")
         self._looking = True
-        key = group_key(self.prefix, bits)
+        key = self._key = group_key(self.prefix, bits)
         me = self._me(gather)
         client = self.mode is MemberMode.CLIENT
         expiration = math.inf if client else begin_at
@@ -407,14 +409,16 @@ class DHTMatchmaker(Matchmaker):
     # -- serving join requests -------------------------------------------------------------------
 
     async def _serve_join(self, request: JoinRequest, ctx: CallContext) -> AsyncIterator[JoinReply]:
-        if self._deciding():
+        if request.schema == self.schema and self._deciding(request.group_key):
             # Peers that start together ask the best-ranked one while it still reads the key:
             # turned away ("not leading"), they would follow worse leaders that disband only
             # when they next read the key (measured: 8 processes, 0.1-0.2 s instead of ~0.04 s
             # to form in some rounds). Requesters only ask peers ranked above them, so waiting
             # for our own decision (a DHT read, or asking a peer ranked above us) is no cycle.
+            # Only for our key: a request for another one (a stale declaration of ours, from
+            # an earlier round) is turned away at once, not after our decision.
             with anyio.move_on_after(self.request_timeout / 2):
-                while self._deciding():
+                while self._deciding(request.group_key):
                     await self._changed.wait()
         leading = self._leading
         reason = ""

@@ -310,3 +310,27 @@ async def test_a_join_request_waits_for_an_undecided_peer_only_so_long() -> None
     assert all(0.4 <= answered - arrived < 1.0 for arrived, answered in rejected), rejected
     infos = [o for o in outcomes if isinstance(o, GroupInfo)]
     assert {i.leader for i in infos} == {best}
+
+
+async def test_an_undecided_peer_turns_away_requests_for_another_key_at_once() -> None:
+    """Only requests for the key we look under wait for our decision: one for another key (a
+    stale declaration of ours from an earlier round) or another schema is answered at once."""
+    async with _dhts(2) as dhts:
+        deciding, other = _matchmakers(dhts, target=4)
+        _slow_first_read(deciding, 3.0)
+        begin_at = get_dht_time() + 5
+        me = MemberInfo(other.peer_id, [str(dhts[1].node.addresses[0])], -1.0, "node", b"")
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: deciding.look_for_group("0", gather=b"", begin_at=begin_at))
+                await anyio.sleep(0.3)  # (it is reading the key, for 3 s)
+                for key, schema in (("run.0b1", SCHEMA), ("run.0b0", b"another schema")):
+                    request = JoinRequest(key, schema, begin_at + 1, me)
+                    asked = anyio.current_time()
+                    async with dhts[1].node.rpc.server_stream(
+                        dhts[0].node.addresses[0], "avg.join", request, response_type=JoinReply
+                    ) as replies:
+                        reply = await anext(replies)
+                    assert reply.code == "rejected"
+                    assert anyio.current_time() - asked < 0.4  # not held (the bound is 0.5 s)
+                tg.cancel_scope.cancel()
