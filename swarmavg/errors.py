@@ -9,8 +9,9 @@ SwarmError
 ├─ TransportNotFound (no plugin for a transport name; says what to install)
 ├─ RPCError ─ RemoteError (handler failed) ─ MethodNotFound
 │          └ RPCTimeout
-├─ MatchmakingFailed (no group in time; says why)
-└─ AllReduceFailed (nothing was averaged; names the peers that failed)
+└─ AveragingError ─ MatchmakingFailed (no group in time; says why)
+                  ├ AllReduceFailed (nothing was averaged; names the peers that failed)
+                  └ NonFiniteTensors (our own tensors hold NaN or inf; also a ValueError)
 ```
 
 Library and OS errors are translated at the transport boundary (``raise ... from exc``).
@@ -20,11 +21,15 @@ Cancellation and ``AssertionError`` are never swallowed anywhere in swarmavg.
 from __future__ import annotations
 
 __all__ = [
+    "AllReduceFailed",
+    "AveragingError",
     "ConnectError",
     "ConnectionLost",
     "LocalProtocolError",
+    "MatchmakingFailed",
     "MessageTooLarge",
     "MethodNotFound",
+    "NonFiniteTensors",
     "PeerIdentityMismatch",
     "ProtocolError",
     "RPCError",
@@ -126,3 +131,15 @@ class MatchmakingFailed(AveragingError):
 
 class AllReduceFailed(AveragingError):
     """The all-reduce of a round did not complete; the message says why."""
+
+
+class NonFiniteTensors(AveragingError, ValueError):
+    """Our own averaged tensors hold NaN or an infinity (training diverged): a step refuses to
+    look for a group with them, since one NaN would spread to every peer it averages with.
+
+    :ivar indices: which of the averaged tensors (their positions) hold such values.
+    """
+
+    def __init__(self, message: str, indices: list[int]) -> None:
+        super().__init__(message)
+        self.indices = indices

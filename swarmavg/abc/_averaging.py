@@ -105,6 +105,12 @@ class AllReduceResult:
     #: parts of a reducer's span that it did not answer here but another member relayed
     #: (it had applied them): ``(reducer, first part, stop, member that relayed)``
     relayed: list[tuple[int, int, int, int]] = field(default_factory=list)
+    #: members whose values (sent to this member's span) or means (answered or relayed to
+    #: it) held NaN or an infinity: they were refused
+    nonfinite: list[int] = field(default_factory=list)
+    #: this member's own values held NaN or an infinity: it took the mean without
+    #: contributing (weight 0)
+    own_nonfinite: bool = False
 
     @property
     def incomplete(self) -> bool:

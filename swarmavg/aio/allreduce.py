@@ -47,6 +47,7 @@ cancelled).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import logging
 import math
@@ -82,6 +83,7 @@ from swarmavg.errors import AllReduceFailed, SwarmError
 from swarmavg.proto.allreduce import (
     AccumulatorPool,
     FlatLayout,
+    NonFiniteValues,
     Part,
     PartReducer,
     _all_finite,
@@ -138,6 +140,10 @@ _LEFT_MEMORY: Final = 256
 _MAX_PENDING_ROUNDS: Final = 64
 #: Finished rounds remembered, so that late calls for them fail at once.
 _FINISHED_MEMORY: Final = 256
+#: A member whose last connection to us was lost this recently (seconds), and to which no
+#: connection is open, counts as gone when a round with it starts here.
+_LOST_RECENTLY: Final = 10.0
+_LOST_MEMORY: Final = 1024
 #: Parts bigger than this (bytes) are compressed and decompressed in a worker thread.
 _THREAD_THRESHOLD: Final = 1 << 20
 _NO_COMPRESSION: Final = NoCompression()
@@ -240,6 +246,12 @@ class _Round:
     applied: _Applied | None = None
     #: where the accumulators come from (``None``: fresh arrays)
     pool: AccumulatorPool | None = None
+    #: senders whose values for our span held NaN or an infinity
+    nonfinite: set[int] = field(default_factory=set)
+    #: each part reduced and answerable (``ready`` is also set for every part when the round
+    #: ends here, so that the calls still waiting for answers end too)
+    final: list[bool] = field(default_factory=list)
+    closed: bool = False
 
     def __post_init__(self) -> None:
         senders = self.group.senders
@@ -266,6 +278,7 @@ class _Round:
             self.results.append(None)
             self.answers.append(None)
             self.settling.append(False)
+            self.final.append(False)
         if not self.codecs:
             self.codecs = [_NO_COMPRESSION] * len(self.parts)
 
@@ -279,6 +292,7 @@ class _Round:
             codec = self.codecs[index]
             if mean is None or isinstance(codec, NoCompression):
                 self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
+                self.final[index] = True
                 self.ready[index].set()
                 return
             mean = mean.astype(dtype, copy=False)
@@ -317,6 +331,7 @@ class _Round:
         else:  # we apply what the senders will decode: every member ends with the same values
             self.answers[index] = AvgCompressedPart.of(index, tensor)
             self.results[index] = decoded
+        self.final[index] = True
         self.ready[index].set()
 
     def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:
@@ -366,6 +381,12 @@ class _Round:
         if self.left is None:
             self.left = reason
             self.scope.cancel()
+
+    def close(self) -> None:
+        """The round is over here: wake the calls still waiting for answers (they end)."""
+        self.closed = True
+        for event in self.ready:
+            event.set()
 
 
 def _numpy_dtype(name: str) -> np.dtype[Any]:
@@ -483,11 +504,27 @@ class AllReduceService(AllReduceRunner):
         self._recent: OrderedDict[bytes, _Applied] = OrderedDict()
         #: the rounds' accumulators, recycled (a fresh one is page-faulted in every round)
         self._accumulators = AccumulatorPool()
+        #: peers whose last connection to us ended, and when (``anyio.current_time()``)
+        self._lost: OrderedDict[PeerID, float] = OrderedDict()
+        node.watch_peers(self._peer_lost)
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
         node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
         node.rpc.register(
             RELAY_METHOD, self._serve_relay, kind="server_stream", request_type=AvgRelay
         )
+
+    def _peer_lost(self, peer: PeerID) -> None:
+        """Our last connection to ``peer`` ended (its process died, or it closed its node): in
+        every round here it is a member of, it is gone (the others go on without it at once
+        instead of waiting out the sender and reducer timeouts)."""
+        self._lost[peer] = anyio.current_time()
+        self._lost.move_to_end(peer)
+        while len(self._lost) > _LOST_MEMORY:
+            self._lost.popitem(last=False)
+        for round_ in list(self._rounds.values()):
+            for index, member in enumerate(round_.group.members):
+                if member.peer_id == peer and index != round_.me and index not in round_.gone:
+                    round_.leave(index, "its connection was lost")
 
     @classmethod
     def for_node(cls, node: Node) -> AllReduceService:
@@ -569,6 +606,18 @@ class AllReduceService(AllReduceRunner):
                 }
                 | {("mean", p.buffer, p.start, p.stop) for p in plans[me]}
             )
+        own_nonfinite = (
+            mode is not MemberMode.AUX
+            and weight > 0
+            and not all(_all_finite(buffer) for buffer in buffers)
+        )
+        if own_nonfinite:
+            logger.warning(
+                "all-reduce %s: our own values hold NaN or an infinity: we take the group's"
+                " mean without contributing",
+                group.group_id.hex()[:8],
+            )
+            weight = 0.0
         self._expected.discard(group.group_id)
         left = self._left.pop(group.group_id, None)
         started = anyio.current_time()
@@ -582,7 +631,7 @@ class AllReduceService(AllReduceRunner):
             feedback=error_feedback,
             pool=self._accumulators,
         )
-        result = AllReduceResult([], 0.0)
+        result = AllReduceResult([], 0.0, own_nonfinite=own_nonfinite)
         round_.applied = applied = _Applied(
             group,
             plans,
@@ -595,6 +644,15 @@ class AllReduceService(AllReduceRunner):
             peer, sender, reason = left
             if 0 <= sender < len(group.members) and group.members[sender].peer_id == peer:
                 round_.leave(sender, f"it left the group: {reason}")
+        for index, member in enumerate(group.members):
+            lost = self._lost.get(member.peer_id)
+            if (
+                index != me
+                and lost is not None
+                and started - lost < _LOST_RECENTLY
+                and self.node.connection_to(member.peer_id) is None
+            ):
+                round_.leave(index, "its connection was lost")
         senders = group.senders
         if mode is not MemberMode.AUX:
             round_.weights[me] = float(weight)
@@ -632,6 +690,7 @@ class AllReduceService(AllReduceRunner):
         finally:
             del self._rounds[group.group_id]
             del self._reducer_timeouts[group.group_id]
+            round_.close()
             applied.close()
             self._finish(group.group_id)
         if round_.left is not None:
@@ -653,6 +712,7 @@ class AllReduceService(AllReduceRunner):
             )
         for sender, (first, reason) in round_.dropped.items():
             result.dropped.append((me, sender, first, reason))
+        result.nonfinite = sorted(set(result.nonfinite) | round_.nonfinite)
         others = [i for i, parts in enumerate(plans) if parts and i != me]
         failed = {reducer for reducer, first, _ in result.local_spans if first == 0}
         if mode is not MemberMode.AUX and not round_.parts and others and set(others) <= failed:
@@ -764,6 +824,8 @@ class AllReduceService(AllReduceRunner):
                 source = member
             except (SwarmError, OSError, TimeoutError, ValueError) as exc:
                 logger.debug("relay: member %d failed: %s", member, exc)
+                if isinstance(exc, NonFiniteValues):
+                    result.nonfinite.append(member)
                 got = applied.got.get(reducer, 0)
             if got >= counts[member]:
                 break
@@ -836,9 +898,10 @@ class AllReduceService(AllReduceRunner):
             self._expected.add(group.group_id)
 
     async def leave(self, group: Group, reason: str) -> None:
-        """Leave ``group``'s round (before or while it runs here): tell every other member
-        that can be dialed (``avg.leave``), within ``_LEAVE_TIMEOUT`` seconds, even while
-        being cancelled. Never raises."""
+        """Leave ``group``'s round (before or while it runs here): stop it here at once, and
+        tell every other member that can be dialed (``avg.leave``) in the background, within
+        ``_LEAVE_TIMEOUT`` seconds (a leaving step must not wait for it: its caller's deadline
+        holds). Never raises."""
         me = group.index_of(self.node.peer_id)
         round_ = self._rounds.get(group.group_id)
         if round_ is not None:
@@ -856,11 +919,15 @@ class AllReduceService(AllReduceRunner):
             except (SwarmError, OSError) as exc:
                 logger.debug("could not tell %s we left: %s", member.peer_id.short(), exc)
 
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_LEAVE_TIMEOUT):
-            async with anyio.create_task_group() as tg:
-                for index, member in enumerate(group.members):
-                    if index != me and member.address is not None:
-                        tg.start_soon(tell, member)
+        async def tell_all() -> None:
+            with anyio.move_on_after(_LEAVE_TIMEOUT):
+                async with anyio.create_task_group() as tg:
+                    for index, member in enumerate(group.members):
+                        if index != me and member.address is not None:
+                            tg.start_soon(tell, member)
+
+        with contextlib.suppress(RuntimeError):  # (the node is closing: so are its connections)
+            self.node.spawn(tell_all, name="avg.leave")
 
     async def _serve_relay(self, ask: AvgRelay, ctx: CallContext) -> AsyncIterator[Message]:
         """A groupmate asks what we applied of a reducer's span (and for those parts)."""
@@ -1026,6 +1093,8 @@ class AllReduceService(AllReduceRunner):
         else:
             exc = failures[0]
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if isinstance(exc, NonFiniteValues):
+                out.result.nonfinite.append(reducer)
             if isinstance(exc, TimeoutError):
                 reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
         out.result.local_spans.append((reducer, progress[0], reason))
@@ -1203,6 +1272,7 @@ class AllReduceService(AllReduceRunner):
                     round_.contribute(sender, received, values)
                     received += 1
                     while answered < count and round_.ready[answered].is_set():
+                        _check_open(round_, answered)
                         for reply in _replies(round_, answered, told, sender):
                             yield reply
                         answered += 1
@@ -1212,6 +1282,8 @@ class AllReduceService(AllReduceRunner):
                 round_.drop(sender, received, f"it sent nothing for {sender_timeout} s")
                 raise ValueError(f"nothing came for {sender_timeout} s") from None
             except ValueError as exc:
+                if isinstance(exc, NonFiniteValues):
+                    round_.nonfinite.add(sender)
                 round_.drop(sender, received, str(exc))
                 raise
             except BaseException:  # the caller went away (the handler is cancelled), ...
@@ -1219,9 +1291,17 @@ class AllReduceService(AllReduceRunner):
                 raise
         while answered < count:
             await round_.ready[answered].wait()
+            _check_open(round_, answered)
             for reply in _replies(round_, answered, told, sender):
                 yield reply
             answered += 1
+
+
+def _check_open(round_: _Round, index: int) -> None:
+    """Part ``index`` was reduced, unless the round ended here before (then the call ends:
+    the caller keeps its values there, or fetches them from a groupmate that has them)."""
+    if not round_.final[index]:
+        raise AllReduceFailed(f"the round ended here before part {index} was reduced")
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
@@ -1273,7 +1353,7 @@ def _check_mean(values: npt.NDArray[Any], local: npt.NDArray[Any], who: str) -> 
     if values.shape != local.shape or values.dtype != local.dtype:
         raise ValueError(f"{who} a wrong shape or dtype")
     if not _all_finite(values):
-        raise ValueError(f"{who} non-finite values")
+        raise NonFiniteValues(f"{who} non-finite values")
 
 
 def _apply(local: npt.NDArray[Any], mean: npt.NDArray[Any] | None, alpha: float) -> None:

@@ -29,7 +29,7 @@ import logging
 import math
 import secrets
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
@@ -59,8 +59,15 @@ from swarmavg.compression import (
     NoCompression,
     TensorInfo,
 )
-from swarmavg.errors import AllReduceFailed, MatchmakingFailed
-from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
+from swarmavg.errors import AllReduceFailed, MatchmakingFailed, NonFiniteTensors
+from swarmavg.proto.allreduce import (
+    FlatLayout,
+    TensorSpec,
+    _all_finite,
+    schema_digest,
+    schema_text,
+)
+from swarmavg.proto.group_search import Admission
 from swarmavg.proto.matchmaking import next_group_bits, validate_bits
 
 if TYPE_CHECKING:
@@ -81,6 +88,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: How long closing waits for the steps it cancelled to withdraw and tell their groupmates.
+_CLOSE_TIMEOUT = 2.0
+#: Tensors larger than this (bytes in all) are checked for NaN/inf in a worker thread.
+_CHECK_IN_THREAD = 1 << 22
 #: Bounds of the automatic part size (elements).
 _MIN_PART = 1 << 18
 _MAX_PART = 1 << 22
@@ -350,6 +361,7 @@ class DecentralizedAverager:
             dht.dht_node,
             prefix=prefix,
             schema=schema_digest(self.specs),
+            schema_text=schema_text(self.specs),
             target_group_size=target_group_size,
             min_group_size=min_group_size,
             request_timeout=request_timeout,
@@ -390,11 +402,15 @@ class DecentralizedAverager:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop taking part (serving join requests). Idempotent."""
+        """Stop taking part: cancel the steps in progress (their groupmates are told, their
+        declarations withdrawn, within about a second) and stop serving join requests.
+        Idempotent."""
         if not self._closed:
             self._closed = True
-            for control in list(self._live):
-                control.cancel()
+            cancelled = [control for control in list(self._live) if control.cancel()]
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
+                for control in cancelled:
+                    await control._done.wait()
             self.matchmaker.close()
             self._state_sharer.stop()
 
@@ -576,6 +592,20 @@ class DecentralizedAverager:
             bits = format(secrets.randbits(width), f"0{width}b")
             logger.info("no group under %s: moving to group bits %s", self._bits, bits)
             self._bits = bits
+
+    def _exclude(self, peers: Iterable[PeerID]) -> None:
+        """Leave peers that sent us non-finite values out of our groups for a while (a
+        diverged or malicious peer; every groupmate that saw it does the same)."""
+        admission = getattr(self.matchmaker, "admission", None)
+        if not isinstance(admission, Admission):
+            return
+        for peer in peers:
+            seconds = admission.exclude(peer, get_dht_time(), "it sent non-finite values")
+            logger.warning(
+                "peer %s sent non-finite values; left out of our groups for %.0f s",
+                peer.short(),
+                seconds,
+            )
 
     def _part_size(self, group_size: int) -> int:
         """Elements per part: ``part_size_bytes / 4``, or automatically about a quarter of a
@@ -789,8 +819,11 @@ class DecentralizedAverager:
         :param weight: this peer's weight in the mean (default 1; 0 takes the mean without
             contributing; auxiliary peers always 0). Can be changed on the
             :class:`StepControl` until the all-reduce begins.
-        :param timeout: seconds to get into a group, retries included (default:
-            ``averaging_expiration`` plus ``request_timeout``).
+        :param timeout: seconds for the whole step: finding a group, the all-reduce (at most
+            ``allreduce_timeout`` of it) and retries; it returns or raises by then, whatever
+            the other peers do (time spent waiting for :meth:`StepControl.allow_allreduce`
+            does not count). Default: ``averaging_expiration`` plus ``request_timeout`` to
+            find a group, then ``allreduce_timeout`` for the all-reduce.
         :param allow_retries: look again (until ``timeout``) when a group fails to form, or
             when its all-reduce fails as a whole (a partial round is not retried: its result
             says what stayed local).
@@ -801,8 +834,11 @@ class DecentralizedAverager:
             past counts as none).
         :param require_trigger: once in a group, wait for :meth:`StepControl.allow_allreduce`
             before averaging (so a peer can find its group while it still computes).
-        :raises MatchmakingFailed: no group formed in time.
+        :raises MatchmakingFailed: no group formed in time (the message says why: too few
+            peers, peers with other tensors, peers left out for sending non-finite values).
         :raises AllReduceFailed: the group formed but the average was not computed.
+        :raises NonFiniteTensors: our own tensors hold NaN or an infinity (checked before
+            looking for a group; a diverged peer must not spread them).
         """
         if wait and require_trigger:
             raise ValueError("require_trigger=True needs wait=False (to call allow_allreduce())")
@@ -847,6 +883,7 @@ class DecentralizedAverager:
             gathered=gathered,
             weight=0.0 if self.mode is MemberMode.AUX else float(weight),
             budget=float(budget),
+            bounds_all=timeout is not None,
             scheduled_time=scheduled_time,
             require_trigger=require_trigger,
             auxiliary=self.mode is MemberMode.AUX,
@@ -864,18 +901,59 @@ class DecentralizedAverager:
     async def _run_step(self, control: StepControl, allow_retries: bool) -> StepResult:
         if self.allreduce is None:
             raise RuntimeError("enter the averager first: `async with averager:`")
-        deadline = anyio.current_time() + control.budget
+        control._deadline = anyio.current_time() + control.budget
         self._live.add(control)
         try:
             async with self._step_lock:
-                return await self._step_locked(control, allow_retries, deadline)
+                if self.mode is not MemberMode.AUX:
+                    await self._check_finite()
+                return await self._step_locked(control, allow_retries)
         finally:
             self._live.discard(control)
             control._set_stage(AveragingStage.FINISHED)
 
-    async def _step_locked(
-        self, control: StepControl, allow_retries: bool, deadline: float
-    ) -> StepResult:
+    async def _check_finite(self) -> None:
+        """Refuse to average tensors that hold NaN or an infinity (a diverged peer would spread
+        them to every groupmate, and its groupmates would leave it out anyway).
+
+        :raises NonFiniteTensors: naming the tensors.
+        """
+        if sum(t.numel() * t.element_size() for t in self._tensors) > _CHECK_IN_THREAD:
+            bad = await anyio.to_thread.run_sync(self._nonfinite_tensors)
+        else:
+            bad = self._nonfinite_tensors()
+        if not bad:
+            return
+        described = "; ".join(
+            f"tensor {i} ({spec.dtype}[{','.join(map(str, spec.shape))}]): {count:,} of"
+            f" {spec.numel:,} values"
+            for i, count, spec in ((i, count, self.specs[i]) for i, count in bad[:4])
+        )
+        more = f" and {len(bad) - 4} more tensors" if len(bad) > 4 else ""
+        raise NonFiniteTensors(
+            f"{len(bad)} of the {len(self._tensors)} averaged tensors hold NaN or infinite values"
+            f" ({described}{more}): not averaging them, since they would spread to every peer"
+            " of the group (training diverged? lower the learning rate or clip gradients, or"
+            " load_state_from_peers())",
+            [i for i, _ in bad],
+        )
+
+    def _nonfinite_tensors(self) -> list[tuple[int, int]]:
+        """The averaged tensors that hold NaN or an infinity: (index, how many values)."""
+        import torch
+
+        bad = []
+        with self._lock:
+            for index, tensor in enumerate(self._tensors):
+                memory = _cpu_memory(tensor)
+                if memory is not None and _all_finite(memory):
+                    continue
+                finite = torch.isfinite(tensor.detach())
+                if not bool(finite.all()):
+                    bad.append((index, int(finite.numel() - finite.sum())))
+        return bad
+
+    async def _step_locked(self, control: StepControl, allow_retries: bool) -> StepResult:
         """Find a group and average in it; with ``allow_retries``, a round that fails as a
         whole (:class:`AllReduceFailed`: nothing averaged, a timeout) is retried in a new
         group while the step's ``timeout`` lasts (the tensors are untouched until a round
@@ -886,9 +964,9 @@ class DecentralizedAverager:
         where = [self._bits]  # (set by _step_once to the bits its group formed under)
         while True:
             try:
-                return await self._step_once(control, allow_retries, deadline, started, where)
+                return await self._step_once(control, allow_retries, started, where)
             except AllReduceFailed as exc:
-                left = deadline - anyio.current_time()
+                left = control._deadline - anyio.current_time()
                 if not allow_retries or left <= 0:
                     raise
                 logger.warning("%s; looking for another group (%.1f s left)", exc, left)
@@ -897,7 +975,6 @@ class DecentralizedAverager:
         self,
         control: StepControl,
         allow_retries: bool,
-        deadline: float,
         started: float,
         where: list[str],
     ) -> StepResult:
@@ -908,7 +985,7 @@ class DecentralizedAverager:
         control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
         bits = where[0]
         while True:
-            left = deadline - anyio.current_time()
+            left = control._deadline - anyio.current_time()
             now = get_dht_time()
             begin_at = now + min(self.averaging_expiration, max(left, 0.0))
             if control.scheduled_time is not None and control.scheduled_time > now:
@@ -922,7 +999,7 @@ class DecentralizedAverager:
                 break
             except (MatchmakingFailed, TimeoutError) as exc:
                 self._move_on()
-                if not allow_retries or anyio.current_time() >= deadline:
+                if not allow_retries or anyio.current_time() >= control._deadline:
                     raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
                 # Look again while the step's timeout lasts, under the prefix's own key (no
                 # bits), where every peer left alone this round under any key looks too.
@@ -935,7 +1012,14 @@ class DecentralizedAverager:
             if control.require_trigger and not control.triggered:
                 self.allreduce.expect(group)
                 control._set_stage(AveragingStage.AWAITING_TRIGGER)
+                waiting = anyio.current_time()
                 await control._wait_for_trigger()
+                # (the wait for the caller's trigger does not count against the step's timeout)
+                control._deadline += anyio.current_time() - waiting
+            timeout = self.allreduce_timeout
+            if control.bounds_all:
+                left = max(control._deadline - anyio.current_time(), 1e-3)
+                timeout = left if timeout is None else min(timeout, left)
             weight = control._begin_allreduce()
             buffers, in_place = self._begin_round()
             compressing: dict[str, Any] = {}  # (left out when off: runners that predate it)
@@ -957,7 +1041,7 @@ class DecentralizedAverager:
                 part_size=self._part_size(len(group.members)),
                 averaging_alpha=self.averaging_alpha,
                 min_vector_size=self.min_vector_size,
-                timeout=self.allreduce_timeout,
+                timeout=timeout,
                 sender_timeout=self.sender_timeout,
                 reducer_timeout=self.reducer_timeout,
                 **compressing,
@@ -976,6 +1060,7 @@ class DecentralizedAverager:
         members = group.members
         me = group.index_of(self.dht.peer_id)
         self._bits = next_group_bits(self._bits, group.group_id, me, len(members))
+        self._exclude(members[i].peer_id for i in outcome.nonfinite if i != me)
         finished = anyio.current_time()
         local_spans = [(members[r].peer_id, why) for r, _, why in outcome.local_spans]
         dropped = [
@@ -1041,9 +1126,15 @@ class StepControl:
         scheduled_time: float | None,
         require_trigger: bool,
         auxiliary: bool = False,
+        bounds_all: bool = False,
     ) -> None:
         self.gathered = gathered
         self.budget = budget
+        #: whether ``budget`` bounds the whole step (a ``timeout`` was given), not only the
+        #: search for a group
+        self.bounds_all = bounds_all
+        #: ``anyio.current_time()`` by which the step must be done (set when it starts)
+        self._deadline = math.inf
         self.scheduled_time = scheduled_time
         self.require_trigger = require_trigger
         self._auxiliary = auxiliary

@@ -1,22 +1,16 @@
 """Matchmaking through the DHT: peers that want to average find each other and form a group.
 
-A peer looking for a group *declares* itself under its group key (``<prefix>.0b<bits>``, a DHT
-dictionary: subkey its PeerID, value its tensor schema, expiring when it wants to start). It then
-reads the key's declarations and asks the best-ranked peer with the same schema (earliest
-expiration, then smallest PeerID: :func:`~swarmavg.proto.matchmaking.choose_leader`) to take it
-in, over a server-stream call (``avg.join``): the leader answers ``accepted`` and later ``begin``
-with the group, or ``disband``; or ``rejected`` at once (it is not leading, is full, or averages
-other tensors), and the peer asks the next one. A peer that ranks first leads: it accepts
-followers until ``target_group_size`` members are in, or until its declared time comes with at
-least ``min_group_size``, then sends every follower the group (a random id, the members in
-PeerID order with their metadata). While it leads it keeps reading the key: if a better-ranked
-leader appears it disbands its followers (they look again and find that leader) and joins it.
+The decisions (whom to ask, when to lead, when to assemble, whom to admit, when to give up)
+are :class:`swarmavg.proto.group_search.GroupSearch`, a sans-IO machine; this module is its
+driver: it stores and reads declarations in the DHT, makes the join calls (``avg.join``, a
+server stream: ``accepted``, then ``begin`` with the group or ``disband``; or at once
+``rejected`` / ``redirect``), serves other peers' join requests by asking the machine, and
+tells it when a peer's connection fails.
 
-A peer that follows rejects join requests (pointing to its leader), and every peer only asks
-peers ranked better than itself, so two peers never wait for each other; a peer that has not yet
-decided (it still reads the key) holds a request for its key until it leads or follows, for at
-most half of ``request_timeout``. Client-mode peers (nobody can dial them) never
-declare or lead; they only follow.
+A declaration is a DHT dictionary entry under the group key (``<prefix>.0b<bits>``): subkey
+the PeerID, value ``{schema, looking, addresses, begin, client, tensors}``, expiring
+``declaration_ttl`` seconds after it was made (renewed while the peer looks), so that a dead
+peer's declaration lapses in seconds. A peer that stops looking withdraws it.
 """
 
 from __future__ import annotations
@@ -27,9 +21,11 @@ import math
 import os
 import weakref
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
+import anyio.abc
 import msgpack
 
 from swarmavg._time import get_dht_time
@@ -37,7 +33,17 @@ from swarmavg.abc._averaging import Group, GroupInfo, GroupMember, Matchmaker, M
 from swarmavg.address import Address
 from swarmavg.errors import MatchmakingFailed, SwarmError
 from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo
-from swarmavg.proto.matchmaking import choose_leader, group_key
+from swarmavg.proto.group_search import (
+    Admission,
+    Ask,
+    Declaration,
+    Declare,
+    GroupSearch,
+    Read,
+    Settle,
+    Verdict,
+)
+from swarmavg.proto.matchmaking import group_key
 
 if TYPE_CHECKING:
     from swarmavg.aio.dht import DHTNode
@@ -49,19 +55,14 @@ __all__ = ["DHTMatchmaker", "GroupInfo", "MatchmakingFailed"]
 logger = logging.getLogger(__name__)
 
 JOIN_METHOD: Final = "avg.join"
-#: How often a leader re-reads its key for a better leader, and a client between tries (s):
-#: first after _FIRST_POLL (peers that start together see each other at once), then 1.5 times as
-#: long each time, up to _POLL.
-_POLL: Final = 0.25
-_FIRST_POLL: Final = 0.02
-#: A withdrawn declaration expires this much after the one it replaces (a later expiration is
-#: what lets it replace it).
-_WITHDRAWN: Final = 1e-3
 #: A declaration carries at most this many of our addresses (others read the first), each at
 #: most this long; we remember the addresses of this many declared peers.
 _MAX_ADDRESSES: Final = 4
 _MAX_ADDRESS_LENGTH: Final = 512
 _MAX_DECLARED: Final = 4096
+_MAX_SCHEMA_TEXT: Final = 200
+#: How long a cancelled search may spend withdrawing its declaration (s).
+_WITHDRAW_TIMEOUT: Final = 1.0
 
 
 def _member_info(info: MemberInfo) -> GroupMember:
@@ -75,6 +76,8 @@ def _member_info(info: MemberInfo) -> GroupMember:
 
 def _valid_member(info: MemberInfo) -> bool:
     """Whether a would-be follower's info makes a usable group member."""
+    if info.mode not in ("node", "client", "aux"):
+        return False
     bandwidth = info.bandwidth
     if math.isnan(bandwidth) or math.isinf(bandwidth):
         return False
@@ -85,26 +88,40 @@ def _valid_member(info: MemberInfo) -> bool:
     return info.mode == "client" or bool(info.addresses)
 
 
-def _group_info(group_id: bytes, members: list[MemberInfo], leader: PeerID) -> GroupInfo:
+def _group_info(group_id: bytes, members: tuple[MemberInfo, ...], leader: PeerID) -> GroupInfo:
     group = Group(group_id, tuple(_member_info(m) for m in members))
     return GroupInfo(group, {m.peer_id: m.gather for m in members}, leader)
 
 
-class _Leading:
-    """The state of a peer that leads: the followers it took in, and when it begins."""
+@dataclass
+class _Term:
+    """How one spell of leading ended, for the followers waiting on it."""
 
-    def __init__(self, key: str, schema: bytes, target: int) -> None:
-        self.key = key
-        self.schema = schema
-        self.target = target
-        self.followers: dict[PeerID, MemberInfo] = {}
-        self.full = anyio.Event()
-        self.outcome: JoinReply | None = None
-        self.settled = anyio.Event()
+    settled: anyio.Event = field(default_factory=anyio.Event)
+    reply: JoinReply | None = None
 
-    def settle(self, reply: JoinReply) -> None:
-        self.outcome = reply
-        self.settled.set()
+
+class _Running:
+    """The search in progress, and what its driver and the join handlers share."""
+
+    def __init__(self, search: GroupSearch) -> None:
+        self.search = search
+        self.terms: dict[int, _Term] = {}
+        #: set (and replaced) whenever the machine may have changed
+        self.changed = anyio.Event()
+        #: the join call in progress and the seq of its Ask
+        self.ask_scope: anyio.CancelScope | None = None
+        self.ask_seq = -1
+
+    def term(self, term: int) -> _Term:
+        found = self.terms.get(term)
+        if found is None:
+            found = self.terms[term] = _Term()
+        return found
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
 
 
 _matchmakers: weakref.WeakKeyDictionary[Any, dict[str, DHTMatchmaker]] = weakref.WeakKeyDictionary()
@@ -116,11 +133,17 @@ class DHTMatchmaker(Matchmaker):
     :param dht: the DHT node (its node serves ``avg.join``).
     :param prefix: the averaging run's name: group keys are ``<prefix>.0b<bits>``.
     :param schema: the digest of the averaged tensors' shapes and dtypes; only equal ones group.
+    :param schema_text: a short description of those tensors, for the error when peers
+        under our key average others.
     :param target_group_size: begin as soon as this many members are in.
     :param min_group_size: begin at the declared time with at least this many.
     :param request_timeout: how long a leader may take to answer a join request (s).
     :param mode: how this peer takes part (client-mode peers only follow).
     :param bandwidth: this peer's bandwidth (``None``: unknown), for load balancing.
+    :param declaration_ttl: how long one declaration lives in the DHT (s; renewed at half-life
+        while looking; default ``request_timeout``): a dead peer stops counting after it.
+    :param admission: peers excluded from our groups (see
+        :class:`~swarmavg.proto.group_search.Admission`); default: a fresh one.
     """
 
     def __init__(
@@ -129,34 +152,36 @@ class DHTMatchmaker(Matchmaker):
         *,
         prefix: str,
         schema: bytes,
+        schema_text: str = "",
         target_group_size: int,
         min_group_size: int = 2,
         request_timeout: float = 3.0,
         mode: MemberMode = MemberMode.NODE,
         bandwidth: float | None = None,
+        declaration_ttl: float | None = None,
+        admission: Admission | None = None,
     ) -> None:
         if not (isinstance(target_group_size, int) and target_group_size >= 1):
             raise ValueError(f"target_group_size must be an int >= 1, not {target_group_size!r}")
         if not (isinstance(min_group_size, int) and 1 <= min_group_size <= target_group_size):
             raise ValueError(
-                f"min_group_size must be an int in 1..target_group_size, not {min_group_size!r}"
+                f"min_group_size must be an int in 1..target_group_size ({target_group_size}),"
+                f" not {min_group_size!r}"
             )
         group_key(prefix, "")  # checks the prefix
         self.dht = dht
         self.prefix = prefix
         self.schema = schema
+        self.schema_text = schema_text[:_MAX_SCHEMA_TEXT]
         self.target_group_size = target_group_size
         self.min_group_size = min_group_size
         self.request_timeout = request_timeout
+        self.declaration_ttl = request_timeout if declaration_ttl is None else declaration_ttl
         self.mode = mode
         self.bandwidth = bandwidth
-        self._leading: _Leading | None = None
-        self._following: tuple[PeerID, Address | None] | None = None  # the leader we wait for
+        self.admission = admission if admission is not None else Admission()
+        self._running: _Running | None = None
         self._declared: dict[PeerID, Address] = {}  # addresses read in declarations
-        self._looking = False
-        self._key: str | None = None  # the key we look under (while looking)
-        #: set (and replaced) whenever we start or stop leading, following or looking
-        self._changed = anyio.Event()
         registry = _matchmakers.get(dht.node)
         if registry is None:
             registry = _matchmakers[dht.node] = {}
@@ -166,32 +191,23 @@ class DHTMatchmaker(Matchmaker):
         if prefix in registry:
             raise ValueError(f"a matchmaker for prefix {prefix!r} already runs on this node")
         registry[prefix] = self
+        self._unwatch = dht.node.watch_peers(self._peer_lost)
 
     def close(self) -> None:
         """Stop serving join requests for this prefix."""
         registry = _matchmakers.get(self.dht.node)
         if registry is not None and registry.get(self.prefix) is self:
             del registry[self.prefix]
+        self._unwatch()
 
     @property
     def peer_id(self) -> PeerID:
         return self.dht.peer_id
 
-    def _notify(self) -> None:
-        """Wake join requests waiting for us to decide whether we lead (see _serve_join)."""
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def _deciding(self, key: str) -> bool:
-        """Whether we look for a group under ``key`` but neither lead nor follow yet (we are
-        reading the key, or asking a better-ranked peer to take us)."""
-        return (
-            self._looking
-            and self._key == key
-            and self._leading is None
-            and self._following is None
-            and self.mode is not MemberMode.CLIENT
-        )
+    @property
+    def search(self) -> GroupSearch | None:
+        """The search in progress, if any (for tests and status views)."""
+        return None if self._running is None else self._running.search
 
     def _me(self, gather: bytes) -> MemberInfo:
         addresses = (
@@ -200,205 +216,236 @@ class DHTMatchmaker(Matchmaker):
         bandwidth = -1.0 if self.bandwidth is None else float(self.bandwidth)
         return MemberInfo(self.peer_id, addresses, bandwidth, self.mode.value, gather)
 
+    def _peer_lost(self, peer: PeerID) -> None:
+        running = self._running
+        if running is not None:
+            running.search.on_peer_lost(peer, get_dht_time())
+            running.notify()
+
     # -- looking for a group ---------------------------------------------------------------------
 
     async def look_for_group(self, bits: str, *, gather: bytes, begin_at: float) -> GroupInfo:
         """Find a group under ``bits``, beginning at the latest at ``begin_at`` (DHT time).
 
         :raises MatchmakingFailed: no group with at least ``min_group_size`` members formed by
-            then (plus ``request_timeout`` to hear from a leader).
+            then (plus ``request_timeout`` to hear from a leader); the message says why.
         """
-        if self._looking:
+        if self._running is not None:
             raise RuntimeError("this matchmaker is already looking for a group")
-        self._looking = True
-        key = self._key = group_key(self.prefix, bits)
-        me = self._me(gather)
-        client = self.mode is MemberMode.CLIENT
-        expiration = math.inf if client else begin_at
-        rejected: set[PeerID] = set()
-        poll = _FIRST_POLL
-        declared = False
-        fresh: list[tuple[PeerID, float]] | None = None  # candidates read with the declaration
-        hint: MemberInfo | None = None  # where a peer that turned us away said the leader is
+        key = group_key(self.prefix, bits)
+        search = GroupSearch(
+            self._me(gather),
+            key=key,
+            schema=self.schema,
+            schema_text=self.schema_text,
+            begin_at=begin_at,
+            now=get_dht_time(),
+            target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size,
+            request_timeout=self.request_timeout,
+            declaration_ttl=self.declaration_ttl,
+            new_group_id=lambda: os.urandom(16),
+            admission=self.admission,
+        )
+        running = self._running = _Running(search)
         try:
-            if not client:
-                async with anyio.create_task_group() as tg:  # (a store and a get at once)
-                    tg.start_soon(self._declare, key, begin_at)
-                    fresh = await self._candidates(key)
-                declared = True
-            while True:
-                now = get_dht_time()
-                if now > begin_at + self.request_timeout:
-                    raise MatchmakingFailed(
-                        f"no group of at least {self.min_group_size} formed under {key!r} in time"
-                    )
-                if fresh is None:
-                    fresh = await self._candidates(key)
-                candidates = [c for c in fresh if c[0] not in rejected]
-                fresh = None
-                leader = choose_leader(candidates, self.peer_id, expiration)
-                tried = leader is not None
-                while leader is not None:  # follow it, and whoever it redirects us to
-                    address = self._address_of(leader)
-                    if hint is not None and hint.peer_id == leader:
-                        address = _member_info(hint).address
-                    until = dict(candidates).get(leader, begin_at) + self.request_timeout
-                    outcome = await self._follow(leader, address, key, expiration, me, until)
-                    if isinstance(outcome, GroupInfo):
-                        return outcome
-                    rejected.add(leader)
-                    hint = outcome
-                    leader = None
-                    if hint is not None and hint.peer_id not in rejected | {self.peer_id}:
-                        leader = hint.peer_id
-                if tried:  # turned away: read the declarations again
-                    continue
-                if client:  # a client cannot lead: wait for leaders to declare
-                    await anyio.sleep(poll)
-                    poll = min(1.5 * poll, _POLL)
-                    rejected.clear()
-                    continue
-                info = await self._lead(key, begin_at, me)
-                if info is not None:
-                    return info
-                rejected.clear()  # disbanded for a better leader: look again
+            async with anyio.create_task_group() as tg:
+                while True:
+                    self._carry_out(running, tg)
+                    if search.done:
+                        break
+                    changed = running.changed
+                    with anyio.move_on_after(max(0.0, search.deadline() - get_dht_time())):
+                        await changed.wait()
+                    search.on_timer(get_dht_time())
+                tg.cancel_scope.cancel()  # (reads and asks still under way)
+        except BaseException:
+            if not search.done:
+                search.cancel(get_dht_time())
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_WITHDRAW_TIMEOUT):
+                    await self._carry_out_finally(running)
+            raise
         finally:
-            self._looking = False
-            self._leading = None
-            self._notify()
-            if declared:  # (in the background: the group must not wait for it)
-                with contextlib.suppress(RuntimeError):  # the node is closing
-                    self.dht.node.spawn(self._declare, key, begin_at, False)
+            self._running = None
+            running.notify()
+        if search.finished is not None:
+            finished = search.finished
+            return _group_info(finished.group_id, finished.members, finished.leader)
+        raise MatchmakingFailed(search.failure or "no group formed")
 
-    async def _declare(self, key: str, begin_at: float, looking: bool = True) -> None:
-        """Declare that we look for a group under ``key`` until ``begin_at``, or (``looking``
-        false) that we stopped: a declaration would otherwise outlive a group that formed
-        early, and the next round's peers would take us for a leader."""
-        addresses = [str(a) for a in self.dht.node.addresses[:_MAX_ADDRESSES]]
-        value = {"schema": self.schema, "looking": looking, "addresses": addresses}
-        expiration = begin_at if looking else begin_at + _WITHDRAWN
-        if not await self.dht.store(key, value, expiration, subkey=self.peer_id.to_bytes()):
+    def _carry_out(self, running: _Running, tg: anyio.abc.TaskGroup) -> None:
+        """Carry out what the machine asks for."""
+        search = running.search
+        for effect in search.effects():
+            if isinstance(effect, Read):
+                tg.start_soon(self._read, running, effect.seq)
+            elif isinstance(effect, Ask):
+                running.ask_scope = scope = anyio.CancelScope()
+                running.ask_seq = effect.seq
+                tg.start_soon(self._ask, running, effect, scope)
+            elif isinstance(effect, Declare):
+                if effect.looking:
+                    tg.start_soon(self._declare, search.key, effect)
+                else:  # (in the background: the group must not wait for it)
+                    with contextlib.suppress(RuntimeError):  # the node is closing
+                        self.dht.node.spawn(self._declare, search.key, effect)
+            elif isinstance(effect, Settle):
+                self._settle(running, effect)
+        if running.ask_scope is not None and running.ask_seq != search.asking:
+            # the machine moved on: end the join call, or the leader keeps us as a follower
+            running.ask_scope.cancel()
+            running.ask_scope = None
+        running.notify()
+
+    async def _carry_out_finally(self, running: _Running) -> None:
+        """A cancelled search's last effects: tell the followers, withdraw (awaited)."""
+        for effect in running.search.effects():
+            if isinstance(effect, Settle):
+                self._settle(running, effect)
+            elif isinstance(effect, Declare) and not effect.looking:
+                await self._declare(running.search.key, effect)
+        running.notify()
+
+    def _settle(self, running: _Running, effect: Settle) -> None:
+        if effect.begin:
+            reply = JoinReply("begin", "", effect.group_id, list(effect.members))
+        else:
+            pointer = []
+            if effect.pointer is not None:
+                pointer = self._pointer(effect.pointer, self._address_of(effect.pointer))
+            reply = JoinReply("disband", effect.reason, b"", pointer)
+        term = running.term(effect.term)
+        term.reply = reply
+        term.settled.set()
+
+    async def _declare(self, key: str, effect: Declare) -> None:
+        """Store our declaration (or withdraw it: ``looking`` false)."""
+        addresses = (
+            []
+            if self.mode is MemberMode.CLIENT
+            else [str(a) for a in self.dht.node.addresses[:_MAX_ADDRESSES]]
+        )
+        value = {
+            "schema": self.schema,
+            "looking": effect.looking,
+            "addresses": addresses,
+            "begin": effect.begin_at,
+            "client": self.mode is MemberMode.CLIENT,
+            "tensors": self.schema_text,
+        }
+        try:
+            stored = await self.dht.store(
+                key, value, effect.expiration, subkey=self.peer_id.to_bytes()
+            )
+        except (SwarmError, OSError) as exc:
+            logger.debug("declaring under %s failed: %s", key, exc)
+            return
+        if not stored:
             logger.debug("declaring %s under %s was refused", self.peer_id.short(), key)
 
-    async def _candidates(self, key: str) -> list[tuple[PeerID, float]]:
-        """Declared peers of ``key`` with our schema: (PeerID, expiration)."""
+    async def _read(self, running: _Running, seq: int) -> None:
+        try:
+            declarations = await self._declarations(running.search.key)
+        except (SwarmError, OSError) as exc:
+            logger.debug("reading %s failed: %s", running.search.key, exc)
+            declarations = []
+        running.search.on_read(seq, declarations, get_dht_time())
+        running.notify()
+
+    async def _declarations(self, key: str) -> list[Declaration]:
+        """The declarations under ``key`` (and remember where their peers said they are)."""
         from swarmavg.identity import PeerID as _PeerID
 
-        found = await self.dht.get(key, latest=True)
+        found: Any = await self.dht.get(key, latest=True)
+        if found is not None and not isinstance(found, dict):
+            found = found.value  # (hivemind's shape: a dictionary inside a ValueWithExpiration)
         if not isinstance(found, dict):
             return []
-        candidates = []
+        declarations = []
         for subkey, item in found.items():
             try:
                 peer = _PeerID(subkey) if isinstance(subkey, bytes) else None
             except ValueError:
                 peer = None
             value = item.value
-            if peer is None or not isinstance(value, dict) or value.get("schema") != self.schema:
+            if peer is None or not isinstance(value, dict):
                 continue
-            if value.get("looking") is not True:
+            schema = value.get("schema")
+            begin = value.get("begin", item.expiration_time)
+            text = value.get("tensors", "")
+            if not isinstance(schema, bytes) or not isinstance(begin, int | float):
                 continue
-            candidates.append((peer, float(item.expiration_time)))
-            declared = value.get("addresses")
-            if isinstance(declared, list) and declared and isinstance(declared[0], str):
+            declarations.append(
+                Declaration(
+                    peer,
+                    float(begin),
+                    schema,
+                    looking=value.get("looking") is True,
+                    client=value.get("client") is True,
+                    schema_text=text[:_MAX_SCHEMA_TEXT] if isinstance(text, str) else "",
+                )
+            )
+            addresses = value.get("addresses")
+            if isinstance(addresses, list) and addresses and isinstance(addresses[0], str):
                 try:  # (the PeerID goes with it: only that peer can answer there)
-                    address = Address.parse(declared[0][:_MAX_ADDRESS_LENGTH]).with_peer_id(peer)
+                    address = Address.parse(addresses[0][:_MAX_ADDRESS_LENGTH]).with_peer_id(peer)
                 except ValueError:
                     continue
                 self._declared[peer] = address
                 while len(self._declared) > _MAX_DECLARED:
                     del self._declared[next(iter(self._declared))]
-        return candidates
+        return declarations
 
     def _address_of(self, peer: PeerID) -> Address | None:
         """Where to dial ``peer``: as our DHT node knows it, else as it declared itself (the
         DHT node need not know every peer that averages under our key)."""
         return self.dht._address_of(peer) or self._declared.get(peer)
 
-    async def _follow(
-        self,
-        leader: PeerID,
-        address: Address | None,
-        key: str,
-        expiration: float,
-        me: MemberInfo,
-        until: float,
-    ) -> GroupInfo | MemberInfo | None:
-        """Ask ``leader`` to take us in; the group, or where it said the leader is (it follows
-        one, or disbanded for a better one), or ``None`` if it would not, or did not begin by
-        ``until`` (DHT time)."""
-        if address is None:
-            return None
-        request = JoinRequest(key, self.schema, expiration, me)
-        try:
-            async with self.dht.node.rpc.server_stream(
-                address, JOIN_METHOD, request, response_type=JoinReply
-            ) as replies:
-                with anyio.fail_after(self.request_timeout):
-                    first = await anext(replies, None)
-                if first is None or first.code != "accepted":
-                    logger.debug("%s did not take us: %s", leader.short(), first)
-                    return _redirect(first)
-                self._following = (leader, address)
-                self._notify()
-                try:
-                    with anyio.fail_after(max(0.0, until - get_dht_time())):
-                        reply = await anext(replies, None)
-                finally:
-                    self._following = None
-                if reply is not None and reply.code == "begin":
-                    if not any(m.peer_id == self.peer_id for m in reply.members):
-                        return None  # a group without us: not ours
-                    return _group_info(reply.group_id, reply.members, leader)
-                return _redirect(reply)  # disbanded
-        except (SwarmError, OSError, TimeoutError, ValueError) as exc:
-            # (ValueError: a group whose members do not parse, from a faulty leader)
-            logger.debug("joining %s failed: %s", leader.short(), exc)
-        return None
+    async def _ask(self, running: _Running, ask: Ask, scope: anyio.CancelScope) -> None:
+        """Ask ``ask.leader`` to take us in and feed its answers to the machine."""
+        search = running.search
+        address = self._address_of(ask.leader)
+        if ask.hint is not None and ask.hint.peer_id == ask.leader:
+            with contextlib.suppress(ValueError):
+                address = _member_info(ask.hint).address
+        with scope:
+            try:
+                if address is None:
+                    raise LookupError("no address")
+                await self._join(running, ask, address)
+            except (SwarmError, OSError, TimeoutError, ValueError, LookupError) as exc:
+                # (ValueError: a group whose members do not parse, from a faulty leader)
+                logger.debug("joining %s failed: %s", ask.leader.short(), exc)
+                search.on_ask_failed(ask.seq, get_dht_time())
+                running.notify()
 
-    async def _lead(self, key: str, begin_at: float, me: MemberInfo) -> GroupInfo | None:
-        """Lead until the group is full or ``begin_at``; the group, or ``None`` if we disbanded
-        for a better leader (then look again)."""
-        leading = self._leading = _Leading(key, self.schema, self.target_group_size)
-        self._notify()
-        if self.target_group_size == 1:
-            leading.full.set()
-        poll = _FIRST_POLL
-        try:
-            while not leading.full.is_set():
-                left = begin_at - get_dht_time()
-                if left <= 0:
-                    break
-                with anyio.move_on_after(min(left, poll)):
-                    await leading.full.wait()
-                poll = min(1.5 * poll, _POLL)
-                if leading.full.is_set():
-                    break
-                candidates = await self._candidates(key)
-                if leading.full.is_set():  # filled up while we read: begin
-                    break
-                better = choose_leader(candidates, self.peer_id, begin_at)
-                if better is not None and better not in leading.followers:
-                    logger.debug("%s: a better leader %s appeared", key, better.short())
-                    pointer = self._pointer(better, self._address_of(better))
-                    leading.settle(JoinReply("disband", "a better leader appeared", b"", pointer))
-                    return None
-            self._leading = None  # no more followers from here
-            if 1 + len(leading.followers) < self.min_group_size:
-                leading.settle(JoinReply("disband", "too few peers", b"", []))
-                if get_dht_time() >= begin_at:
-                    raise MatchmakingFailed(
-                        f"only {1 + len(leading.followers)} peer(s) under {key!r} by the deadline"
-                        f" (min_group_size={self.min_group_size})"
-                    )
-                return None
-            members = sorted([me, *leading.followers.values()], key=lambda m: m.peer_id.to_bytes())
-            group_id = os.urandom(16)
-            leading.settle(JoinReply("begin", "", group_id, members))
-            return _group_info(group_id, members, self.peer_id)
-        finally:
-            if not leading.settled.is_set():
-                leading.settle(JoinReply("disband", "the leader stopped", b"", []))
+    async def _join(self, running: _Running, ask: Ask, address: Address) -> None:
+        search = running.search
+        begin_at = math.inf if search.client else search.begin_at
+        request = JoinRequest(search.key, self.schema, begin_at, search.me)
+        async with self.dht.node.rpc.server_stream(
+            address, JOIN_METHOD, request, response_type=JoinReply
+        ) as replies:
+            with anyio.fail_after(max(0.0, ask.answer_by - get_dht_time())):
+                first = await anext(replies, None)
+            if first is None or first.code != "accepted":
+                logger.debug("%s did not take us: %s", ask.leader.short(), first)
+                search.on_reply(ask.seq, "rejected", get_dht_time(), pointer=_pointer_in(first))
+                running.notify()
+                return
+            search.on_reply(ask.seq, "accepted", get_dht_time())
+            running.notify()
+            with anyio.fail_after(max(0.0, ask.begin_by - get_dht_time())):
+                reply = await anext(replies, None)
+            if reply is not None and reply.code == "begin":
+                members = tuple(reply.members)
+                _group_info(reply.group_id, members, ask.leader)  # (raises if they do not parse)
+                search.on_reply(
+                    ask.seq, "begin", get_dht_time(), group_id=reply.group_id, members=members
+                )
+            else:
+                search.on_reply(ask.seq, "disband", get_dht_time(), pointer=_pointer_in(reply))
+            running.notify()
 
     def _pointer(self, leader: PeerID, address: Address | None) -> list[MemberInfo]:
         """Where ``leader`` is, for a peer we turn away (empty if we cannot say)."""
@@ -409,49 +456,50 @@ class DHTMatchmaker(Matchmaker):
     # -- serving join requests -------------------------------------------------------------------
 
     async def _serve_join(self, request: JoinRequest, ctx: CallContext) -> AsyncIterator[JoinReply]:
-        if request.schema == self.schema and self._deciding(request.group_key):
-            # Peers that start together ask the best-ranked one while it still reads the key:
-            # turned away ("not leading"), they would follow worse leaders that disband only
-            # when they next read the key (measured: 8 processes, 0.1-0.2 s instead of ~0.04 s
-            # to form in some rounds). Requesters only ask peers ranked above them, so waiting
-            # for our own decision (a DHT read, or asking a peer ranked above us) is no cycle.
-            # Only for our key: a request for another one (a stale declaration of ours, from
-            # an earlier round) is turned away at once, not after our decision.
-            with anyio.move_on_after(self.request_timeout / 2):
-                while self._deciding(request.group_key):
-                    await self._changed.wait()
-        leading = self._leading
-        reason = ""
-        if leading is None:
-            following = self._following
-            if following is not None and following[0] != request.member.peer_id:
-                yield JoinReply("redirect", "following", b"", self._pointer(*following))
-                return
-            reason = "not leading a group"
-        elif request.group_key != leading.key or request.schema != leading.schema:
-            reason = "another key or schema"
-        elif request.member.peer_id != ctx.peer_id:
-            reason = "the request names another peer"
-        elif len(leading.followers) + 1 >= leading.target or leading.full.is_set():
-            reason = "the group is full"
-        elif request.member.mode not in ("node", "client", "aux"):
-            reason = "unknown mode"
-        elif not _valid_member(request.member):
-            reason = "an unusable address or bandwidth"
-        if reason or leading is None:
-            yield JoinReply("rejected", reason, b"", [])
+        member = request.member
+        if member.peer_id != ctx.peer_id:
+            yield JoinReply("rejected", "the request names another peer", b"", [])
             return
-        leading.followers[ctx.peer_id] = request.member
-        if len(leading.followers) + 1 >= leading.target:
-            leading.full.set()
+        if not _valid_member(member):
+            yield JoinReply("rejected", "an unusable mode, address or bandwidth", b"", [])
+            return
+        running = self._running
+        decision = None
+        with anyio.move_on_after(self.request_timeout / 2):
+            while running is not None:
+                decision = running.search.on_join_request(
+                    member, request.group_key, request.schema, get_dht_time(), request.expiration
+                )
+                if decision.verdict is not Verdict.HOLD:
+                    break
+                # Peers that start together ask the best-ranked one while it still reads the
+                # key: turned away, they would follow worse leaders that disband only when
+                # they next read it. Requests go only to better-ranked peers, so waiting for
+                # our own decision is no cycle.
+                await running.changed.wait()
+                running = self._running
+        if running is None or decision is None or decision.verdict is Verdict.HOLD:
+            yield JoinReply("rejected", "not leading a group", b"", [])
+            return
+        if decision.verdict is Verdict.REDIRECT:
+            assert decision.leader is not None
+            pointer = self._pointer(decision.leader, self._address_of(decision.leader))
+            yield JoinReply("redirect", decision.reason, b"", pointer)
+            return
+        if decision.verdict is Verdict.REJECT:
+            yield JoinReply("rejected", decision.reason, b"", [])
+            return
+        running.notify()  # (the group may be full: the driver settles it)
+        term = running.term(decision.term)
         try:
             yield JoinReply("accepted", "", b"", [])
-            await leading.settled.wait()
-            assert leading.outcome is not None
-            yield leading.outcome
+            await term.settled.wait()
+            assert term.reply is not None
+            yield term.reply
         finally:
-            if not leading.settled.is_set():  # the follower left before we began
-                leading.followers.pop(ctx.peer_id, None)
+            if not term.settled.is_set():  # the follower left before we began
+                running.search.on_follower_left(member.peer_id, decision.term)
+                running.notify()
 
 
 def _serve_join(registry: dict[str, DHTMatchmaker]) -> Any:
@@ -469,7 +517,7 @@ def _serve_join(registry: dict[str, DHTMatchmaker]) -> Any:
     return serve
 
 
-def _redirect(reply: JoinReply | None) -> MemberInfo | None:
+def _pointer_in(reply: JoinReply | None) -> MemberInfo | None:
     """The leader a refusal or a disband points to (``redirect``/``disband`` with one member
     that has a usable address), if any."""
     if reply is None or reply.code not in ("redirect", "disband") or len(reply.members) != 1:

@@ -15,6 +15,7 @@ closes every transport, which closes every listener, connection and stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -104,6 +105,9 @@ class Node:
         self._tg: anyio.abc.TaskGroup | None = None
         self._scopes: set[anyio.CancelScope] = set()  # of our background tasks
         self._closed = False
+        #: connections open per peer, and who wants to hear when a peer's last one ends
+        self._connections: dict[PeerID, int] = {}
+        self._watchers: list[Callable[[PeerID], object]] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -185,6 +189,26 @@ class Node:
         handler returns and aborted if it raises. ``None`` gives the streams back to :attr:`rpc`.
         """
         self._handler = handler
+
+    def watch_peers(self, lost: Callable[[PeerID], object]) -> Callable[[], None]:
+        """Call ``lost(peer)`` (on the event loop, from the node's own task) whenever the last
+        open connection to ``peer`` ends, closed or broken, while the node runs: the transport
+        knows at once when a peer's process died (its socket was reset) or it closed its
+        node. Returns the function that stops the calls. ``lost`` must not block or raise."""
+        self._watchers.append(lost)
+
+        def unwatch() -> None:
+            with contextlib.suppress(ValueError):
+                self._watchers.remove(lost)
+
+        return unwatch
+
+    def _lost(self, peer: PeerID) -> None:
+        for watcher in list(self._watchers):
+            try:
+                watcher(peer)
+            except Exception:
+                logger.exception("a peer watcher failed")
 
     def spawn(
         self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
@@ -294,6 +318,7 @@ class Node:
         previous = self._pool.get(conn.peer_id)
         if previous is None or previous.is_closed:
             self._pool[conn.peer_id] = conn
+        self._connections[conn.peer_id] = self._connections.get(conn.peer_id, 0) + 1
         self._tg.start_soon(
             self._guarded, self._serve_connection, conn, name=f"conn {conn.peer_id.short()}"
         )
@@ -371,8 +396,16 @@ class Node:
                 await ended.wait()
                 tg.cancel_scope.cancel()  # the waiting acceptor; streams being served end too
         finally:
-            if self._pool.get(conn.peer_id) is conn:
-                del self._pool[conn.peer_id]
+            peer = conn.peer_id
+            if self._pool.get(peer) is conn:
+                del self._pool[peer]
+            left = self._connections.get(peer, 1) - 1
+            if left > 0:
+                self._connections[peer] = left
+            else:
+                self._connections.pop(peer, None)
+                if not self._closed:
+                    self._lost(peer)
             with anyio.CancelScope(shield=True):
                 await conn.aclose()
 

@@ -38,12 +38,14 @@ import numpy.typing as npt
 __all__ = [
     "AccumulatorPool",
     "FlatLayout",
+    "NonFiniteValues",
     "Part",
     "PartReducer",
     "TensorSpec",
     "load_balance",
     "plan_parts",
     "schema_digest",
+    "schema_text",
 ]
 
 #: dtypes that can be averaged, and what their weighted sums accumulate in.
@@ -79,6 +81,17 @@ def schema_digest(specs: Sequence[TensorSpec]) -> bytes:
     whose digests are equal."""
     packed = msgpack.packb([[list(s.shape), s.dtype] for s in specs], use_bin_type=True)
     return hashlib.sha256(b"swarmavg/schema/1" + packed).digest()[:16]
+
+
+def schema_text(specs: Sequence[TensorSpec], limit: int = 160) -> str:
+    """The tensors' shapes and dtypes in a few words, for error messages:
+    ``"3 tensors, 1,050 values: float32[10,100], float32[50], float64[0]"`` (cut at ``limit``
+    characters)."""
+    total = sum(spec.numel for spec in specs)
+    head = f"{len(specs)} tensor{'s' if len(specs) != 1 else ''}, {total:,} values"
+    items = ", ".join(f"{s.dtype}[{','.join(map(str, s.shape))}]" for s in specs)
+    text = f"{head}: {items}" if items else head
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -226,6 +239,10 @@ def plan_parts(layout: FlatLayout, span_sizes: Sequence[int], part_size: int) ->
     return plans
 
 
+class NonFiniteValues(ValueError):
+    """Values to average (or a mean) hold NaN or an infinity."""
+
+
 class PartReducer:
     """The weighted mean of one part over the senders expected to contribute to it.
 
@@ -287,7 +304,7 @@ class PartReducer:
         if not (weight >= 0 and math.isfinite(weight)):
             raise ValueError(f"a weight is a finite number >= 0, not {weight!r}")
         if weight > 0 and not _all_finite(values):
-            raise ValueError(f"member {sender} sent non-finite values")
+            raise NonFiniteValues(f"member {sender} sent non-finite values")
         if max_norm is not None and not (max_norm >= 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm is a finite number >= 0, not {max_norm!r}")
         clipped = False

@@ -158,10 +158,11 @@ async def test_a_round_end_to_end_matchmaking_then_all_reduce() -> None:
             for b in range(2)
         ]
         begin_at = get_dht_time() + 5
+        services = [AllReduceService.for_node(dht.node) for dht in dhts]  # (as averagers do)
 
         async def member(i: int) -> Any:
             info = await matchmakers[i].look_for_group("", gather=b"", begin_at=begin_at)
-            service = AllReduceService.for_node(dhts[i].node)
+            service = services[i]
             return await service.run(info.group, buffers[i], layout, weight=weights[i], timeout=10)
 
         with anyio.fail_after(30):
@@ -245,16 +246,16 @@ def _spy_on_joins(matchmaker: DHTMatchmaker) -> list[tuple[float, float, str]]:
 
 def _slow_first_read(matchmaker: DHTMatchmaker, delay: float) -> None:
     """``matchmaker``'s first read of the key's declarations takes ``delay`` s longer."""
-    read = matchmaker._candidates
+    read = matchmaker._declarations
     calls = [0]
 
-    async def slow(key: str) -> list[tuple[Any, float]]:
+    async def slow(key: str) -> list[Any]:
         calls[0] += 1
         if calls[0] == 1:
             await anyio.sleep(delay)
         return await read(key)
 
-    matchmaker._candidates = slow  # type: ignore[method-assign]
+    matchmaker._declarations = slow  # type: ignore[method-assign]
 
 
 async def _best_reads_slowly(

@@ -1,0 +1,693 @@
+"""Matchmaking as a sans-IO state machine: one peer's search for a group under one key.
+
+Theory of operation
+-------------------
+A peer that wants to average *declares* itself under its group key in the DHT (a
+:class:`Declaration`: when it wants to begin at the latest, its tensor schema, whether it can
+lead) and reads the key's declarations. Peers rank by ``(begin_at, PeerID)``; every peer asks
+the best-ranked peer above it to take it in, so the peers of a key converge on one *leader*:
+the best-ranked peer that can lead. The leader takes followers in and *assembles* the group
+(sends every follower the members) as soon as one of these holds:
+
+1. the group is full (``target_group_size``);
+2. waiting cannot make it bigger: two reads of the key in a row show the same peers looking
+   there, and every one of them has joined (a peer that leaves withdraws its declaration; a
+   dead one stops counting when its connection fails or its short-lived declaration lapses);
+3. ``begin_at`` came, with at least ``min_group_size`` members (with fewer it disbands and
+   the search fails, saying why: too few peers, peers with another tensor schema, peers
+   excluded for sending non-finite values).
+
+A leader that reads a better-ranked leader disbands its followers (pointing them to it) and
+asks it. Declarations are short-lived (``declaration_ttl``) and renewed while the peer looks,
+so that a dead peer's declaration lapses in seconds rather than at its ``begin_at``.
+
+:class:`GroupSearch` does no I/O and reads no clock. Its inputs are method calls (``on_*``,
+each given ``now``, DHT time); its outputs are *effects* the driver pulls with
+:meth:`GroupSearch.effects` and carries out (store a declaration, read the key, ask a peer to
+lead us, tell our followers how their group ended), and a deadline
+(:meth:`GroupSearch.deadline`) at which the driver calls :meth:`GroupSearch.on_timer`. Join
+requests from other peers get an immediate :class:`Decision`.
+
+Stages and what moves them (everything that changes the stage lives in this class)::
+
+    stage      event                                   next stage   effects
+    ---------  --------------------------------------  -----------  ----------------------------
+    (start)    __init__                                DECIDING     Declare (not for clients), Read
+    DECIDING   on_read: a better-ranked leader         ASKING       Ask
+    DECIDING   on_read: none, we can lead              LEADING      (poll timer)
+    DECIDING   on_read: none, client mode              WAITING      (poll timer)
+    WAITING    timer (poll)                            WAITING      Read
+    WAITING    on_read: a leader                       ASKING       Ask
+    ASKING     on_reply accepted                       FOLLOWING
+    ASKING     on_reply redirect / on_ask_failed       ASKING       Ask (the peer it points to)
+                                                       or DECIDING  Read
+    FOLLOWING  on_reply begin (we are a member)        DONE         Finished, Declare(withdraw)
+    FOLLOWING  on_reply disband / on_ask_failed        ASKING       Ask (the leader it names)
+                                                       or DECIDING  Read
+    LEADING    on_join_request (room left)             LEADING      (ACCEPT)
+    LEADING    on_join_request fills the group         DONE         Settle(begin), Finished, ...
+    LEADING    timer (poll)                            LEADING      Read
+    LEADING    on_read: a better-ranked leader         ASKING       Settle(disband), Ask
+    LEADING    on_read: all looking joined, twice      DONE         Settle(begin), Finished, ...
+    LEADING    timer: begin_at, >= min_group_size      DONE         Settle(begin), Finished, ...
+    LEADING    timer: begin_at, too few                FAILED       Settle(disband), Failed, ...
+    any        timer: begin_at + request_timeout       FAILED       Failed, Declare(withdraw)
+    any        cancel()                                FAILED       Settle(disband), withdraw
+    any        timer: declaration half-lived           (same)       Declare (renewed)
+
+Join requests (:meth:`GroupSearch.on_join_request`): a leader with room ACCEPTs (unless the
+requester is excluded); a follower REDIRECTs to its leader; a peer still DECIDING or ASKING
+HOLDs the request (the driver asks again when the stage changes: requests go only from worse-
+to better-ranked peers, so holding makes no cycle); otherwise REJECT with a reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+from swarmavg.identity import PeerID
+from swarmavg.proto.averaging_messages import MemberInfo
+
+__all__ = [
+    "Admission",
+    "Ask",
+    "Decision",
+    "Declaration",
+    "Declare",
+    "Effect",
+    "Failed",
+    "Finished",
+    "GroupSearch",
+    "Read",
+    "Settle",
+    "Stage",
+    "Verdict",
+]
+
+#: How often a leader re-reads its key, and a client between tries (s): first after
+#: FIRST_POLL (peers that start together see each other at once), then 1.5 times as long each
+#: time, up to POLL.
+FIRST_POLL: Final = 0.02
+POLL: Final = 0.25
+#: A withdrawn declaration expires this much after the one it replaces (a later expiration is
+#: what lets it replace it in the DHT).
+WITHDRAWN: Final = 1e-3
+
+
+class Stage(enum.Enum):
+    """Where a search is (see the module docstring's table)."""
+
+    DECIDING = "deciding"
+    WAITING = "waiting"
+    ASKING = "asking"
+    FOLLOWING = "following"
+    LEADING = "leading"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """One peer's declaration under the key, as a read returned it."""
+
+    peer: PeerID
+    #: when it wants to begin at the latest (DHT time): the rank, earliest first
+    begin_at: float
+    schema: bytes
+    #: ``False``: it stopped looking (withdrawn)
+    looking: bool = True
+    #: a client-mode peer: it counts as looking but never leads
+    client: bool = False
+    #: a short description of its tensors (for the error when the schemas differ)
+    schema_text: str = ""
+
+
+class Verdict(enum.Enum):
+    ACCEPT = "accepted"
+    REJECT = "rejected"
+    REDIRECT = "redirect"
+    HOLD = "hold"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to a join request. ``leader``: where a REDIRECT points; ``term``: the
+    leadership an ACCEPT joins (its :class:`Settle` effect tells the follower how it ended)."""
+
+    verdict: Verdict
+    reason: str = ""
+    leader: PeerID | None = None
+    term: int = 0
+
+
+# -- effects ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Declare:
+    """Store our declaration: looking until ``expiration`` (DHT time), to begin by
+    ``begin_at``; ``looking=False`` withdraws it."""
+
+    looking: bool
+    expiration: float
+    begin_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read the key's declarations; answer with :meth:`GroupSearch.on_read` (``seq``)."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Ask ``leader`` to take us in. Its first answer is due by ``answer_by`` and, once it
+    accepted us, the group by ``begin_by`` (DHT times); answer with
+    :meth:`GroupSearch.on_reply` / :meth:`GroupSearch.on_ask_failed` (``seq``). ``hint``:
+    where a peer that turned us away said it is."""
+
+    seq: int
+    leader: PeerID
+    answer_by: float
+    begin_by: float
+    hint: MemberInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Tell the followers of leadership ``term`` how it ended: ``begin`` with the group
+    (``group_id``, ``members`` in PeerID order) or ``disband`` (``reason``; ``pointer``: the
+    better leader to ask instead, if any)."""
+
+    term: int
+    begin: bool
+    reason: str = ""
+    group_id: bytes = b""
+    members: tuple[MemberInfo, ...] = ()
+    pointer: PeerID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """We are in a group: ``members`` in PeerID order, led by ``leader``."""
+
+    group_id: bytes
+    members: tuple[MemberInfo, ...]
+    leader: PeerID
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """No group: ``reason`` says why (for :class:`~swarmavg.errors.MatchmakingFailed`)."""
+
+    reason: str
+
+
+Effect = Declare | Read | Ask | Settle | Finished | Failed
+
+
+# -- who may join ----------------------------------------------------------------------------------
+
+
+class Admission:
+    """Peers excluded from our groups for a while, and why: a peer that sent non-finite
+    values is left out for ``base`` seconds, twice as long each time it does it again within
+    ``memory`` seconds of its last exclusion, up to ``cap``. Bounded (``max_peers``; the
+    stalest go first). Shared by all searches of one averager."""
+
+    def __init__(
+        self,
+        *,
+        base: float = 60.0,
+        cap: float = 3600.0,
+        memory: float = 3600.0,
+        max_peers: int = 4096,
+    ) -> None:
+        if not (0 < base <= cap and memory >= 0 and max_peers >= 1):
+            raise ValueError("Admission needs 0 < base <= cap, memory >= 0, max_peers >= 1")
+        self.base = base
+        self.cap = cap
+        self.memory = memory
+        self.max_peers = max_peers
+        #: peer -> (excluded until, seconds of its last exclusion, why)
+        self._excluded: OrderedDict[PeerID, tuple[float, float, str]] = OrderedDict()
+
+    def exclude(self, peer: PeerID, now: float, why: str) -> float:
+        """Exclude ``peer`` from ``now`` on; the seconds it stays excluded."""
+        previous = self._excluded.pop(peer, None)
+        seconds = self.base
+        if previous is not None and now <= previous[0] + self.memory:
+            seconds = min(self.cap, 2 * previous[1])
+        self._excluded[peer] = (now + seconds, seconds, why)
+        while len(self._excluded) > self.max_peers:
+            self._excluded.popitem(last=False)
+        return seconds
+
+    def excluded(self, peer: PeerID, now: float) -> str | None:
+        """Why ``peer`` is excluded now (with how long it still is), or ``None``."""
+        entry = self._excluded.get(peer)
+        if entry is None or entry[0] <= now:
+            return None
+        return f"excluded for another {entry[0] - now:.0f} s: {entry[2]}"
+
+
+def _rank(peer: PeerID, begin_at: float) -> tuple[float, bytes]:
+    return (begin_at, peer.to_bytes())
+
+
+@dataclass
+class _Leadership:
+    """The followers of one spell of leading (a *term*)."""
+
+    term: int
+    followers: dict[PeerID, MemberInfo] = field(default_factory=dict)
+
+
+class GroupSearch:
+    """One peer's search for a group under ``key`` (see the module docstring).
+
+    :param me: our :class:`MemberInfo` (PeerID, addresses, bandwidth, mode, gathered bytes).
+    :param key: the group key searched under (requests for other keys are turned away).
+    :param schema: our tensor schema digest (only peers with the same one group).
+    :param schema_text: a short description of our tensors (for error messages).
+    :param begin_at: DHT time by which we want to begin at the latest.
+    :param now: DHT time now.
+    :param target_group_size: assemble as soon as this many are in.
+    :param min_group_size: assemble at ``begin_at`` only with at least this many.
+    :param request_timeout: how long a leader may take to answer (s); the search fails at
+        ``begin_at + request_timeout``.
+    :param declaration_ttl: how long one declaration lives (s); renewed at half-life.
+    :param new_group_id: makes a group id (the driver's randomness).
+    :param admission: peers excluded from our groups (shared between searches).
+    """
+
+    def __init__(
+        self,
+        me: MemberInfo,
+        *,
+        key: str,
+        schema: bytes,
+        schema_text: str = "",
+        begin_at: float,
+        now: float,
+        target_group_size: int,
+        min_group_size: int,
+        request_timeout: float,
+        declaration_ttl: float,
+        new_group_id: Callable[[], bytes],
+        admission: Admission | None = None,
+    ) -> None:
+        if not 1 <= min_group_size <= target_group_size:
+            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        self.me = me
+        self.peer = me.peer_id
+        self.key = key
+        self.schema = schema
+        self.schema_text = schema_text
+        self.begin_at = begin_at
+        self.target = target_group_size
+        self.minimum = min_group_size
+        self.request_timeout = request_timeout
+        self.ttl = declaration_ttl
+        self.client = me.mode == "client"
+        self._new_group_id = new_group_id
+        self.admission = admission if admission is not None else Admission()
+        self.stage = Stage.DECIDING
+        self._effects: list[Effect] = []
+        self._seq = 0  # of reads and asks handed out (answers to older ones are ignored)
+        self._read_seq = -1  # the read we wait for (-1: none)
+        self._ask_seq = -1
+        self._leader: PeerID | None = None  # whom we ask or follow
+        self._rejected: set[PeerID] = set()  # turned us away in this search
+        self._lost: set[PeerID] = set()  # their connection failed
+        self._term = 0
+        self._leading: _Leadership | None = None
+        self._poll = FIRST_POLL
+        self._next_poll = math.inf
+        self._last_looking: frozenset[PeerID] | None = None  # the previous read's
+        #: what reads showed: peers with another schema (PeerID -> its description)
+        self._other_schemas: dict[PeerID, str] = {}
+        self._excluded_seen: dict[PeerID, str] = {}
+        self._declared_until = -math.inf  # our declaration's expiration (-inf: none made)
+        self.finished: Finished | None = None
+        self.failure: str | None = None
+        if self.target == 1 and not self.client:
+            self._lead(now)  # (a group of one: nobody to wait for, nothing to declare)
+            return
+        self._declare(now)
+        self._read()
+
+    # -- the driver's side -----------------------------------------------------------------------
+
+    def effects(self) -> list[Effect]:
+        """What to do now, in order (each effect is handed out once)."""
+        effects, self._effects = self._effects, []
+        return effects
+
+    @property
+    def done(self) -> bool:
+        return self.stage in (Stage.DONE, Stage.FAILED)
+
+    @property
+    def deciding(self) -> bool:
+        """Whether join requests for our key are held (we may still come to lead)."""
+        return self.stage in (Stage.DECIDING, Stage.ASKING) and not self.client
+
+    @property
+    def asking(self) -> int:
+        """The ``seq`` of the :class:`Ask` in progress (-1: none): the driver ends the join
+        call of any other (a leader must not keep us as a follower once we moved on)."""
+        return self._ask_seq
+
+    @property
+    def term(self) -> int:
+        """The current leadership's term (0: not leading)."""
+        return self._leading.term if self._leading is not None else 0
+
+    @property
+    def followers(self) -> list[PeerID]:
+        return list(self._leading.followers) if self._leading is not None else []
+
+    def deadline(self) -> float:
+        """DHT time at which to call :meth:`on_timer` (``inf``: none)."""
+        if self.done:
+            return math.inf
+        times = [self.begin_at + self.request_timeout, self._next_poll]
+        if self.stage is Stage.LEADING:
+            times.append(self.begin_at)
+        if not self.client and self._declared_until < self.begin_at:
+            times.append(self._declared_until - self.ttl / 2)
+        return min(times)
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    def on_timer(self, now: float) -> None:
+        """Time passed (call it at :meth:`deadline`, or any time)."""
+        if self.done:
+            return
+        if (
+            not self.client
+            and self._declared_until < self.begin_at
+            and now >= self._declared_until - self.ttl / 2
+        ):
+            self._declare(now)
+        if self.stage is Stage.LEADING and now >= self.begin_at:
+            self._assemble_or_fail(now)
+            return
+        if now >= self.begin_at + self.request_timeout:
+            self._fail(now, self._too_few(1 + len(self.followers)))
+            return
+        if now >= self._next_poll and self.stage in (Stage.LEADING, Stage.WAITING):
+            self._next_poll = math.inf
+            if self._read_seq < 0:
+                self._read()
+
+    def on_read(self, seq: int, declarations: Iterable[Declaration], now: float) -> None:
+        """The answer to :class:`Read` ``seq`` (a failed read: no declarations)."""
+        if seq != self._read_seq or self.done:
+            return
+        self._read_seq = -1
+        looking: set[PeerID] = set()
+        best: tuple[tuple[float, bytes], PeerID, float] | None = None
+        mine = _rank(self.peer, math.inf if self.client else self.begin_at)
+        for item in declarations:
+            peer = item.peer
+            if peer == self.peer or not item.looking:
+                continue
+            if item.schema != self.schema:
+                self._other_schemas[peer] = item.schema_text
+                continue
+            self._other_schemas.pop(peer, None)
+            why = self.admission.excluded(peer, now)
+            if why is not None:
+                self._excluded_seen[peer] = why
+                continue
+            if peer in self._lost:
+                continue
+            looking.add(peer)
+            if item.client or not math.isfinite(item.begin_at):
+                continue
+            if peer in self._rejected and self.stage is not Stage.LEADING:
+                continue  # (a leader reads them all: one that turned us away may lead now)
+            rank = _rank(peer, item.begin_at)
+            if rank < mine and (best is None or rank < best[0]):
+                best = (rank, peer, item.begin_at)
+        better = None if best is None else best[1]
+        better_begin = self.begin_at if best is None else best[2]
+        current = frozenset(looking)
+        previous, self._last_looking = self._last_looking, current
+        if self.stage is Stage.LEADING:
+            assert self._leading is not None
+            if better is not None and better not in self._leading.followers:
+                self._disband(f"a better leader appeared: {better.short()}", pointer=better)
+                self._rejected.clear()
+                self._ask(better, now, begin_at=better_begin)
+                return
+            joined = set(self._leading.followers)
+            if (
+                current == previous
+                and current <= joined
+                and 1 + len(joined) >= self.minimum
+                and len(joined) >= 1
+            ):
+                self._assemble(now)
+                return
+            self._schedule_poll(now)
+            return
+        if better is not None:
+            self._ask(better, now, begin_at=better_begin)
+        elif self.client:
+            self.stage = Stage.WAITING
+            self._rejected.clear()  # (a full group's leader may lead again later)
+            self._schedule_poll(now)
+        elif self.stage in (Stage.DECIDING, Stage.WAITING):
+            self._lead(now)
+
+    def on_reply(
+        self,
+        seq: int,
+        code: str,
+        now: float,
+        *,
+        group_id: bytes = b"",
+        members: tuple[MemberInfo, ...] = (),
+        pointer: MemberInfo | None = None,
+    ) -> None:
+        """An answer of the leader we asked (:class:`Ask` ``seq``): ``accepted``, ``begin``
+        (with the group), ``disband``, ``redirect`` or ``rejected`` (``pointer``: where it
+        said the leader is)."""
+        if seq != self._ask_seq or self.done:
+            return
+        leader = self._leader
+        assert leader is not None
+        if code == "accepted" and self.stage is Stage.ASKING:
+            self.stage = Stage.FOLLOWING
+            return
+        if code == "begin" and self.stage is Stage.FOLLOWING:
+            if any(m.peer_id == self.peer for m in members):
+                self._finish(Finished(group_id, tuple(members), leader), now)
+                return
+            code = "a group without us"  # (not ours: look again)
+        self._turned_away(leader, now, pointer)
+
+    def on_ask_failed(self, seq: int, now: float) -> None:
+        """The leader of :class:`Ask` ``seq`` did not answer in time, or the call broke."""
+        if seq != self._ask_seq or self.done:
+            return
+        assert self._leader is not None
+        self._turned_away(self._leader, now, None)
+
+    def on_join_request(
+        self, member: MemberInfo, key: str, schema: bytes, now: float, begin_at: float = math.inf
+    ) -> Decision:
+        """Another peer asks us to take it in (``member``: its info, its PeerID already
+        checked against the caller's; ``begin_at``: what it declared, ``inf`` for a client).
+        ACCEPT adds it to our followers; HOLD means: ask again when our stage changes."""
+        peer = member.peer_id
+        if key != self.key:
+            return Decision(Verdict.REJECT, "another key")
+        if schema != self.schema:
+            return Decision(Verdict.REJECT, "it averages a different tensor schema")
+        why = self.admission.excluded(peer, now)
+        if why is not None:
+            return Decision(Verdict.REJECT, why)
+        if self.stage is Stage.FOLLOWING and self._leader != peer:
+            return Decision(Verdict.REDIRECT, "following", leader=self._leader)
+        if self.deciding:
+            if _rank(peer, begin_at) < _rank(self.peer, self.begin_at):
+                # It ranks above us (it read a stale declaration of ours): holding it could
+                # wait on a peer that waits on us. Let it look again.
+                return Decision(Verdict.REJECT, "not leading a group: you rank above me")
+            return Decision(Verdict.HOLD)
+        leading = self._leading
+        if self.stage is not Stage.LEADING or leading is None:
+            return Decision(Verdict.REJECT, "not leading a group")
+        if peer in leading.followers:
+            return Decision(Verdict.REJECT, "it is in the group already")
+        if 1 + len(leading.followers) >= self.target:
+            return Decision(Verdict.REJECT, "the group is full")
+        leading.followers[peer] = member
+        self._lost.discard(peer)
+        decision = Decision(Verdict.ACCEPT, term=leading.term)
+        if 1 + len(leading.followers) >= self.target:
+            self._assemble(now)
+        return decision
+
+    def on_follower_left(self, peer: PeerID, term: int) -> None:
+        """A follower of leadership ``term`` went away before the group was settled."""
+        leading = self._leading
+        if leading is not None and leading.term == term and self.stage is Stage.LEADING:
+            leading.followers.pop(peer, None)
+
+    def on_peer_lost(self, peer: PeerID, now: float) -> None:
+        """Our connection to ``peer`` failed: its declaration no longer counts (it may be
+        dead); if it is whom we ask or follow, that is over."""
+        self._lost.add(peer)
+        if self.done:
+            return
+        if self._leader == peer and self.stage in (Stage.ASKING, Stage.FOLLOWING):
+            self._turned_away(peer, now, None)
+        elif self._last_looking is not None and peer in self._last_looking:
+            self._last_looking = self._last_looking - {peer}
+
+    def cancel(self, now: float) -> None:
+        """The search is abandoned (its step was cancelled): disband our followers and
+        withdraw our declaration."""
+        if not self.done:
+            self._fail(now, "the search was cancelled")
+
+    # -- transitions -----------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        self._seq += 1
+        self._read_seq = self._seq
+        self._effects.append(Read(self._seq))
+
+    def _declare(self, now: float) -> None:
+        expiration = min(self.begin_at, now + self.ttl)
+        if expiration <= self._declared_until:
+            return
+        self._declared_until = expiration
+        self._effects.append(Declare(True, expiration, self.begin_at))
+
+    def _withdraw(self) -> None:
+        if self._declared_until > -math.inf:
+            self._declared_until += WITHDRAWN
+            self._effects.append(Declare(False, self._declared_until, self.begin_at))
+
+    def _schedule_poll(self, now: float) -> None:
+        self._next_poll = now + self._poll
+        self._poll = min(1.5 * self._poll, POLL)
+
+    def _ask(
+        self,
+        leader: PeerID,
+        now: float,
+        *,
+        begin_at: float | None = None,
+        hint: MemberInfo | None = None,
+    ) -> None:
+        """Ask ``leader`` (which wants to begin by ``begin_at``, ours if unknown)."""
+        self.stage = Stage.ASKING
+        self._leader = leader
+        self._next_poll = math.inf
+        self._seq += 1
+        self._ask_seq = self._seq
+        self._read_seq = -1
+        self._effects.append(
+            Ask(
+                self._seq,
+                leader,
+                answer_by=now + self.request_timeout,
+                begin_by=min(begin_at or self.begin_at, self.begin_at) + self.request_timeout,
+                hint=hint,
+            )
+        )
+
+    def _turned_away(self, leader: PeerID, now: float, pointer: MemberInfo | None) -> None:
+        """``leader`` would not (or no longer) lead us: ask where it pointed, else read again."""
+        self._rejected.add(leader)
+        self._leader = None
+        self._ask_seq = -1
+        if (
+            pointer is not None
+            and pointer.peer_id not in self._rejected
+            and pointer.peer_id != self.peer
+            and self.admission.excluded(pointer.peer_id, now) is None
+        ):
+            self._ask(pointer.peer_id, now, hint=pointer)
+            return
+        self.stage = Stage.DECIDING
+        self._read()
+
+    def _lead(self, now: float) -> None:
+        self.stage = Stage.LEADING
+        self._term += 1
+        self._leading = _Leadership(self._term)
+        self._poll = FIRST_POLL
+        self._schedule_poll(now)
+        if self.target == 1:
+            self._assemble(now)
+
+    def _disband(self, reason: str, pointer: PeerID | None = None) -> None:
+        leading, self._leading = self._leading, None
+        if leading is not None:
+            self._effects.append(Settle(leading.term, False, reason, pointer=pointer))
+
+    def _assemble(self, now: float) -> None:
+        leading, self._leading = self._leading, None
+        assert leading is not None
+        members = tuple(
+            sorted([self.me, *leading.followers.values()], key=lambda m: m.peer_id.to_bytes())
+        )
+        group_id = self._new_group_id()
+        self._effects.append(Settle(leading.term, True, "", group_id, members))
+        self._finish(Finished(group_id, members, self.peer), now)
+
+    def _assemble_or_fail(self, now: float) -> None:
+        size = 1 + len(self.followers)
+        if size >= self.minimum:
+            self._assemble(now)
+        else:
+            self._fail(now, self._too_few(size), disband="too few peers")
+
+    def _finish(self, finished: Finished, now: float) -> None:
+        self.stage = Stage.DONE
+        self.finished = finished
+        self._next_poll = math.inf
+        self._effects.append(finished)
+        self._withdraw()
+
+    def _fail(self, now: float, reason: str, disband: str = "the leader stopped") -> None:
+        self._disband(disband)
+        self.stage = Stage.FAILED
+        self.failure = reason
+        self._next_poll = math.inf
+        self._effects.append(Failed(reason))
+        self._withdraw()
+
+    def _too_few(self, size: int) -> str:
+        """Why a group of ``size`` did not do (the failure's message)."""
+        reason = (
+            f"only {size} peer(s) under {self.key!r} by the deadline"
+            f" (min_group_size={self.minimum})"
+        )
+        if self._other_schemas:
+            texts = sorted({text or "unknown" for text in self._other_schemas.values()})
+            reason += (
+                f"; {len(self._other_schemas)} peer(s) under {self.key!r} average a different"
+                f" tensor schema: {'; '.join(texts[:3])}"
+                + (f" (and {len(texts) - 3} more)" if len(texts) > 3 else "")
+                + (f"; ours: {self.schema_text}" if self.schema_text else "")
+            )
+        if self._excluded_seen:
+            reason += f"; {len(self._excluded_seen)} peer(s) excluded: " + next(
+                iter(self._excluded_seen.values())
+            )
+        return reason
