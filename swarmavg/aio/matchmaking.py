@@ -285,10 +285,10 @@ class DHTMatchmaker(Matchmaker):
         from swarmavg.identity import PeerID as _PeerID
 
         found = await self.dht.get(key, latest=True)
-        if not isinstance(found, dict):
+        if found is None or not isinstance(found.value, dict):
             return []
         candidates = []
-        for subkey, item in found.items():
+        for subkey, item in found.value.items():
             try:
                 peer = _PeerID(subkey) if isinstance(subkey, bytes) else None
             except ValueError:

@@ -83,9 +83,9 @@ async def _swarm() -> AsyncIterator[_Swarm]:
 
 async def _declared(dht: DHT, prefix: str = PREFIX) -> dict[PeerID, Any]:
     found = await dht.get(f"{prefix}.state", latest=True)
-    if not isinstance(found, dict):
+    if found is None:
         return {}
-    return {PeerID(k): v.value for k, v in found.items()}
+    return {PeerID(k): v.value for k, v in found.value.items()}
 
 
 async def _wait_until(check: Callable[[dict[PeerID, Any]], bool], dht: DHT) -> None:
