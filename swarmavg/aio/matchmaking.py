@@ -293,7 +293,7 @@ class DHTMatchmaker(Matchmaker):
                 peer = _PeerID(subkey) if isinstance(subkey, bytes) else None
             except ValueError:
                 peer = None
-            value = item.value
+            value = getattr(item, "value", None)  # (None: a plain value that is a dict)
             if peer is None or not isinstance(value, dict) or value.get("schema") != self.schema:
                 continue
             if value.get("looking") is not True:
