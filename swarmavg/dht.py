@@ -9,8 +9,10 @@ for its result or, with ``return_future=True``, return a :class:`~swarmavg.sync.
 
     with swarmavg.DHT(initial_peers=[...], host="0.0.0.0") as dht:
         print(dht.get_visible_maddrs())          # give these to other peers
-        dht.store("key", {"any": "msgpack"}, swarmavg.get_dht_time() + 60)
+        dht.store("key", {"any": "msgpack", "or": ("a", "tuple")}, swarmavg.get_dht_time() + 60)
         value, expiration = dht.get("key")
+        dht.store("votes", "yes", swarmavg.get_dht_time() + 60, subkey="alice")
+        votes, latest_expiration = dht.get("votes", latest=True)  # {"alice": ("yes", exp.)}
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Self, TypeVar, overload
 
 from swarmavg.address import Address
-from swarmavg.aio.dht import DHTNode
+from swarmavg.aio.dht import DHTNode, GetResult
 from swarmavg.aio.dht_facade import DHT as AsyncDHT
 from swarmavg.identity import Identity, PeerID
-from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.proto.dht_validation import RecordValidator
 from swarmavg.sync import TaskHandle, call, in_loop_thread, run_sync, start_soon
 
@@ -37,8 +38,6 @@ __all__ = ["DHT"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-GetResult = ValueWithExpiration[Any] | dict[Any, ValueWithExpiration[Any]] | None
 
 
 class DHT:
@@ -256,8 +255,11 @@ class DHT:
     def get(
         self, key: Any, latest: bool = False, return_future: bool = False
     ) -> GetResult | TaskHandle[GetResult]:
-        """The value under ``key`` as ``(value, expiration_time)``, a dictionary value as
-        ``{subkey: (value, expiration_time)}``, or ``None``. See :meth:`swarmavg.aio.DHT.get`."""
+        """The value under ``key`` as ``ValueWithExpiration(value, expiration_time)``, or
+        ``None`` if nothing live is stored under it; for a dictionary key (stored with
+        subkeys), ``value`` is ``{subkey: ValueWithExpiration(value, expiration_time)}`` and
+        ``expiration_time`` the latest of theirs, as in hivemind: ``value, expiration =
+        dht.get(key)`` works for both. See :meth:`swarmavg.aio.DHT.get`."""
         self._check_running()
         return call(self._dht.get, key, latest, wait=not return_future)
 

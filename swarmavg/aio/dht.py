@@ -22,10 +22,9 @@ import logging
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeAlias, TypeVar
 
 import anyio
-import msgpack
 
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
@@ -57,6 +56,7 @@ from swarmavg.proto.dht_validation import (
     RecordValidator,
     SignatureValidator,
 )
+from swarmavg.proto.dht_values import pack, unpack, unpack_subkey
 from swarmavg.proto.lookup import Lookup
 from swarmavg.proto.routing import RoutingTable, node_id
 
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from swarmavg.aio.rpc import CallContext
     from swarmavg.identity import PeerID
 
-__all__ = ["DHTNode", "DHTProtocol"]
+__all__ = ["DHTNode", "DHTProtocol", "DictionaryEntries", "GetResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -326,16 +326,13 @@ class DHTProtocol:
         return DHTFindResponse(results)
 
 
-def _pack(value: Any) -> bytes:
-    try:
-        packed: bytes = msgpack.packb(value, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"DHT keys and values must be msgpack-serializable: {exc}") from exc
-    return packed
-
-
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+#: What a get returns: ``None`` when nothing live is stored under the key, else
+#: ``ValueWithExpiration(value, expiration_time)``; for a dictionary value, ``value`` is
+#: ``{subkey: ValueWithExpiration(value, expiration_time)}`` and ``expiration_time`` the latest of
+#: its subkeys' (hivemind's shape: ``value, expiration = get(key)`` works for both).
+GetResult: TypeAlias = ValueWithExpiration[Any] | None
+#: The value of a dictionary key as a get returns it: subkey -> (value, expiration_time).
+DictionaryEntries: TypeAlias = dict[Any, ValueWithExpiration[Any]]
 
 
 class DHTNode:
@@ -664,11 +661,20 @@ class DHTNode:
 
         :raises ValueError: the record is too large, or does not pass our validators (a key
             owned by another peer, a value the schema refuses).
-        :raises TypeError: the key, subkey or value is not msgpack-serializable.
+        :raises TypeError: the key, subkey or value cannot be serialized (msgpack types and
+            tuples, see :mod:`swarmavg.proto.dht_values`), or the subkey is unhashable.
         """
-        key_bytes = _pack(key)
-        subkey_bytes = None if subkey is None else _pack(subkey)
-        record = DHTRecord(key_bytes, subkey_bytes, _pack(value), float(expiration_time))
+        key_bytes = pack(key, "key")
+        subkey_bytes = None
+        if subkey is not None:
+            try:
+                hash(subkey)
+            except TypeError:
+                raise TypeError(
+                    f"a subkey must be hashable (gets return a dict), not {type(subkey).__name__}"
+                ) from None
+            subkey_bytes = pack(subkey, "subkey")
+        record = DHTRecord(key_bytes, subkey_bytes, pack(value), float(expiration_time))
         signed = self.protocol.validator.sign_value(record)
         limits = self.protocol.storage
         for what, size, limit in (
@@ -715,38 +721,59 @@ class DHTNode:
             )
         return accepted
 
-    async def get(
-        self, key: Any, latest: bool = False
-    ) -> ValueWithExpiration[Any] | dict[Any, ValueWithExpiration[Any]] | None:
-        """The value under ``key``: the first found (our own storage, then the cache, then the
-        network), or with ``latest`` the newest held by the peers nearest the key; a
-        dictionary key gives subkey -> value, merged across replicas. Records that do not
-        validate are ignored.
+    async def get(self, key: Any, latest: bool = False) -> GetResult:
+        """The value under ``key`` as ``ValueWithExpiration(value, expiration_time)``: the first
+        found (our own storage, then the cache, then the network), or with ``latest`` the newest
+        held by the peers nearest the key; ``None`` if nothing live is stored under it.
 
-        :raises TypeError: the key is not msgpack-serializable.
+        A dictionary key (stored with subkeys) gives ``ValueWithExpiration({subkey:
+        ValueWithExpiration(value, expiration_time)}, <the latest of those expirations>)``, its
+        subkeys merged across the replicas (the newest value of each); once all its subkeys
+        expired, ``None``. Where replicas hold a plain value and a dictionary, the one that
+        expires later wins (the dictionary on a tie), as in storage. This is hivemind's
+        ``DHTNode.get``: ``value, expiration = await node.get(key)`` works for both kinds.
+
+        Records that do not validate, values or subkeys that do not decode (see
+        :func:`swarmavg.proto.dht_values.unpack`) and unhashable subkeys are ignored: an
+        invalid record never shadows an older valid one.
+
+        :raises TypeError: the key cannot be serialized.
         """
-        key_bytes = _pack(key)
+        key_bytes = pack(key, "key")
         now = self.clock()
-        plain: ValueWithExpiration[bytes] | None = None
-        entries: dict[bytes, ValueWithExpiration[bytes]] = {}
+        # the newest valid record so far: as stored (for the cache) and decoded; per subkey
+        # (by its bytes) for a dictionary, with the subkey decoded
+        plain: tuple[ValueWithExpiration[bytes], Any] | None = None
+        entries: dict[bytes, tuple[ValueWithExpiration[bytes], Any, Any]] = {}
 
         def consider(subkey: bytes | None, value: bytes, expiration: float) -> None:
-            # only a record that would replace the newest so far is validated (replicas
-            # mostly answer the same record: a latest get saw it 4-5 times)
+            # only a record that would replace the newest so far is validated and decoded
+            # (replicas mostly answer the same record: a latest get saw it 4-5 times)
             nonlocal plain
             if expiration <= now:
                 return
-            best = plain if subkey is None else entries.get(subkey)
+            entry = entries.get(subkey) if subkey is not None else None
+            if subkey is None:
+                best = plain[0] if plain is not None else None
+            else:
+                best = entry[0] if entry is not None else None
             if best is not None and expiration <= best.expiration_time:
                 return
             record = DHTRecord(key_bytes, subkey, value, expiration)
             if not self.protocol.validator.validate(record):
                 return
+            try:
+                decoded = unpack(self.protocol.validator.strip_value(record))
+                if subkey is not None:
+                    decoded_subkey = entry[1] if entry is not None else unpack_subkey(subkey)
+            except (RemoteProtocolError, ValueError) as exc:
+                logger.debug("ignoring a record under %r that does not decode: %s", key, exc)
+                return
             item = ValueWithExpiration(value, expiration)
             if subkey is None:
-                plain = item
+                plain = (item, decoded)
             else:
-                entries[subkey] = item
+                entries[subkey] = (item, decoded_subkey, decoded)
 
         local = self.protocol.storage.get(key_bytes, now)
         if local is None and not latest and self.cache is not None:
@@ -768,7 +795,9 @@ class DHTNode:
                     consider(None, result.value, result.expiration)
                 for entry_key, entry_value, entry_exp in result.entries[:_MAX_ENTRIES]:
                     consider(entry_key, entry_value, entry_exp)
-                return result.nearest, result.value is not None or bool(result.entries)
+                # (found: a valid record so far; one that does not validate or decode does
+                # not end a lookup for the first value found)
+                return result.nearest, plain is not None or bool(entries)
 
             await self._lookup(
                 key_id(key_bytes),
@@ -779,23 +808,23 @@ class DHTNode:
             )
             if self.cache is not None:
                 if plain is not None:
-                    self.cache.store(key_bytes, plain.value, plain.expiration_time, now)
-                for subkey, item in entries.items():
-                    self.cache.store(key_bytes, item.value, item.expiration_time, now, subkey)
-        newest_entry = max((v.expiration_time for v in entries.values()), default=-1.0)
-        if plain is not None and plain.expiration_time > newest_entry:
-            return self._decoded(key_bytes, None, plain)
-        if entries:
-            return {_unpack(s): self._decoded(key_bytes, s, v) for s, v in entries.items()}
-        return None
-
-    def _decoded(
-        self, key: bytes, subkey: bytes | None, item: ValueWithExpiration[bytes]
-    ) -> ValueWithExpiration[Any]:
-        record = DHTRecord(key, subkey, item.value, item.expiration_time)
-        return ValueWithExpiration(
-            _unpack(self.protocol.validator.strip_value(record)), item.expiration_time
-        )
+                    stored = plain[0]
+                    self.cache.store(key_bytes, stored.value, stored.expiration_time, now)
+                for subkey, (stored, _, _) in entries.items():
+                    self.cache.store(key_bytes, stored.value, stored.expiration_time, now, subkey)
+        newest_entry = max((e[0].expiration_time for e in entries.values()), default=-1.0)
+        if plain is not None and plain[0].expiration_time > newest_entry:
+            return ValueWithExpiration(plain[1], plain[0].expiration_time)
+        if not entries:
+            return None
+        dictionary: DictionaryEntries = {}
+        for stored, subkey_value, value in entries.values():
+            # (two encodings of one subkey, e.g. 1 and 1.0, may come from other peers: the
+            # later expiration wins, as it would for one encoding)
+            known = dictionary.get(subkey_value)
+            if known is None or stored.expiration_time > known.expiration_time:
+                dictionary[subkey_value] = ValueWithExpiration(value, stored.expiration_time)
+        return ValueWithExpiration(dictionary, newest_entry)
 
 
 def _one_result(response: DHTFindResponse) -> DHTFound:

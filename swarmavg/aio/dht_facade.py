@@ -16,10 +16,9 @@ import anyio
 
 from swarmavg._netif import visible_addresses
 from swarmavg.address import Address
-from swarmavg.aio.dht import DHTNode
+from swarmavg.aio.dht import DHTNode, GetResult
 from swarmavg.aio.node import Node
 from swarmavg.identity import Identity, PeerID
-from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.proto.dht_validation import RecordValidator
 
 __all__ = ["DHT"]
@@ -191,17 +190,23 @@ class DHT:
     # -- operations ------------------------------------------------------------------------------
 
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
-        """Store ``value`` (anything msgpack serializes) under ``key`` (and ``subkey``, for a
-        dictionary value) on the peers nearest the key, until ``expiration_time`` in DHT time
-        (:func:`swarmavg.get_dht_time`). Whether at least one peer accepted it."""
+        """Store ``value`` (msgpack types and tuples, which come back as tuples) under ``key``
+        (and ``subkey``, for a dictionary value) on the peers nearest the key, until
+        ``expiration_time`` in DHT time (:func:`swarmavg.get_dht_time`). Whether at least one
+        peer accepted it. See :meth:`swarmavg.aio.dht.DHTNode.store` for what it raises."""
         return await self.dht_node.store(key, value, expiration_time, subkey=subkey)
 
-    async def get(
-        self, key: Any, latest: bool = False
-    ) -> ValueWithExpiration[Any] | dict[Any, ValueWithExpiration[Any]] | None:
-        """The value under ``key`` as ``(value, expiration_time)``, a dictionary value as
-        ``{subkey: (value, expiration_time)}``, or ``None``. ``latest``: ask the nearest peers
-        for the newest rather than taking the first found (or the cached one)."""
+    async def get(self, key: Any, latest: bool = False) -> GetResult:
+        """The value under ``key`` as ``ValueWithExpiration(value, expiration_time)``, or
+        ``None`` if nothing live is stored under it. For a dictionary key (stored with
+        subkeys), ``value`` is ``{subkey: ValueWithExpiration(value, expiration_time)}`` and
+        ``expiration_time`` the latest of theirs (hivemind's shape: ``value, expiration =
+        await dht.get(key)`` works for both). ``latest``: ask the nearest peers for the newest
+        (and every subkey) rather than taking the first found (or the cached one). See
+        :meth:`swarmavg.aio.dht.DHTNode.get`.
+
+        :raises TypeError: the key cannot be serialized.
+        """
         return await self.dht_node.get(key, latest=latest)
 
     async def run_coroutine(self, fn: Callable[[DHT, DHTNode], Awaitable[T]]) -> T:

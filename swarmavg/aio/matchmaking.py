@@ -33,6 +33,7 @@ from swarmavg.abc._averaging import Group, GroupInfo, GroupMember, Matchmaker, M
 from swarmavg.address import Address
 from swarmavg.errors import MatchmakingFailed, SwarmError
 from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo
+from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.proto.group_search import (
     Admission,
     Ask,
@@ -356,13 +357,14 @@ class DHTMatchmaker(Matchmaker):
         """The declarations under ``key`` (and remember where their peers said they are)."""
         from swarmavg.identity import PeerID as _PeerID
 
-        found: Any = await self.dht.get(key, latest=True)
-        if found is not None and not isinstance(found, dict):
-            found = found.value  # (hivemind's shape: a dictionary inside a ValueWithExpiration)
-        if not isinstance(found, dict):
+        found = await self.dht.get(key, latest=True)
+        entries = None if found is None else found.value  # {subkey: ValueWithExpiration}
+        if not isinstance(entries, dict):
             return []
         declarations = []
-        for subkey, item in found.items():
+        for subkey, item in entries.items():
+            if not isinstance(item, ValueWithExpiration):
+                return []  # (a plain value that happens to be a dict: not declarations)
             try:
                 peer = _PeerID(subkey) if isinstance(subkey, bytes) else None
             except ValueError:

@@ -80,6 +80,7 @@ from swarmavg.proto.state_messages import (
 if TYPE_CHECKING:
     import torch
 
+    from swarmavg.aio.dht import GetResult
     from swarmavg.aio.dht_facade import DHT
     from swarmavg.aio.node import Node
     from swarmavg.aio.rpc import CallContext
@@ -520,12 +521,13 @@ def _check_priority(value: object) -> float:
 Donor = tuple[PeerID, Address, float]
 
 
-def _donors(found: object, me: PeerID) -> list[Donor]:
-    """The peers declared under the key (never ``me``): best priority first, ties at random."""
-    if not isinstance(found, dict):
+def _donors(found: GetResult, me: PeerID) -> list[Donor]:
+    """The peers declared under the key, as a get of it returned (never ``me``): best
+    priority first, ties at random."""
+    if found is None or not isinstance(found.value, dict):
         return []
     donors = []
-    for subkey, item in found.items():
+    for subkey, item in found.value.items():
         try:
             peer = PeerID(subkey) if isinstance(subkey, bytes) else None
         except ValueError:
@@ -865,7 +867,7 @@ async def load_state(
     from up to ``max_donors`` donors that hold the same snapshot; ``None`` when nobody shares
     it (or every donor failed). Unbounded only in the number of donors tried (at most
     ``_MAX_DONORS``), each bounded by its timeouts; bound the whole from outside."""
-    found: object = None
+    found: GetResult = None
     with anyio.move_on_after(_DHT_WAIT):
         found = await dht.get(f"{prefix}.state", latest=True)
     untried = _donors(found, dht.peer_id)

@@ -51,7 +51,8 @@ class ValueWithExpiration(NamedTuple, Generic[_V]):
     """A value and when it expires (DHT time); unpacks as ``value, expiration = item``.
 
     Storage holds serialized values (``ValueWithExpiration[bytes]``); the DHT's ``get`` returns
-    them decoded.
+    them decoded, a dictionary key's as ``ValueWithExpiration({subkey:
+    ValueWithExpiration(value, expiration_time)}, <the latest of those expirations>)``.
     """
 
     value: _V

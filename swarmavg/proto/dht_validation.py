@@ -1,9 +1,11 @@
 """Validators for DHT records (sans-IO): owner signatures, typed schemas, and their composition.
 
 A DHT record is ``(key, subkey, value, expiration_time)``; keys, subkeys and values are the bytes
-they travel as (values: msgpack). Before a node stores a record, and after it gets one from the
-network, it runs its validator: a record that does not validate is refused on store and ignored
-on get, so a peer cannot poison what others read.
+they travel as (msgpack with tuples kept, see :mod:`swarmavg.proto.dht_values`). Before a node
+stores a record, and after it gets one from the network, it runs its validator: a record that
+does not validate is refused on store and ignored on get, so a peer cannot poison what others
+read. A signature covers the value's bytes as its writer packed them; readers check those same
+bytes (nothing is re-packed), so how a value is packed never breaks a signature.
 
 Owner records. A key or subkey that contains ``[owner:<peer-id>]`` names an owner: only that
 peer may write the record. Its value then travels signed: the msgpack array
@@ -31,7 +33,9 @@ from typing import Any, Final, Union
 
 import msgpack
 
+from swarmavg.errors import RemoteProtocolError
 from swarmavg.identity import Identity, PeerID
+from swarmavg.proto.dht_values import pack, unpack
 
 __all__ = [
     "CompositeValidator",
@@ -199,7 +203,7 @@ def _conforms(value: Any, spec: Any, depth: int = 0) -> bool:
         return any(_conforms(value, arg, depth + 1) for arg in args)
     if origin is list:
         return isinstance(value, list) and all(_conforms(v, args[0], depth + 1) for v in value)
-    if origin is tuple:  # msgpack decodes arrays as lists
+    if origin is tuple:  # (a plain msgpack array too: what writers that drop tuples send)
         if not isinstance(value, list | tuple):
             return False
         if len(args) == 2 and args[1] is Ellipsis:
@@ -227,8 +231,9 @@ class SchemaValidator(RecordValidator):
     :param schema: key -> the type of its values, as an annotation over msgpack types
         (``int``, ``float``, ``str``, ``bytes``, ``bool``, ``None``, ``list[...]``,
         ``tuple[...]``, ``dict[...]``, unions, ``Any``); for a dictionary key, the type of
-        each subkey's value.
-    :param subkeys: key -> the type of its subkeys (msgpack-decoded), for dictionary keys.
+        each subkey's value. ``list[...]`` takes lists; ``tuple[...]`` tuples, and lists too
+        (a plain msgpack array: what a writer that does not keep tuples sends).
+    :param subkeys: key -> the type of its subkeys (decoded), for dictionary keys.
     :param allow_extra_keys: whether keys the schema does not name are allowed.
 
     Keys are given as ``str`` (the msgpack-encoded key is compared) or ``bytes`` (as is).
@@ -245,8 +250,7 @@ class SchemaValidator(RecordValidator):
             if isinstance(key, bytes):
                 return key
             if isinstance(key, str):
-                packed: bytes = msgpack.packb(key, use_bin_type=True)
-                return packed
+                return pack(key, "key")
             raise TypeError(f"schema keys must be str or bytes, not {key!r}")
 
         self._values: dict[bytes, list[Any]] = {}
@@ -262,13 +266,9 @@ class SchemaValidator(RecordValidator):
         if specs is None:
             return self.allow_extra_keys
         try:
-            value = msgpack.unpackb(record.value, raw=False, strict_map_key=False)
-            subkey = (
-                msgpack.unpackb(record.subkey, raw=False, strict_map_key=False)
-                if record.subkey is not None
-                else None
-            )
-        except Exception:  # garbage from the network
+            value = unpack(record.value)
+            subkey = unpack(record.subkey) if record.subkey is not None else None
+        except RemoteProtocolError:  # garbage from the network
             return False
         if not all(_conforms(value, spec) for spec in specs):
             return False

@@ -338,9 +338,9 @@ async def test_a_group_that_formed_early_withdraws_its_declarations() -> None:
         with anyio.fail_after(10):
             while True:  # the withdrawals are stored in the background
                 found = await averagers[0].dht.get("early.0b", latest=True)
-                assert isinstance(found, dict)
-                assert len(found) == 3
-                if all(item.value["looking"] is False for item in found.values()):
+                assert found is not None
+                assert len(found.value) == 3
+                if all(item.value["looking"] is False for item in found.value.values()):
                     break
                 await anyio.sleep(0.05)
 

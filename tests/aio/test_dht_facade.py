@@ -72,11 +72,13 @@ async def test_values_and_subkey_dictionaries_round_trip_across_eight_peers() ->
             assert await dhts[2].store("group", "alice", now + 30, subkey="a")
             assert await dhts[3].store("group", b"bob", now + 40, subkey="b")
             merged = await dhts[7].get("group", latest=True)
-            assert isinstance(merged, dict)
-            assert merged == {
-                "a": ValueWithExpiration("alice", now + 30),
-                "b": ValueWithExpiration(b"bob", now + 40),
-            }
+            assert merged == ValueWithExpiration(
+                {
+                    "a": ValueWithExpiration("alice", now + 30),
+                    "b": ValueWithExpiration(b"bob", now + 40),
+                },
+                now + 40,
+            )
 
             assert await dhts[4].get("never stored") is None
 

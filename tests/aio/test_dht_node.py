@@ -27,6 +27,7 @@ from swarmavg.proto.dht_messages import (
 )
 from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.proto.dht_validation import SchemaValidator, owner_marker
+from swarmavg.proto.dht_values import pack
 from swarmavg.proto.routing import node_id
 from swarmavg.testing import MemoryNetwork
 
@@ -52,7 +53,10 @@ async def _swarm(n: int, **options: Any) -> AsyncIterator[list[DHTNode]]:
 
 
 async def test_every_msgpack_type_round_trips_between_peers() -> None:
-    values: list[Any] = [None, True, 7, -(2**40), 1.5, "text", b"\x00bytes", [1, "a"], {"k": [1.5]}]
+    values: list[Any] = [
+        *(None, True, 7, -(2**40), 1.5, "text", b"\x00bytes", [1, "a"], {"k": [1.5]}),
+        *(("i", "love", "bees"), (), [(1, 2), [3]], {"t": (1, (2, [3]))}, {(1, "a"): ("b",)}),
+    ]
     async with _swarm(12) as dhts:
         expiration = get_dht_time() + 60
         with anyio.fail_after(20):
@@ -63,7 +67,99 @@ async def test_every_msgpack_type_round_trips_between_peers() -> None:
                 assert isinstance(got, ValueWithExpiration)
                 value_back, exp = got
                 assert exp == expiration
-                assert value_back == value
+                assert value_back == value  # (a tuple never equals a list)
+                assert repr(value_back) == repr(value)  # (nor a 1 a True, nested too)
+
+
+async def test_get_returns_hivemind_shapes_for_plain_and_dictionary_values() -> None:
+    async with _swarm(10) as dhts:
+        now = get_dht_time()
+        with anyio.fail_after(30):
+            assert await dhts[1].get("absent") is None
+            assert await dhts[1].get("absent", latest=True) is None
+            assert await dhts[2].store("plain", ("a", 1), now + 30)
+            assert await dhts[3].get("plain") == ValueWithExpiration(("a", 1), now + 30)
+            # a dictionary: ValueWithExpiration({subkey: (value, expiration)}, latest of them)
+            assert await dhts[4].store("party", "yes", now + 40, subkey="alice")
+            assert await dhts[5].store("party", "no", now + 20, subkey=("carol", 3))
+            for latest in (True, False):
+                got = await dhts[6].get("party", latest=latest)
+                assert got is not None
+                attendees, expiration = got
+                assert expiration == now + 40
+                assert attendees == {
+                    "alice": ValueWithExpiration("yes", now + 40),
+                    ("carol", 3): ValueWithExpiration("no", now + 20),
+                }
+            # a plain value that expires later replaces the dictionary on a replica
+            assert await dhts[7].store("party", "cancelled", now + 50)
+            assert await dhts[8].get("party", latest=True) == ("cancelled", now + 50)
+            # all the subkeys expired for a reader (its clock 25 s ahead): nothing
+            assert await dhts[4].store("short", 1, now + 10, subkey="a")
+            assert await dhts[5].store("short", 2, now + 20, subkey="b")
+            reader = _reader(dhts[9], clock=lambda: get_dht_time() + 25)
+            assert await reader.get("short", latest=True) is None
+            assert await reader.get("short") is None
+            got = await _reader(dhts[9], clock=lambda: get_dht_time() + 15).get("short", True)
+            assert got == ({"b": (2, now + 20)}, now + 20)  # (only the live subkey)
+            with pytest.raises(TypeError, match="hashable"):
+                await dhts[1].store("party", "yes", now + 40, subkey=["a", "list"])
+            with pytest.raises(TypeError, match="DHT value"):
+                await dhts[1].store("party", {1, 2}, now + 40)
+
+
+def _reader(peer: DHTNode, clock: Any = get_dht_time) -> DHTNode:
+    """A client-mode DHT node beside ``peer``, knowing the peers it knows, with ``clock``."""
+    reader = DHTNode(peer.node, client_mode=True, clock=clock)
+    reader.protocol.routing = peer.protocol.routing
+    reader.protocol.addresses = peer.protocol.addresses
+    return reader
+
+
+async def test_records_that_do_not_decode_are_ignored_by_get() -> None:
+    async with _swarm(10) as dhts:
+        now = get_dht_time()
+        key = pack("group", "key")
+        with anyio.fail_after(30):
+            assert await dhts[1].store("group", ("alice",), now + 30, subkey="a")
+            assert await dhts[2].store("group", "bob", now + 40, subkey="b")
+            # a hostile writer's subkeys, newer, on every peer (stores of raw bytes go through:
+            # nodes check signatures and schemas, not values)
+            garbage = [
+                (pack("c", "subkey"), b"\xd4\x05\x00"),  # an unknown extension type
+                (pack([1], "subkey"), pack("unhashable subkey")),
+                (b"\xc1", pack("a subkey that is not msgpack")),
+                (pack("d", "subkey"), _nested_tuples(10_000)),
+            ]
+            holders = [d for d in dhts if d.protocol.storage.get(key, now) is not None]
+            for peer in dhts:
+                for subkey, value in garbage:
+                    assert peer.protocol.storage.store(key, value, now + 60, now, subkey=subkey)
+            for holder in holders[1:]:  # a value that is not msgpack shadows a's on most
+                storage = holder.protocol.storage
+                assert storage.store(key, b"\xc1", now + 60, now, subkey=pack("a", "subkey"))
+            for reader in (dhts[3], _reader(dhts[4])):
+                got = await reader.get("group", latest=True)
+                assert got == ({"a": (("alice",), now + 30), "b": ("bob", now + 40)}, now + 40)
+            # a plain value: where the replicas hold garbage, the older valid value is found
+            assert await dhts[5].store("plain", "valid", now + 30)
+            plain = pack("plain", "key")
+            holders = [d for d in dhts if d.protocol.storage.get(plain, now) is not None]
+            for holder in holders[1:]:
+                assert holder.protocol.storage.store(plain, b"\xc1", now + 60, now)
+            assert await _reader(dhts[6]).get("plain", latest=True) == ("valid", now + 30)
+            for holder in holders[:1]:
+                assert holder.protocol.storage.store(plain, b"\xc1", now + 60, now)
+            assert await _reader(dhts[6]).get("plain", latest=True) is None
+            assert await _reader(dhts[6]).get("plain") is None
+
+
+def _nested_tuples(count: int) -> bytes:
+    """``count`` tuples nested, as a hostile peer would pack them."""
+    data = b"\x90"
+    for _ in range(count):
+        data = b"\x91\xc9" + len(data).to_bytes(4, "big") + b"\x40" + data
+    return data[1:]
 
 
 async def test_a_swarm_finds_every_stored_value() -> None:
@@ -115,9 +211,11 @@ async def test_subkeys_merge_and_latest_finds_the_newest() -> None:
             assert await dhts[1].store("group", "alice", now + 30, subkey="a")
             assert await dhts[2].store("group", "bob", now + 40, subkey="b")
             got = await dhts[3].get("group", latest=True)
-            assert isinstance(got, dict)
-            assert {k: v.value for k, v in got.items()} == {"a": "alice", "b": "bob"}
-            assert got["b"].expiration_time == now + 40
+            assert got is not None
+            group, expiration = got  # (hivemind's shape: the latest of the subkeys' expirations)
+            assert expiration == now + 40
+            assert {k: v.value for k, v in group.items()} == {"a": "alice", "b": "bob"}
+            assert group["b"].expiration_time == now + 40
             assert await dhts[4].store("counter", 1, now + 10)
             assert await dhts[5].store("counter", 2, now + 20)
             # an older value: refused where the newer one is (a peer that missed both may
@@ -195,8 +293,8 @@ async def test_store_and_get_over_real_transports(scheme: str) -> None:
             got = await dhts[5].get("over")
             assert got == ValueWithExpiration(scheme, expiration)
             merged = await dhts[1].get("dict", latest=True)
-            assert isinstance(merged, dict)
-            assert {k: v.value for k, v in merged.items()} == {"a": 1, "b": 2}
+            assert merged is not None
+            assert {k: v.value for k, v in merged.value.items()} == {"a": 1, "b": 2}
 
 
 async def test_a_hundred_node_swarm_with_a_tenth_killed() -> None:

@@ -24,6 +24,7 @@ from swarmavg.aio.state import (
     StateLoad,
     download_state,
 )
+from swarmavg.aio.state import _donors as donors_declared
 from swarmavg.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -31,8 +32,9 @@ from swarmavg.compression import (
     TensorInfo,
     Uniform8BitQuantization,
 )
-from swarmavg.identity import PeerID
+from swarmavg.identity import Identity, PeerID
 from swarmavg.proto.codec import Message
+from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.proto.state_messages import (
     StateChunk,
     StateHeader,
@@ -83,9 +85,9 @@ async def _swarm() -> AsyncIterator[_Swarm]:
 
 async def _declared(dht: DHT, prefix: str = PREFIX) -> dict[PeerID, Any]:
     found = await dht.get(f"{prefix}.state", latest=True)
-    if not isinstance(found, dict):
+    if found is None:
         return {}
-    return {PeerID(k): v.value for k, v in found.items()}
+    return {PeerID(k): v.value for k, v in found.value.items()}
 
 
 async def _wait_until(check: Callable[[dict[PeerID, Any]], bool], dht: DHT) -> None:
@@ -692,3 +694,19 @@ async def test_ranges_and_snapshots_are_checked_by_the_donor() -> None:
         assert len(donor._state_sharer._snapshots) == 1
         donor.allow_state_sharing = False
         assert not donor._state_sharer._snapshots
+
+
+async def test_donors_are_read_from_a_dictionary_never_from_a_plain_value() -> None:
+    me, donor, other = (Identity.generate().peer_id for _ in range(3))
+    expiration = get_dht_time() + 60
+    declared = {"priority": 2.0, "address": "tcp://127.0.0.1:9"}
+    entries = {
+        p.to_bytes(): ValueWithExpiration({**declared, "priority": float(i)}, expiration)
+        for i, p in enumerate((me, donor, other))
+    }
+    found = ValueWithExpiration(entries, expiration)  # (a get of a dictionary key)
+    assert [peer for peer, _, _ in donors_declared(found, me)] == [other, donor]  # not me
+    # a plain value shaped like a dictionary (a hostile writer's): no donors, no error
+    for plain in ({donor.to_bytes(): declared}, {donor.to_bytes(): (declared, expiration)}):
+        assert donors_declared(ValueWithExpiration(plain, expiration), me) == []
+    assert donors_declared(None, me) == []

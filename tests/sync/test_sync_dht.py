@@ -88,10 +88,13 @@ def test_store_and_get_between_three_peers() -> None:
             assert first.store("dict", "x", expiration, subkey="one")
             assert third.store("dict", "y", expiration + 1, subkey="two")
             merged = second.get("dict", latest=True)
-            assert merged == {
-                "one": ValueWithExpiration("x", expiration),
-                "two": ValueWithExpiration("y", expiration + 1),
-            }
+            assert merged == ValueWithExpiration(
+                {
+                    "one": ValueWithExpiration("x", expiration),
+                    "two": ValueWithExpiration("y", expiration + 1),
+                },
+                expiration + 1,
+            )
             assert first.get("nobody stored this") is None
         # the first two go on without the third
         assert first.get("key", latest=True) == ValueWithExpiration({"a": [1, 2]}, expiration)

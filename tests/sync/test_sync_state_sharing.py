@@ -34,8 +34,8 @@ def _wait_declared(dht: DHT, *peers: Any) -> None:
     deadline = time.monotonic() + 20
     while True:
         found = dht.get("sync-state.state", latest=True)
-        if isinstance(found, dict) and all(
-            isinstance(found.get(p.to_bytes(), (None,))[0], dict) for p in peers
+        if found is not None and all(
+            isinstance(found.value.get(p.to_bytes(), (None,))[0], dict) for p in peers
         ):
             return
         assert time.monotonic() < deadline, found
