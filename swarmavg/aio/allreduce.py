@@ -345,10 +345,10 @@ class _Round:
             reducer.add_nothing(sender)
             self._settle(index)
 
-    def drop(self, sender: int, first: int, reason: str) -> None:
+    def drop(self, sender: int, first: int, reason: str, *, ours: bool = False) -> None:
         """Leave ``sender`` out of our parts ``first`` and later (it failed, stalled or sent
         bad values): they are reduced without it."""
-        if sender in self.dropped or sender == self.me:
+        if sender in self.dropped or (sender == self.me and not ours):
             return
         if all(sender in reducer.received for reducer in self.reducers[first:]):
             return  # it delivered everything: nobody to leave out (its call ended after)
@@ -504,6 +504,8 @@ class AllReduceService(AllReduceRunner):
         self._recent: OrderedDict[bytes, _Applied] = OrderedDict()
         #: the rounds' accumulators, recycled (a fresh one is page-faulted in every round)
         self._accumulators = AccumulatorPool()
+        #: rounds whose other members we told that we are out
+        self._told: OrderedDict[bytes, None] = OrderedDict()
         #: peers whose last connection to us ended, and when (``anyio.current_time()``)
         self._lost: OrderedDict[PeerID, float] = OrderedDict()
         node.watch_peers(self._peer_lost)
@@ -512,6 +514,11 @@ class AllReduceService(AllReduceRunner):
         node.rpc.register(
             RELAY_METHOD, self._serve_relay, kind="server_stream", request_type=AvgRelay
         )
+
+    @staticmethod
+    def _finite(buffers: Sequence[npt.NDArray[Any]]) -> bool:
+        """Whether our own values are all finite (else we send none: weight 0)."""
+        return all(_all_finite(buffer) for buffer in buffers)
 
     def _peer_lost(self, peer: PeerID) -> None:
         """Our last connection to ``peer`` ended (its process died, or it closed its node): in
@@ -537,6 +544,27 @@ class AllReduceService(AllReduceRunner):
     # -- running a round -------------------------------------------------------------------------
 
     async def run(
+        self,
+        group: Group,
+        buffers: Sequence[npt.NDArray[Any]],
+        layout: FlatLayout,
+        **options: Any,
+    ) -> AllReduceResult:
+        """Average ``buffers`` with the rest of ``group`` (see :meth:`_run` for the options).
+        If the round fails here as a whole, the other members are told at once (in the
+        background), as when this member leaves: they go on without it instead of waiting
+        for it to send or answer.
+
+        :raises AllReduceFailed: the round took more than ``timeout``, a member left it, or no
+            part of the vector was averaged.
+        """
+        try:
+            return await self._run(group, buffers, layout, **options)
+        except AllReduceFailed as exc:
+            self._tell_left(group, f"its round failed: {exc}")
+            raise
+
+    async def _run(
         self,
         group: Group,
         buffers: Sequence[npt.NDArray[Any]],
@@ -606,11 +634,7 @@ class AllReduceService(AllReduceRunner):
                 }
                 | {("mean", p.buffer, p.start, p.stop) for p in plans[me]}
             )
-        own_nonfinite = (
-            mode is not MemberMode.AUX
-            and weight > 0
-            and not all(_all_finite(buffer) for buffer in buffers)
-        )
+        own_nonfinite = mode is not MemberMode.AUX and weight > 0 and not self._finite(buffers)
         if own_nonfinite:
             logger.warning(
                 "all-reduce %s: our own values hold NaN or an infinity: we take the group's"
@@ -902,12 +926,22 @@ class AllReduceService(AllReduceRunner):
         tell every other member that can be dialed (``avg.leave``) in the background, within
         ``_LEAVE_TIMEOUT`` seconds (a leaving step must not wait for it: its caller's deadline
         holds). Never raises."""
-        me = group.index_of(self.node.peer_id)
         round_ = self._rounds.get(group.group_id)
         if round_ is not None:
             round_.abort(f"this member left: {reason}")
         else:
             self._finish(group.group_id)
+        self._tell_left(group, reason)
+
+    def _tell_left(self, group: Group, reason: str) -> None:
+        """Tell the other members of ``group`` (in the background, once per round) that this
+        member is out of its round."""
+        if group.group_id in self._told:
+            return
+        self._told[group.group_id] = None
+        while len(self._told) > _FINISHED_MEMORY:
+            self._told.popitem(last=False)
+        me = group.index_of(self.node.peer_id)
         notice = AvgLeave(group.group_id, me, reason[:200])
 
         async def tell(member: GroupMember) -> None:
@@ -1026,7 +1060,13 @@ class AllReduceService(AllReduceRunner):
         reduced, and apply the results."""
         if sending and weight > 0:
             for index, part in enumerate(round_.parts):
-                round_.contribute(round_.me, index, buffers[part.buffer][part.start : part.stop])
+                try:
+                    round_.contribute(
+                        round_.me, index, buffers[part.buffer][part.start : part.stop]
+                    )
+                except NonFiniteValues:  # (changed since the check: left out, as anyone)
+                    round_.drop(round_.me, index, "our own values are not finite", ours=True)
+                    break
         elif sending:
             round_.contribute_nothing(round_.me)
         sender_timeout = round_.sender_timeout

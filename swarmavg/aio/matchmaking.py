@@ -432,7 +432,13 @@ class DHTMatchmaker(Matchmaker):
                 first = await anext(replies, None)
             if first is None or first.code != "accepted":
                 logger.debug("%s did not take us: %s", ask.leader.short(), first)
-                search.on_reply(ask.seq, "rejected", get_dht_time(), pointer=_pointer_in(first))
+                search.on_reply(
+                    ask.seq,
+                    "rejected",
+                    get_dht_time(),
+                    pointer=_pointer_in(first),
+                    reason="" if first is None else first.reason,
+                )
                 running.notify()
                 return
             search.on_reply(ask.seq, "accepted", get_dht_time())
@@ -446,7 +452,13 @@ class DHTMatchmaker(Matchmaker):
                     ask.seq, "begin", get_dht_time(), group_id=reply.group_id, members=members
                 )
             else:
-                search.on_reply(ask.seq, "disband", get_dht_time(), pointer=_pointer_in(reply))
+                search.on_reply(
+                    ask.seq,
+                    "disband",
+                    get_dht_time(),
+                    pointer=_pointer_in(reply),
+                    reason="" if reply is None else reply.reason,
+                )
             running.notify()
 
     def _pointer(self, leader: PeerID, address: Address | None) -> list[MemberInfo]:

@@ -334,6 +334,10 @@ class GroupSearch:
         #: what reads showed: peers with another schema (PeerID -> its description)
         self._other_schemas: dict[PeerID, str] = {}
         self._excluded_seen: dict[PeerID, str] = {}
+        #: why peers we asked turned us away (their words), for the failure's message
+        self._refusals: dict[PeerID, str] = {}
+        #: every peer a read showed looking here (for the failure's message)
+        self._seen_looking: set[PeerID] = set()
         self._declared_until = -math.inf  # our declaration's expiration (-inf: none made)
         self.finished: Finished | None = None
         self.failure: str | None = None
@@ -441,6 +445,7 @@ class GroupSearch:
         better = None if best is None else best[1]
         better_begin = self.begin_at if best is None else best[2]
         current = frozenset(looking)
+        self._seen_looking |= current
         previous, self._last_looking = self._last_looking, current
         if self.stage is Stage.LEADING:
             assert self._leading is not None
@@ -478,14 +483,17 @@ class GroupSearch:
         group_id: bytes = b"",
         members: tuple[MemberInfo, ...] = (),
         pointer: MemberInfo | None = None,
+        reason: str = "",
     ) -> None:
         """An answer of the leader we asked (:class:`Ask` ``seq``): ``accepted``, ``begin``
         (with the group), ``disband``, ``redirect`` or ``rejected`` (``pointer``: where it
-        said the leader is)."""
+        said the leader is; ``reason``: why it turned us away, in its words)."""
         if seq != self._ask_seq or self.done:
             return
         leader = self._leader
         assert leader is not None
+        if code in ("rejected", "disband") and reason:
+            self._refusals[leader] = reason[:200]
         if code == "accepted" and self.stage is Stage.ASKING:
             self.stage = Stage.FOLLOWING
             return
@@ -690,4 +698,14 @@ class GroupSearch:
             reason += f"; {len(self._excluded_seen)} peer(s) excluded: " + next(
                 iter(self._excluded_seen.values())
             )
+        absent = self._seen_looking - set(self.followers)
+        if absent and size < self.minimum:
+            reason += (
+                f"; {len(absent)} other peer(s) looked there but did not join us (they"
+                " followed another leader, or they exclude us: peers that received non-finite"
+                " values from us leave us out for a while)"
+            )
+        told = sorted(why for why in self._refusals.values() if why.startswith("excluded"))
+        if told:
+            reason += f"; {len(told)} peer(s) turned us away: {told[0]}"
         return reason
