@@ -19,6 +19,8 @@ Closing rules (the conformance suite in :mod:`swarmavg.testing` checks each of t
   ``EndOfStream``. Our own later calls raise :class:`anyio.ClosedResourceError`.
 * ``stream.abort()`` resets the stream: data in flight may be dropped and the peer's pending and
   later operations raise :class:`~swarmavg.errors.StreamReset`.
+* A cancelled ``stream.send()`` returns promptly and never leaves part of its message: it was
+  not sent, or sent whole, or the stream is reset (as by ``abort()``).
 * ``connection.aclose()`` ends every stream of the connection; operations pending on the peer's
   side raise :class:`~swarmavg.errors.ConnectionLost` (or ``EndOfStream`` if everything was read
   and the stream had ended cleanly).
@@ -165,7 +167,12 @@ class Stream(TypedAttributeProvider, ABC):
         """Send one message made of the concatenation of ``parts``.
 
         Waits while the peer's receive window is full (backpressure). The buffers may be reused
-        by the caller once this returns.
+        by the caller once this returns (or raises).
+
+        Cancelling it returns promptly (never after a transport's write timeout) and leaves no
+        part of the message on the stream: the message was not sent, or was sent whole, or, if
+        the transport had written part of it, the stream is reset (the peer's operations and
+        ours then raise :class:`~swarmavg.errors.StreamReset`).
 
         :raises MessageTooLarge: if the message exceeds :attr:`max_message_size`.
         :raises anyio.ClosedResourceError: if we closed the stream or sent EOF.

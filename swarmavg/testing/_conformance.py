@@ -36,6 +36,10 @@ __all__ = ["TRANSPORT_CHECKS", "TransportFactory", "check_transport", "run_trans
 TransportFactory = Callable[[Identity], Transport]
 
 _TIMEOUT = 30.0
+#: A cancelled operation must return within this many seconds of its cancellation (it should
+#: take milliseconds; the bound is generous for loaded test machines, and far below the
+#: write timeouts, a minute, that a shielded send would wait for).
+_PROMPT = 5.0
 
 
 @dataclass
@@ -240,6 +244,69 @@ async def _check_backpressure(h: _Harness) -> None:
     # The message cancelled by move_on_after may or may not have been sent (cancellation of a
     # send is allowed to be atomic either way), but never partly.
     assert received in (sent, sent + len(chunk)), f"sent {sent} bytes, received {received}"
+
+
+async def _check_cancelled_send(h: _Harness) -> None:
+    a, b = await h.pair()
+    sa, sb = await _open_pair(a, b)
+    # messages larger than most windows and send buffers, to a receiver that reads nothing:
+    # some go (a receiver takes at least one), then one send blocks, possibly in the middle of
+    # its message (once part of it was written)
+    size = min(sa.max_message_size, 8 << 20)
+    sent: list[bytes] = []
+    cancelled = b""
+    late = -1.0
+    for _ in range(64):
+        payload = _pattern(size)
+        with anyio.move_on_after(0.5) as scope:
+            await sa.send(payload)
+        if scope.cancelled_caught:
+            cancelled = payload
+            late = anyio.current_time() - scope.deadline
+            break
+        sent.append(payload)
+    assert late >= 0, f"send() never blocked although the receiver read nothing ({len(sent)} sent)"
+    assert late < _PROMPT, f"a cancelled send() returned {late:.1f} s after its cancellation"
+    # The stream carries no part of the cancelled message: either none of it was sent (the
+    # stream goes on) or the stream was reset (the peer's and our operations raise StreamReset).
+    ours: list[BaseException | None] = []
+
+    async def finish() -> None:
+        try:
+            await sa.send_last(b"after")
+        except StreamReset as exc:
+            ours.append(exc)
+        else:
+            ours.append(None)
+
+    got: list[bytes] = []
+    end: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(finish)
+        while end is None:
+            try:
+                got.append(bytes(await sb.receive()))
+            except (StreamReset, anyio.EndOfStream) as exc:
+                end = exc
+    if isinstance(end, StreamReset):
+        assert isinstance(ours[0], StreamReset), (
+            "the peer saw the stream reset after a cancelled send: our later sends must raise "
+            f"StreamReset, got {ours[0]!r}"
+        )
+        whole = [*sent, cancelled]
+        assert got == whole[: len(got)], (
+            "a reset stream delivered something other than whole messages in order"
+        )
+    else:
+        assert ours[0] is None, f"the stream was not reset, yet send_last() raised {ours[0]!r}"
+        assert got in ([*sent, b"after"], [*sent, cancelled, b"after"]), (
+            "a cancelled send() left part of its message on the stream (or lost others): "
+            f"{[len(m) for m in got]} bytes received after {[len(m) for m in sent]} sent"
+        )
+    # the connection survives
+    ta, tb = await _open_pair(a, b)
+    await tb.send(b"ok")
+    assert bytes(await ta.receive()) == b"ok", "a cancelled send must not break the connection"
 
 
 async def _check_send_eof(h: _Harness) -> None:
@@ -658,6 +725,7 @@ TRANSPORT_CHECKS: dict[str, Callable[[_Harness], Awaitable[None]]] = {
     "many_concurrent_streams": _check_many_concurrent_streams,
     "large_message": _check_large_message,
     "backpressure": _check_backpressure,
+    "cancelled_send": _check_cancelled_send,
     "send_eof": _check_send_eof,
     "send_last": _check_send_last,
     "receive_nowait": _check_receive_nowait,

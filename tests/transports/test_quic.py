@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -12,6 +13,7 @@ import anyio
 import pytest
 from swarmavg_quic import QuicConnection, QuicTransport
 from swarmavg_quic._aioquic import unacked
+from swarmavg_quic._connection import PROBE_MAX
 from swarmavg_quic._endpoint import CID_LENGTH
 
 from swarmavg.address import Address
@@ -149,6 +151,167 @@ async def test_a_message_over_the_limit_is_refused_by_both_ends() -> None:
         await t.send(b"fine")
         u = await accepted.accept_stream()
         assert bytes(await u.receive()) == b"fine"
+
+
+async def _blocked_mid_message(
+    dialed: QuicConnection, accepted: QuicConnection
+) -> tuple[Any, Any, bytes]:
+    """A stream whose receiver holds a window's worth of unread messages, so that a new message
+    is written in part (the send buffer's worth) and then waits: the streams, and the message
+    read so far."""
+    s = await dialed.open_stream()
+    first = os.urandom(dialed._stream_window)
+    await s.send(first)  # (a receiver takes one message past its window, if it must)
+    r = await accepted.accept_stream()
+    return s, r, first
+
+
+async def test_a_send_cancelled_in_the_middle_of_a_message_resets_the_stream() -> None:
+    async with _pair(stream_window=256 * KiB, connection_window=1 * MiB, send_buffer=256 * KiB) as (
+        _,
+        _,
+        dialed,
+        accepted,
+    ):
+        s, r, first = await _blocked_mid_message(dialed, accepted)
+        with anyio.move_on_after(0.3) as scope:
+            await s.send(os.urandom(2 * MiB))  # a large message: it takes the connection's slot
+        assert scope.cancelled_caught
+        late = anyio.current_time() - scope.deadline
+        assert late < 1.0, f"the cancelled send returned {late:.2f} s late"
+        # the receiver gets the whole messages sent before, then the reset
+        with anyio.fail_after(10):
+            assert bytes(await r.receive()) == first
+            with pytest.raises(StreamReset):
+                await r.receive()
+            with pytest.raises(StreamReset):
+                await r.send(b"x")
+        # our side says so too
+        with pytest.raises(StreamReset, match="cancelled"):
+            await s.send(b"more")
+        with pytest.raises(StreamReset, match="cancelled"):
+            await s.receive()
+        await s.aclose()
+        # the connection goes on, and its large-message slot was given back
+        assert dialed._large_sender is None
+        t = await dialed.open_stream()
+        big = os.urandom(2 * MiB)
+        with anyio.fail_after(10):
+            await t.send_last(big)
+            u = await accepted.accept_stream()
+            assert bytes(await u.receive()) == big
+
+
+async def test_a_message_the_peer_takes_nothing_of_times_out_and_resets_the_stream() -> None:
+    async with _pair(
+        stream_window=256 * KiB, connection_window=1 * MiB, send_buffer=256 * KiB, write_timeout=0.5
+    ) as (_, _, dialed, accepted):
+        s, r, first = await _blocked_mid_message(dialed, accepted)
+        with anyio.fail_after(10), pytest.raises(StreamReset, match="timed out"):
+            await s.send(os.urandom(1 * MiB))
+        with anyio.fail_after(10):
+            assert bytes(await r.receive()) == first
+            with pytest.raises(StreamReset):
+                await r.receive()
+        assert not dialed.is_closed
+
+
+async def test_a_large_send_returns_once_written_and_frees_the_slot_when_acknowledged() -> None:
+    """A large message no longer waits in send() for its acknowledgement; the pump gives the
+    connection's large-message slot back once it comes."""
+    async with _pair(stream_window=256 * KiB, connection_window=1 * MiB, send_buffer=4 * MiB) as (
+        _,
+        _,
+        dialed,
+        accepted,
+    ):
+        s = await dialed.open_stream()
+        payload = os.urandom(1 * MiB)
+        with anyio.fail_after(10):
+            await s.send(payload)  # fits the send buffer: handed to aioquic at once
+            assert dialed._large_sender is s  # until acknowledged
+            r = await accepted.accept_stream()
+            assert bytes(await r.receive()) == payload
+            while dialed._large_sender is not None:  # (the pump frees it)
+                await dialed._progress.wait()
+
+
+# -- liveness -----------------------------------------------------------------------------------
+
+
+def _icmp_checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def _spoof_port_unreachable(ours: tuple[str, int], peer: tuple[str, int]) -> None:
+    """Send ``ours`` an ICMP "port unreachable" for a datagram it sent to ``peer`` (which is
+    alive): what an off-path attacker could send. Needs a raw socket (root, or CAP_NET_RAW).
+
+    :raises PermissionError: without one.
+    """
+    src, dst = socket.inet_aton(ours[0]), socket.inet_aton(peer[0])
+    # the offending datagram: its IP header and the first 8 bytes of its UDP header
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + 8 + 32, 0, 0, 64, 17, 0, src, dst)
+    udp = struct.pack("!HHHH", ours[1], peer[1], 8 + 32, 0)
+    body = bytes(4) + ip + udp
+    checksum = _icmp_checksum(struct.pack("!BBH", 3, 3, 0) + body)
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP) as raw:
+        raw.sendto(struct.pack("!BBH", 3, 3, checksum) + body, (ours[0], 0))
+
+
+async def _assert_the_probe_is_answered(dialed: QuicConnection, accepted: QuicConnection) -> None:
+    # the probe's deadline is at most PROBE_MAX on loopback: the connection outlives it
+    with anyio.move_on_after(3 * PROBE_MAX):
+        await dialed.wait_closed()
+    assert dialed._ping_id >= 1, "no probe was started"
+    assert not dialed.is_closed, "a spoofed ICMP error closed a live connection"
+    assert dialed._probe_deadline is None, "the probe was not answered"
+    s = await dialed.open_stream()
+    await s.send(b"still here")
+    r = await accepted.accept_stream()
+    assert bytes(await r.receive()) == b"still here"
+
+
+async def test_a_spoofed_icmp_error_costs_a_ping_not_the_connection() -> None:
+    async with _pair() as (_, _, dialed, accepted):
+        endpoint = dialed._endpoint
+        peer = dialed._quic.get_peer_address()
+        assert peer is not None
+        try:
+            _spoof_port_unreachable((endpoint.host, endpoint.port), (peer[0], peer[1]))
+        except PermissionError:
+            pytest.skip("sending a spoofed ICMP error needs a raw socket (root or CAP_NET_RAW)")
+        await _assert_the_probe_is_answered(dialed, accepted)
+
+
+async def test_a_probe_that_the_peer_answers_leaves_the_connection_alone() -> None:
+    """What the endpoint does on an ICMP error for an established connection (without the raw
+    socket that a real spoofed error needs)."""
+    async with _pair() as (_, _, dialed, accepted):
+        dialed._suspect("127.0.0.1 port 9 is unreachable (a test)")
+        await _assert_the_probe_is_answered(dialed, accepted)
+
+
+async def test_a_vanished_peer_is_noticed_while_a_stream_waits() -> None:
+    """Default keep-alives (15 s, QUIC idle timeout 45 s): with a stream open, a quiet peer is
+    pinged after a second, its closed port answers with ICMP, the probe goes unanswered, and
+    the waiting receive() fails, seconds after the peer vanished."""
+    async with _pair() as (_, b, dialed, accepted):
+        s = await dialed.open_stream()
+        await s.send(b"hi")
+        r = await accepted.accept_stream()
+        assert bytes(await r.receive()) == b"hi"
+        for endpoint in list(b._endpoints):  # b vanishes without a word
+            endpoint.close()
+        start = anyio.current_time()
+        with anyio.fail_after(10), pytest.raises(ConnectionLost, match="unreachable"):
+            await s.receive()
+        assert anyio.current_time() - start < 5
 
 
 # -- refusals and reachability ----------------------------------------------------------------

@@ -30,7 +30,13 @@ from swarmavg_tcp._handshake import HELLO, HELLO_SIZE, MAGIC, VERSION, Handshake
 
 from swarmavg.abc import ConnectionAttribute
 from swarmavg.address import Address
-from swarmavg.errors import ConnectError, ConnectionLost, PeerIdentityMismatch, TransportError
+from swarmavg.errors import (
+    ConnectError,
+    ConnectionLost,
+    PeerIdentityMismatch,
+    StreamReset,
+    TransportError,
+)
 from swarmavg.identity import Identity
 
 pytestmark = pytest.mark.anyio
@@ -786,6 +792,70 @@ async def test_a_send_waiting_behind_a_blocked_writer_can_be_cancelled() -> None
             assert anyio.current_time() - started < 2
             with anyio.fail_after(BOUND):
                 await conn.aclose()  # (ends the stuck send too)
+
+
+@ENCRYPTION
+async def test_a_send_cancelled_in_the_middle_of_a_message_resets_the_stream(
+    encryption: bool,
+) -> None:
+    """A send stuck on a peer that reads nothing, cancelled with part of its message written,
+    returns at once (not after write_timeout): the connection finishes the record it was in
+    and resets the stream, so the peer drops the part it got; the connection goes on."""
+    async with (
+        serving(encryption=encryption) as (_, listener),
+        raw_session(listener, encryption=encryption) as (raw, conn, stream),
+    ):
+        size = 32 << 20  # a large message: sent without credit, it fills the socket buffers
+        with anyio.fail_after(BOUND), anyio.move_on_after(0.3) as scope:
+            await stream.send(os.urandom(size))
+        assert scope.cancelled_caught
+        late = anyio.current_time() - scope.deadline
+        assert late < 1.0, f"the cancelled send returned {late:.2f} s late"
+        with pytest.raises(StreamReset, match="cancelled"):
+            await stream.send(b"more")
+        with pytest.raises(StreamReset, match="cancelled"):
+            await stream.receive()
+        # the peer reads records of the message (never its last), then the stream's RESET
+        got = 0
+        with anyio.fail_after(BOUND):
+            while True:
+                ftype, flags, stream_id, _, payload, _ = await raw.receive_record()
+                if ftype == fr.RESET:
+                    assert stream_id == stream.id
+                    break
+                if ftype == fr.DATA:
+                    assert stream_id == stream.id
+                    assert bool(flags & fr.FIRST) == (got == 0)
+                    assert not flags & fr.LAST
+                    got += len(payload)
+        assert 0 < got < size
+        # the connection keeps working
+        other = await conn.open_stream()
+        await other.send(b"still here")
+        with anyio.fail_after(BOUND):
+            while True:
+                ftype, flags, stream_id, _, payload, _ = await raw.receive_record()
+                if ftype == fr.DATA:
+                    assert (stream_id, payload) == (other.id, b"still here")
+                    break
+        assert not conn.is_closed
+
+
+async def test_a_send_whose_stream_the_peer_resets_midway_raises_stream_reset() -> None:
+    async with (
+        serving() as (_, listener),
+        raw_session(listener, encryption=True) as (raw, _, stream),
+    ):
+        outcome: list[Any] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outcome_of, lambda: stream.send(bytes(32 << 20)), outcome)
+            with anyio.fail_after(BOUND):
+                # the first record is out: the message has started
+                ftype, flags, stream_id, _, _, _ = await raw.receive_record()
+                assert (ftype, stream_id) == (fr.DATA, stream.id)
+                assert flags & fr.FIRST
+                await raw.send(fr.RESET, 0, stream.id, fr.CANCELLED)
+        assert isinstance(outcome[0], StreamReset), outcome
 
 
 # -- fairness ------------------------------------------------------------------------------------

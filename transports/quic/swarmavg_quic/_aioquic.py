@@ -12,7 +12,12 @@ Besides the certificate hooks of :mod:`swarmavg_quic._tls`, swarmavg needs two t
   never double anything on their own.
 * **Send-side buffering.** ``send_stream_data`` appends to an unbounded buffer; the transport
   waits while :func:`unacked` bytes of a stream (written, not yet acknowledged) are above its
-  send buffer size.
+  send buffer size, and reads how far a stream is written and acknowledged
+  (:func:`written_to`, :func:`acked_to`).
+* **Liveness.** ``last_heard`` is when a packet from the peer last decrypted (an override of
+  ``_payload_received``, which aioquic calls for each authenticated packet), and
+  :func:`smoothed_rtt` reads the RTT estimate of aioquic's loss recovery; together they decide
+  when a quiet peer is pinged and how long a probe waits for its answer.
 
 Whether a connection is closing is read from ``_close_event``: aioquic reports
 ``ConnectionTerminated`` only at the end of the closing period (three PTOs later), but a peer that
@@ -32,10 +37,13 @@ from swarmavg_quic._tls import AuthenticatingConnection
 
 __all__ = [
     "FlowControlledQuic",
+    "acked_to",
     "aioquic_buffered",
     "check_private_api",
     "closing_event",
+    "smoothed_rtt",
     "unacked",
+    "written_to",
 ]
 
 
@@ -48,6 +56,18 @@ class FlowControlledQuic(AuthenticatingConnection):
         self.stream_credit: dict[int, int] = {}
         #: the highest total of stream bytes the peer may send on the connection.
         self.data_credit = configuration.max_data
+        #: when the last packet from the peer was authenticated (the ``now`` it came with).
+        self.last_heard = 0.0
+
+    def _payload_received(
+        self, context: Any, plain: bytes, crypto_frame_required: bool = False
+    ) -> tuple[bool, bool]:
+        # aioquic calls this for each packet that decrypted, i.e. that came from the peer
+        self.last_heard = context.time
+        result: tuple[bool, bool] = super()._payload_received(
+            context, plain, crypto_frame_required=crypto_frame_required
+        )
+        return result
 
     def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
         target = self.stream_credit.get(stream.stream_id)
@@ -100,6 +120,30 @@ def unacked(quic: QuicConnection, stream_id: int) -> int:
     return int(sender._buffer_stop - sender._buffer_start)
 
 
+def written_to(quic: QuicConnection, stream_id: int) -> int | None:
+    """The stream offset up to which we have written data; ``None`` once aioquic forgot the
+    stream."""
+    stream = quic._streams.get(stream_id)
+    return None if stream is None else int(stream.sender._buffer_stop)
+
+
+def acked_to(quic: QuicConnection, stream_id: int) -> int | None:
+    """The stream offset up to which the peer acknowledged all our data; ``None`` once aioquic
+    forgot the stream (it does so when everything, FIN included, was acknowledged, or after a
+    reset)."""
+    stream = quic._streams.get(stream_id)
+    return None if stream is None else int(stream.sender._buffer_start)
+
+
+def smoothed_rtt(quic: QuicConnection) -> float | None:
+    """aioquic's smoothed round-trip time in seconds; ``None`` before the first sample."""
+    loss = getattr(quic, "_loss", None)
+    if loss is None or not getattr(loss, "_rtt_initialized", False):
+        return None
+    rtt = getattr(loss, "_rtt_smoothed", None)
+    return float(rtt) if isinstance(rtt, int | float) else None
+
+
 def aioquic_buffered(quic: QuicConnection) -> int:
     """Stream bytes aioquic holds for us and has not delivered: data that arrived out of order
     (behind a gap), and the gap itself, which aioquic allocates."""
@@ -131,6 +175,7 @@ def check_private_api() -> None:
         for owner, name in (
             (QuicConnection, "_write_stream_limits"),
             (QuicConnection, "_write_connection_limits"),
+            (QuicConnection, "_payload_received"),
         )
         if not callable(getattr(owner, name, None))
     ]
@@ -151,5 +196,5 @@ def check_private_api() -> None:
 
         raise RuntimeError(
             f"aioquic {aioquic.__version__} lacks {', '.join(missing)}, which swarmavg-quic "
-            "needs for flow control; install the aioquic version it pins"
+            "needs (flow control, liveness); install the aioquic version it pins"
         )

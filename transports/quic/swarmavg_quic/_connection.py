@@ -26,9 +26,23 @@ than half a stream window) one at a time per connection, so two of them cannot s
 connection window between them and stall. Credit goes back in batches of a quarter window.
 
 Sending waits while the stream has more than ``send_buffer`` bytes written and not yet
-acknowledged (aioquic would buffer without limit). A message is atomic: once its first bytes are
-written, the rest is written even if the sending task is cancelled (bounded by
-``write_timeout``, after which the stream is reset).
+acknowledged (aioquic would buffer without limit). A stream never carries part of a message:
+a send cancelled before it wrote anything sends nothing, and one cancelled (or timed out:
+``write_timeout`` without the peer taking data) once it has written part of its message resets
+the stream (RESET_STREAM + STOP_SENDING, code ``ABORTED``) and returns at once; the peer's
+operations then raise :class:`StreamReset`, and so do ours. Nothing in the send path is
+shielded from cancellation. A large message holds the connection's large-message slot until the
+peer acknowledged it; the pump gives the slot back, so ``send()`` returns once the message is
+handed to aioquic.
+
+Liveness. A peer that is gone is noticed when there is evidence of it, not at QUIC's idle
+timeout (three keep-alive intervals): an ICMP error for the peer's address (``IP_RECVERR``,
+read by the endpoint) starts a *probe*: a PING at once (and one more halfway), and if none is
+acknowledged within ``max(3 x smoothed RTT, 0.25 s)`` (at most ``max(1 s, 2 x RTT)``) the
+connection is lost. ICMP is unauthenticated, so a spoofed error costs a PING, never a live
+connection. ICMP only answers our own packets, so while streams are open a peer we have heard
+nothing from for :data:`QUIET_PING` seconds is sent a PING (a live peer's ACK answers it; a
+dead one's port answers with ICMP).
 
 Stream lifecycle: ``aclose()`` sends our FIN and, if the peer may still send, STOP_SENDING
 (code ``CLOSED``: the peer's later messages are dropped silently, as on TCP); ``abort()`` sends
@@ -66,7 +80,15 @@ from swarmavg.errors import (
     StreamReset,
 )
 from swarmavg.proto.wire import FRAME_HEADER_SIZE, FrameDecoder
-from swarmavg_quic._aioquic import FlowControlledQuic, aioquic_buffered, closing_event, unacked
+from swarmavg_quic._aioquic import (
+    FlowControlledQuic,
+    acked_to,
+    aioquic_buffered,
+    closing_event,
+    smoothed_rtt,
+    unacked,
+    written_to,
+)
 from swarmavg_quic._tls import BAD_CERTIFICATE, authenticated_peer
 
 if TYPE_CHECKING:
@@ -88,6 +110,15 @@ MAX_UNACCEPTED: Final = 256
 CLOSE_NORMAL: Final = 0x0
 CLOSE_REFUSED: Final = 0x2  # not listening, or over a connection limit
 CLOSE_IDLE: Final = 0x3
+CLOSE_UNREACHABLE: Final = 0x4  # an ICMP error, and the peer answered no PING
+#: With streams open, a peer we have heard nothing from for this long (seconds) is sent a PING:
+#: a live peer's ACK answers it, the closed port of a dead one answers with ICMP.
+QUIET_PING: Final = 1.0
+#: A probe (see QuicConnection._suspect) waits max(PROBE_RTTS x smoothed RTT, PROBE_MIN) for
+#: the peer to answer its PING, and at most max(PROBE_MAX, 2 x RTT).
+PROBE_RTTS: Final = 3
+PROBE_MIN: Final = 0.25
+PROBE_MAX: Final = 1.0
 
 _HEADER = struct.Struct(">I")
 
@@ -126,6 +157,12 @@ class QuicStream(Stream):
         self._send_done = False  # FIN or RESET written
         self._stopped = False  # the peer reads nothing more: sends are dropped
         self._reset_by_peer = False
+        self._reset_sent = False  # we wrote RESET_STREAM
+        #: why we reset the stream ourselves when a message was cut short (a cancelled send)
+        self._broken: str | None = None
+        #: the offset our large message ends at, once written whole (the connection's
+        #: large-message slot is ours until the peer acknowledged up to there)
+        self._large_end: int | None = None
         self._closed = False
         self._attributes = {**conn._attributes, StreamAttribute.stream_id: lambda: self.id}
 
@@ -151,7 +188,11 @@ class QuicStream(Stream):
 
     def _check_send(self) -> bool:
         """Raise if we may not send; ``False`` if sends are to be dropped silently."""
-        if self._closed or self._sent_eof:
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if self._broken is not None:
+            raise StreamReset(f"{self!r} was reset: {self._broken}")
+        if self._sent_eof:
             raise anyio.ClosedResourceError
         if self._reset_by_peer:
             raise StreamReset(f"{self!r} was reset by the peer")
@@ -193,65 +234,119 @@ class QuicStream(Stream):
             self._sent_eof = True
         if large:
             conn._large_sender = self
+            self._large_end = None
         try:
             await self._write([memoryview(_HEADER.pack(size)), *views], eof)
-        except (ValueError, RuntimeError) as exc:  # aioquic finished or reset the stream
-            self._send_done = True
-            raise StreamReset(f"{self!r}: {exc}") from exc
         finally:
-            if conn._large_sender is self:
+            if conn._large_sender is self and self._large_end is None:
+                # not written whole: nothing of it is owed to the peer any more
                 conn._large_sender = None
                 conn._progress.notify()
 
     async def _write(self, views: list[memoryview], eof: bool) -> None:
         """Hand a whole message to aioquic, at most ``send_buffer`` unacknowledged bytes at a
-        time; runs to the end even if cancelled (within ``write_timeout``). A large message
-        then keeps the connection's large-message slot until the peer acknowledged it."""
+        time.
+
+        Cut short (cancelled, ``write_timeout`` without the peer taking data, aioquic refusing
+        the data), it resets the stream and returns at once, raising what cut it short (the
+        cancellation; :class:`StreamReset` for the timeout and aioquic's refusal). If the peer
+        reset the stream or the connection broke first, it raises :class:`StreamReset` or
+        :class:`ConnectionLost` (a stream the peer stopped reading drops the rest silently)."""
         conn = self._conn
-        quic = conn._quic
-        budget = conn._send_buffer
-        with anyio.CancelScope(shield=True) as scope:
-            scope.deadline = anyio.current_time() + conn._write_timeout
-            for view in views:
-                offset = 0
-                size = view.nbytes
-                while offset < size:
-                    room = budget - unacked(quic, self.id)
-                    if room <= 0:
-                        conn._flush()
-                        await conn._progress.wait()
-                        if not self._writable_now():
-                            return
-                        continue
-                    piece = view[offset : offset + room]
-                    quic.send_stream_data(self.id, piece)  # type: ignore[arg-type]
-                    conn._sending.add(self.id)
-                    offset += piece.nbytes
+        written = False
+        try:
+            with anyio.CancelScope(deadline=anyio.current_time() + conn._write_timeout) as timer:
+                written = await self._write_all(views, eof, timer)
+        except (ValueError, RuntimeError) as exc:  # aioquic finished or reset the stream
+            self._reset_midway(f"aioquic refused the data: {exc}")
+            raise StreamReset(f"{self!r}: {exc}") from exc
+        except BaseException as exc:
+            # cancelled in the middle of the message: the stream cannot carry the rest of it
+            # later, nor may the peer take the part it got for a whole message
+            self._reset_midway(
+                "a send was cancelled in the middle of a message"
+                if isinstance(exc, anyio.get_cancelled_exc_class())
+                else f"a send failed in the middle of a message: {exc!r}"
+            )
+            raise
+        if written:
             if eof:
-                quic.send_stream_data(self.id, b"", end_stream=True)
-                conn._sending.add(self.id)
-                self._send_done = True
-            end = quic._streams[self.id].sender._buffer_stop
-            conn._flush()
-            if conn._large_sender is self:
-                while self._writable_now():
-                    stream = quic._streams.get(self.id)
-                    if stream is None or stream.sender._buffer_start >= end:
-                        break
-                    await conn._progress.wait()
-        if scope.cancelled_caught:
+                self._maybe_forget()
+            return
+        if timer.cancelled_caught and self._writable_now():
             logger.warning(
                 "%r: the peer took no data for %.0f s; resetting the stream",
                 self,
                 conn._write_timeout,
             )
-            await self.abort()
+            self._reset_midway(f"the peer took no data for {conn._write_timeout:g} s")
             raise StreamReset(f"{self!r}: writing a message timed out")
+        # the peer ended the stream, or the connection ended: say so (a peer that stopped
+        # reading the stream drops the rest silently, as a whole message would be)
+        if self._reset_by_peer:
+            raise StreamReset(f"{self!r} was reset by the peer")
+        if conn._error is not None:
+            raise ConnectionLost(str(conn._error)) from conn._error
+
+    async def _write_all(
+        self, views: list[memoryview], eof: bool, timer: anyio.CancelScope
+    ) -> bool:
+        """:meth:`_write`'s loop; ``False`` if the stream or the connection ended first. Each
+        time the peer acknowledges data, ``timer`` gets ``write_timeout`` more."""
+        conn = self._conn
+        quic = conn._quic
+        budget = conn._send_buffer
+        for view in views:
+            offset = 0
+            size = view.nbytes
+            while offset < size:
+                held = unacked(quic, self.id)
+                room = budget - held
+                if room <= 0:
+                    conn._flush()
+                    await conn._progress.wait()
+                    if not self._writable_now():
+                        return False
+                    if unacked(quic, self.id) < held:
+                        timer.deadline = anyio.current_time() + conn._write_timeout
+                    continue
+                piece = view[offset : offset + room]
+                quic.send_stream_data(self.id, piece)  # type: ignore[arg-type]
+                conn._sending.add(self.id)
+                offset += piece.nbytes
         if eof:
-            self._maybe_forget()
+            quic.send_stream_data(self.id, b"", end_stream=True)
+            conn._sending.add(self.id)
+            self._send_done = True
+        if conn._large_sender is self:
+            # the slot stays ours until the peer has acknowledged the message (the pump gives
+            # it back: QuicConnection._check_large_sender)
+            self._large_end = written_to(quic, self.id) or 0
+        conn._flush()
+        return True
+
+    def _reset_midway(self, reason: str) -> None:
+        """A message was cut short after part of it was written: reset the stream (both ways,
+        as :meth:`abort` does), so the peer never takes that part for a message. Our own later
+        operations raise :class:`StreamReset` saying ``reason``. Synchronous: a cancelled send
+        returns at once."""
+        self._broken = reason
+        self._discard_inbox()
+        conn = self._conn
+        if conn._error is None:
+            self._reset_quic(ABORTED)
+            conn._update_data_credit()
+        self._maybe_forget()
+        self._changed.notify()
+        conn._progress.notify()
 
     def _writable_now(self) -> bool:
-        return not (self._reset_by_peer or self._stopped or self._conn._error is not None)
+        return not (
+            self._reset_by_peer
+            or self._stopped
+            or self._broken is not None
+            or self._conn._error is not None
+        )
 
     async def send_eof(self) -> None:
         if self._sent_eof or self._closed:
@@ -275,6 +370,8 @@ class QuicStream(Stream):
         while True:
             if self._closed:
                 raise anyio.ClosedResourceError
+            if self._broken is not None:
+                raise StreamReset(f"{self!r} was reset: {self._broken}")
             if self._inbox:
                 message = self._inbox.popleft()
                 self._consumed(FRAME_HEADER_SIZE + message.nbytes)
@@ -404,6 +501,7 @@ class QuicStream(Stream):
         quic = self._conn._quic
         if not self._send_done:
             self._send_done = True
+            self._reset_sent = True
             with contextlib.suppress(ValueError, RuntimeError):
                 quic.reset_stream(self.id, code)
         if not self._recv_done and self.id in quic._streams:
@@ -426,7 +524,7 @@ class QuicStream(Stream):
         self._sent_eof = True
         self._discard_inbox()
         conn = self._conn
-        if conn._error is None:
+        if conn._error is None and self._broken is None:  # (a reset stream has nothing to say)
             quic = conn._quic
             wrote = False
             if not self._send_done:
@@ -453,7 +551,7 @@ class QuicStream(Stream):
         self._closed = True
         self._sent_eof = True
         self._discard_inbox()
-        if self._conn._error is None:
+        if self._conn._error is None and self._broken is None:
             self._reset_quic(ABORTED)
             self._conn._update_data_credit()
         self._maybe_forget()
@@ -528,6 +626,13 @@ class QuicConnection(Connection):
         self._loop = asyncio.get_running_loop()
         self._last_ping = 0.0
         self._idle_since = anyio.current_time()
+        # a probe of the peer's liveness (see _suspect): its deadline, when to ping again,
+        # the PING ids that answer it, and what started it
+        self._probe_deadline: float | None = None
+        self._probe_retry_at: float | None = None
+        self._probe_pings: set[int] = set()
+        self._probe_reason = ""
+        self._ping_id = 0  # the last PING id a probe used (keep-alives use 0)
         self._attributes = self._make_attributes()
 
     # -- attributes ------------------------------------------------------------------------------
@@ -713,8 +818,26 @@ class QuicConnection(Connection):
                 self._fail(ConnectionLost(_describe_close(closing, by_peer=True)))
         if self._closing_streams:
             self._sweep_streams()
+        if self._large_sender is not None:
+            self._check_large_sender()
         self._progress.notify()
         self._rearm()
+
+    def _check_large_sender(self) -> None:
+        """Give the large-message slot back once its message was acknowledged (or can no
+        longer be: the stream was reset or stopped, or the connection ended)."""
+        stream = self._large_sender
+        if stream is None or stream._large_end is None:
+            return  # (being written: the writer gives it back if it stops short)
+        acked = acked_to(self._quic, stream.id)
+        if (
+            acked is None
+            or acked >= stream._large_end
+            or stream._reset_sent
+            or not stream._writable_now()
+        ):
+            stream._large_end = None
+            self._large_sender = None
 
     def _transmit(self) -> None:
         """Send what aioquic has for the network; re-arm the timer."""
@@ -738,10 +861,21 @@ class QuicConnection(Connection):
         if deadline is None:
             return None
         if self._error is None and self.handshake_done.is_set():
-            deadline = min(deadline, self._last_ping + self._keepalive_interval)
+            deadline = min(deadline, self._next_ping())
             if self._idle_timeout is not None and not self._streams:
                 deadline = min(deadline, self._idle_since + self._idle_timeout)
+            if self._probe_deadline is not None:
+                deadline = min(deadline, self._probe_retry_at or self._probe_deadline)
         return deadline
+
+    def _next_ping(self) -> float:
+        """When to PING: a keep-alive interval after the last PING; with streams open, also
+        once the peer was quiet for QUIET_PING seconds (since its last packet and our last
+        PING), so that a peer that died is noticed while something waits for it."""
+        at = self._last_ping + self._keepalive_interval
+        if self._streams:
+            at = min(at, max(self._last_ping, self._quic.last_heard) + QUIET_PING)
+        return at
 
     def _rearm(self) -> None:
         deadline = self._deadline()
@@ -767,6 +901,11 @@ class QuicConnection(Connection):
             stream = self._peer_stream(event.stream_id)
             if stream is not None:
                 stream._on_stop_sending(event.error_code)
+        elif isinstance(event, events.PingAcknowledged):
+            if event.uid in self._probe_pings:
+                logger.debug("%r: the peer answered the probe (%s)", self, self._probe_reason)
+                self._probe_deadline = self._probe_retry_at = None
+                self._probe_pings.clear()
         elif isinstance(event, events.HandshakeCompleted):
             self._on_handshake()
         elif isinstance(event, events.ConnectionIdIssued):
@@ -832,11 +971,14 @@ class QuicConnection(Connection):
                 if timer is not None and now >= timer:
                     quic.handle_timer(now)
                 if self._error is None and self.handshake_done.is_set():
-                    if now >= self._last_ping + self._keepalive_interval:
+                    if self._probe_deadline is not None:
+                        self._run_probe(now)
+                    if self._error is None and now >= self._next_ping():
                         self._last_ping = now
                         quic.send_ping(0)
                     if (
-                        self._idle_timeout is not None
+                        self._error is None
+                        and self._idle_timeout is not None
                         and not self._streams
                         and now >= self._idle_since + self._idle_timeout
                     ):
@@ -875,6 +1017,47 @@ class QuicConnection(Connection):
         if self._handshake_error is None:
             self._handshake_error = ConnectionLost(reason)
         self._close(CLOSE_REFUSED, "unreachable")
+
+    def _suspect(self, reason: str) -> None:
+        """The peer's address answered with an ICMP error (``reason``) on an established
+        connection. ICMP is unauthenticated, so ask the peer: PING it now (and once more
+        halfway); if no PING of the probe is acknowledged by the probe deadline, the connection
+        is lost (see :meth:`_run_probe`). A probe under way is not restarted."""
+        if self._error is not None or self._probe_deadline is not None:
+            return
+        rtt = smoothed_rtt(self._quic) or 0.0
+        wait = min(max(PROBE_RTTS * rtt, PROBE_MIN), max(PROBE_MAX, 2 * rtt))
+        now = anyio.current_time()
+        self._probe_deadline = now + wait
+        self._probe_retry_at = now + wait / 2
+        self._probe_reason = reason
+        logger.debug("%r: %s; probing the peer for %.2f s", self, reason, wait)
+        self._probe_ping()
+        self._schedule()
+
+    def _probe_ping(self) -> None:
+        self._ping_id += 1
+        self._probe_pings.add(self._ping_id)
+        self._quic.send_ping(self._ping_id)
+
+    def _run_probe(self, now: float) -> None:
+        """The driver's turn for a probe: ping again halfway, give up at the deadline."""
+        assert self._probe_deadline is not None
+        if now >= self._probe_deadline:
+            logger.info(
+                "%r: %s, and the peer answered no PING: the connection is lost",
+                self,
+                self._probe_reason,
+            )
+            self._probe_deadline = self._probe_retry_at = None
+            self._probe_pings.clear()
+            self._fail(
+                ConnectionLost(f"the peer is gone ({self._probe_reason}; it answered no PING)")
+            )
+            self._close(CLOSE_UNREACHABLE, "unreachable")
+        elif self._probe_retry_at is not None and now >= self._probe_retry_at:
+            self._probe_retry_at = None
+            self._probe_ping()
 
     def _close(self, code: int, reason: str) -> None:
         if self._error is None:

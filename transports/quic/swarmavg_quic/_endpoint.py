@@ -11,14 +11,23 @@ packet and a listener is attached; without a listener the dialer gets an immedia
 (CONNECTION_CLOSE) instead of waiting out its handshake timeout. Anything that does not parse is
 dropped: datagrams are unauthenticated until a handshake has completed, so garbage costs a
 header parse and nothing else.
+
+ICMP errors (Linux ``IP_RECVERR``: the kernel queues them on the socket, naming the address a
+datagram of ours could not reach) fail a handshake to that address at once, and make an
+established connection to it *probe* its peer (a PING it must answer within a second or so,
+see ``QuicConnection._suspect``): ICMP is unauthenticated, so it is a reason to ask, never a
+reason to drop a connection by itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
+import os
 import socket
+import struct
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -56,6 +65,8 @@ _MIN_INITIAL: Final = 1200
 _IP_MTU_DISCOVER, _IP_PMTUDISC_DO, _IP_RECVERR = 10, 2, 11
 _IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO, _IPV6_RECVERR = 23, 2, 25
 _MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
+#: The head of ``struct sock_extended_err`` (<linux/errqueue.h>): ee_errno comes first.
+_EXTENDED_ERR = struct.Struct("=I")
 
 
 def bind_socket(family: int, sockaddr: Any) -> socket.socket:
@@ -83,6 +94,18 @@ def bind_socket(family: int, sockaddr: Any) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _queued_errno(ancdata: list[tuple[int, int, bytes]]) -> int:
+    """The errno of an error-queue entry (from its ``sock_extended_err``), 0 if it has none."""
+    for level, kind, data in ancdata:
+        if (level, kind) in (
+            (socket.IPPROTO_IP, _IP_RECVERR),
+            (socket.IPPROTO_IPV6, _IPV6_RECVERR),
+        ) and len(data) >= _EXTENDED_ERR.size:
+            code: int = _EXTENDED_ERR.unpack_from(data)[0]
+            return code
+    return 0
 
 
 class Endpoint:
@@ -185,17 +208,29 @@ class Endpoint:
     def _read_errors(self) -> None:
         """Drain the socket's error queue (Linux ``IP_RECVERR``): each entry names the address a
         datagram of ours could not reach. Handshakes to that address fail at once; established
-        connections ignore it (ICMP is unauthenticated; QUIC's own timeouts decide for them)."""
+        connections to it probe their peer (ICMP is unauthenticated: a spoofed error must cost
+        a PING, never a live connection). "Message too long" (path MTU) says nothing about
+        the peer's liveness and is left to them."""
         for _ in range(BATCH):
             try:
-                _, _, _, addr = self.sock.recvmsg(1, 512, _MSG_ERRQUEUE)
+                _, ancdata, _, addr = self.sock.recvmsg(1, 512, _MSG_ERRQUEUE)
             except OSError:
                 return
             if not isinstance(addr, tuple):
                 continue
+            code = _queued_errno(ancdata)
+            reason = f"{addr[0]} port {addr[1]} is unreachable"
+            if code:
+                reason += f" ({os.strerror(code)})"
+            target = addr[:2]
             for conn in list(self._connections):
-                if not conn.handshake_done.is_set() and conn._sockaddr[:2] == addr[:2]:
-                    conn._unreachable(f"{addr[0]} port {addr[1]} is unreachable")
+                if not conn.handshake_done.is_set():
+                    if conn._sockaddr[:2] == target:
+                        conn._unreachable(reason)
+                elif code != errno.EMSGSIZE:
+                    peer = conn._quic.get_peer_address()
+                    if peer is not None and tuple(peer)[:2] == target:
+                        conn._suspect(reason)
 
     def _route(self, data: bytes, addr: Any, now: float) -> QuicConnection | None:
         try:

@@ -50,9 +50,12 @@ class QuicTransport(TaskGroupTransport):
         the route's MTU, between 1200 and 16383 bytes.
     :param handshake_timeout: seconds a connection may take to authenticate.
     :param keepalive_interval: we ping a connection this often, and drop a peer silent for
-        three times as long (QUIC's idle timeout).
+        three times as long (QUIC's idle timeout). With streams open, a peer silent for a
+        second is pinged too, and an ICMP error for the peer's address makes us probe it: a
+        peer whose process died is dropped within about a second.
     :param idle_timeout: close a connection that had no streams for this long (None: never).
-    :param write_timeout: reset a stream whose message the peer takes no data of for this long.
+    :param write_timeout: reset a stream whose message the peer takes no data of for this long
+        (a cancelled send resets it at once if it had written part of its message).
     :param max_connections_per_peer: incoming connections one PeerID may hold at once.
     :param max_incoming_connections: incoming connections in all.
     :param max_pending_handshakes: incoming handshakes in progress at once; more are dropped.

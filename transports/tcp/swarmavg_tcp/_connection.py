@@ -18,9 +18,13 @@ all stopped by :meth:`TcpConnection.aclose`:
 Application tasks write DATA records themselves (a small message with one non-blocking
 ``sendmsg``, no task switch), under one fair (FIFO) lock per connection that is taken per
 *record*, so a bulk message (cut into records of up to ``max_record_size``) lets small messages
-of other streams through between its records. A message is atomic: once its first record is
-written, the rest is written even if the sending task is cancelled (bounded by
-``write_timeout``, after which the connection is dropped).
+of other streams through between its records. A stream never carries part of a message, and a
+cancelled send returns at once: cancelled before its first record, it sent nothing; cancelled
+while the socket is full, it leaves the rest of the batch it was writing (a record cut in two
+would break the connection's framing; at most 2 MiB) to a task of the connection, and, unless
+that batch ends the message, the stream is reset (RESET after it): the peer drops the part it
+got, and its operations and ours raise :class:`StreamReset`. A socket that takes nothing for
+``write_timeout`` drops the connection. Nothing in the send path is shielded.
 
 Flow control (both numbers come from the *receiver's* settings): a message costs its size plus
 ``MESSAGE_OVERHEAD`` of credit, of its stream's window and of the connection's. A message costing
@@ -207,6 +211,8 @@ class TcpStream(Stream):
         self._sent_end = False  # we sent EOF or RESET (or the peer reset)
         self._stopped = False  # the peer reads nothing more: sends are dropped
         self._reset_by_peer = False
+        #: why we reset the stream ourselves when a message was cut short (a cancelled send)
+        self._broken: str | None = None
         self._closed = False  # aclose() or abort() called
         self._attributes: dict[Any, Callable[[], Any]] | None = None  # made on first use
 
@@ -243,6 +249,8 @@ class TcpStream(Stream):
             await self.send_eof()
 
     async def _send(self, parts: tuple[Buffer, ...], *, eof: bool) -> None:
+        if self._broken is not None and not self._closed:
+            raise StreamReset(f"{self!r} was reset: {self._broken}")
         if self._closed or self._sent_eof:
             raise anyio.ClosedResourceError
         if self._reset_by_peer:
@@ -317,6 +325,8 @@ class TcpStream(Stream):
                 return message
             if self._reset_by_peer:
                 raise StreamReset(f"{self!r} was reset by the peer")
+            if self._broken is not None:
+                raise StreamReset(f"{self!r} was reset: {self._broken}")
             if self._recv_eof:
                 raise anyio.EndOfStream
             if self._conn._error is not None:
@@ -335,6 +345,8 @@ class TcpStream(Stream):
             raise anyio.ClosedResourceError
         if self._reset_by_peer:
             raise StreamReset(f"{self!r} was reset by the peer")
+        if self._broken is not None:
+            raise StreamReset(f"{self!r} was reset: {self._broken}")
         if self._recv_eof:
             raise anyio.EndOfStream
         raise ConnectionLost(str(self._conn._error))
@@ -342,7 +354,11 @@ class TcpStream(Stream):
     def _ended(self) -> bool:
         """Whether receive() would raise now, with nothing queued to read."""
         return (
-            self._closed or self._reset_by_peer or self._recv_eof or self._conn._error is not None
+            self._closed
+            or self._reset_by_peer
+            or self._broken is not None
+            or self._recv_eof
+            or self._conn._error is not None
         )
 
     def on_readable(self, callback: Callable[[], object]) -> bool:
@@ -407,6 +423,21 @@ class TcpStream(Stream):
         # sends (its sends then fail with StreamReset, and it learns we left)
         alive = not self._sent_end or not self._recv_end
         if alive and self._announced and self._conn._error is None:
+            self._conn._queue_control(fr.RESET, 0, self.id, fr.CANCELLED)
+        self._sent_end = True
+        self._recv_end = True  # a RESET ends both directions at once
+        self._maybe_forget()
+
+    def _cut_short(self, reason: str) -> None:
+        """A message of ours was cut short (its send cancelled after part of it was written):
+        reset the stream, as :meth:`abort` does, so that the peer drops the part it got; the
+        RESET follows whatever the connection still writes of the message. Our own later
+        operations raise :class:`StreamReset` saying ``reason``."""
+        self._broken = reason
+        self._sent_eof = True
+        self._release_buffers()
+        self._changed.notify()
+        if not (self._sent_end and self._recv_end) and self._conn._error is None:
             self._conn._queue_control(fr.RESET, 0, self.id, fr.CANCELLED)
         self._sent_end = True
         self._recv_end = True  # a RESET ends both directions at once
@@ -534,6 +565,7 @@ class TcpConnection(Connection):
         self._gbuf = bytearray(peer_settings.max_record_size)  # joins small parts of a record
         self._gview = memoryview(self._gbuf)
         self._pending_out: list[bytes] = []  # the rest of a control write, for the writer
+        self._unwritten: list[memoryview] = []  # the rest of the batch being written
         self._flush_scheduled = False
         # receiving
         rtag = fr.TAG_SIZE if opener is not None else 0
@@ -567,6 +599,7 @@ class TcpConnection(Connection):
         self._closed_event = anyio.Event()
         self._scope: anyio.CancelScope | None = None
         self._write_scope: anyio.CancelScope | None = None
+        self._tasks: anyio.abc.TaskGroup | None = None  # the connection's own (see run)
         self._reader_done = anyio.Event()
         self._attributes = self._make_attributes()
 
@@ -712,10 +745,12 @@ class TcpConnection(Connection):
                 else:
                     self._loop.add_reader(self._sock.fileno(), self._on_readable)
                 async with anyio.create_task_group() as tg:
+                    self._tasks = tg
                     tg.start_soon(self._control_writer)
                     tg.start_soon(self._keeper)
                     task_status.started()
         finally:
+            self._tasks = None
             if self._error is None:
                 self._fail(ConnectionLost("the transport was closed"))
 
@@ -752,22 +787,20 @@ class TcpConnection(Connection):
                 buffers = [self._compose_control()] if self._control else []
                 flags = fr.FIRST | fr.LAST | (fr.FIN if eof else 0)  # FIN: the EOF rides along
                 buffers += self._compose(stream.id, flags, size, records[0])
-                if eof:
-                    stream._sent_eof = stream._sent_end = True
-                    stream._maybe_forget()
-                left = self._write_now(buffers)
-                if left:  # the socket is full: the rest must go out, even if we are cancelled
-                    await self._finish_write(left)
-            except OSError as exc:
-                self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
-            finally:
+            except BaseException:
                 self._write_lock.release()
+                raise
+            if eof:
+                stream._sent_eof = stream._sent_end = True
+                stream._maybe_forget()
+            # (if the socket is full and we are cancelled, the connection writes the rest: the
+            # message arrives whole)
+            await self._write_batch(buffers)
             self._check_usable()
             self._fast_sends += 1
             if self._fast_sends % 32 == 0:  # let other tasks run in a long burst of sends
                 await anyio.lowlevel.checkpoint()
             return
-        sent_first = False
         try:
             # Waiting for the first turn to write can be cancelled (nothing was sent): another
             # writer may hold the lock for up to write_timeout while the peer reads nothing.
@@ -776,61 +809,65 @@ class TcpConnection(Connection):
             self._take_back(stream, large, cost)
             raise
         held = True
-        with self._write_deadline_scope() as timer:
-            index, last = 0, len(records) - 1
+        sent_first = False
+        last_batch = False  # (cancelled in it, the message still goes out whole)
+        index, last = 0, len(records) - 1
+        try:
             while index <= last:
                 if not held:
                     await self._write_lock.acquire()
-                held = False
-                try:
-                    if self.is_closed:
+                    held = True
+                if self.is_closed or stream._peer_discards():
+                    break  # (the peer discards the rest of this message)
+                sent_first = True
+                # Plaintext records go several to a sendmsg while nobody else waits to write
+                # (the socket buffer, megabytes, is the real queue anyway); a sealed record
+                # lives in the one write buffer until it is written. Queued control records go
+                # first, in the same write.
+                buffers = [self._compose_control()] if self._control else []
+                batched = 0
+                # (a message of one record, here because another writer held the lock, is
+                # sealed into the write buffer: no bulk buffer for it)
+                out = self._bulk_buffer() if self._sealer is not None and last > 0 else None
+                while True:
+                    pieces = records[index]
+                    flags = (fr.FIRST if index == 0 else 0) | (fr.LAST if index == last else 0)
+                    if out is None:
+                        buffers += self._compose(stream.id, flags, size, pieces)
+                    else:  # sealed into the bulk buffer, one record after the other
+                        sealed = self._compose(stream.id, flags, size, pieces, out[batched:])
+                        buffers += sealed
+                        batched += len(sealed[0])
+                    if out is None:
+                        batched += sum(len(p) for p in pieces)
+                    index += 1
+                    if (
+                        index > last
+                        or batched >= _WRITE_BATCH
+                        or self._write_lock.contended
+                        or (out is not None and len(out) - batched < self._record_room)
+                    ):
                         break
-                    if stream._peer_discards():
-                        break  # the peer discards the rest of this message
-                    if self._control:
-                        await self._flush_control()
-                    sent_first = True
-                    # Plaintext records go several to a sendmsg while nobody else waits to
-                    # write (the socket buffer, megabytes, is the real queue anyway); a
-                    # sealed record lives in the one write buffer until it is written.
-                    buffers = []
-                    batched = 0
-                    # (a message of one record, here because another writer held the lock, is
-                    # sealed into the write buffer: no bulk buffer for it)
-                    out = self._bulk_buffer() if self._sealer is not None and last > 0 else None
-                    while True:
-                        pieces = records[index]
-                        flags = (fr.FIRST if index == 0 else 0) | (fr.LAST if index == last else 0)
-                        if out is None:
-                            buffers += self._compose(stream.id, flags, size, pieces)
-                        else:  # sealed into the bulk buffer, one record after the other
-                            sealed = self._compose(stream.id, flags, size, pieces, out[batched:])
-                            buffers += sealed
-                            batched += len(sealed[0])
-                        if out is None:
-                            batched += sum(len(p) for p in pieces)
-                        index += 1
-                        if (
-                            index > last
-                            or batched >= _WRITE_BATCH
-                            or self._write_lock.contended
-                            or (out is not None and len(out) - batched < self._record_room)
-                        ):
-                            break
-                    left = self._write_now(buffers)
-                    if left:
-                        await self._write_all(left, timer)
-                except OSError as exc:
-                    self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
-                finally:
-                    self._write_lock.release()
-        if timer.cancelled_caught and self._error is None:
-            self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
-        if held:  # (the connection closed before the first record: nothing was written)
+                held = False  # (released, or handed over, by _write_batch)
+                last_batch = index > last
+                await self._write_batch(buffers)
+        except BaseException:
+            if held:
+                self._write_lock.release()
+            if sent_first and not last_batch and self._error is None:
+                # cancelled with part of the message written: the peer must not take that
+                # part for a message, nor may the stream carry the rest later
+                stream._cut_short("a send was cancelled in the middle of a message")
+            elif not sent_first:
+                self._take_back(stream, large, cost)
+            raise
+        if held:  # (the connection closed, or the peer stopped reading, before we wrote)
             self._write_lock.release()
         if not sent_first:  # the peer never heard of this message: take the reservation back
             self._take_back(stream, large, cost)
         self._check_usable()
+        if index <= last and stream._reset_by_peer:  # (a peer that stopped reading drops it)
+            raise StreamReset(f"{stream!r} was reset by the peer during a send")
 
     def _send_last_nowait(self, stream: TcpStream, parts: list[memoryview], size: int) -> bool:
         """:meth:`TcpStream.send_last_nowait`: a one-record message and its EOF, written now
@@ -963,15 +1000,87 @@ class TcpConnection(Connection):
         if self._error is not None:
             raise ConnectionResetError("the connection closed while writing")
 
-    def _write_deadline_scope(self) -> anyio.CancelScope:
-        """A shielded scope that ends a write the peer does not read within write_timeout."""
-        return anyio.CancelScope(shield=True, deadline=anyio.current_time() + self._write_timeout)
+    async def _write_batch(self, buffers: list[Any], *, hand_over: bool = True) -> None:
+        """Write ``buffers`` holding the write lock, and release it.
 
-    async def _finish_write(self, buffers: list[memoryview]) -> None:
-        with self._write_deadline_scope() as scope:
-            await self._write_all(buffers, scope)
-        if scope.cancelled_caught and self._error is None:
-            self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+        Waits for the socket as needed, not shielded: the connection is dropped if the socket
+        takes nothing for ``write_timeout``, and a failed write fails the connection (the
+        caller sees it in ``_error``). Cancelled before the socket took everything, it hands
+        the rest, copied, to a task of the connection (:meth:`_finish_batch`: a record cut in
+        two would break the framing of the whole connection), which writes it and the queued
+        control records, then releases the lock; and re-raises at once. So a cancelled send
+        returns promptly, and what it leaves is at most one batch (2 MiB) for the connection
+        to finish.
+        """
+        handed = False
+        try:
+            self._unwritten = self._write_now(buffers)
+            if self._unwritten:
+                with anyio.CancelScope(
+                    deadline=anyio.current_time() + self._write_timeout
+                ) as scope:
+                    self._write_scope = scope  # the connection's teardown ends the wait too
+                    try:
+                        await self._drain(scope)
+                    finally:
+                        self._write_scope = None
+                if scope.cancelled_caught and self._error is None:
+                    self._fail(ConnectionLost(f"the peer read nothing for {self._write_timeout} s"))
+        except OSError as exc:
+            self._fail(ConnectionLost(f"writing to the socket failed: {exc}"))
+        except BaseException:
+            if self._unwritten and self._error is None:
+                if hand_over and self._tasks is not None:
+                    rest = [bytes(view) for view in self._unwritten]
+                    self._tasks.start_soon(self._finish_batch, rest)
+                    handed = True
+                else:
+                    self._fail(ConnectionLost("a write was cut short"))
+            raise
+        finally:
+            self._unwritten = []
+            if not handed:
+                self._write_lock.release()
+
+    async def _drain(self, scope: anyio.CancelScope) -> None:
+        """Wait until the socket has taken ``_unwritten``, writing from the event loop's
+        writable callback (as ``sock_sendall`` does: one task wake-up per batch, not one per
+        writable event), so that, when the wait is cancelled, ``_unwritten`` is exactly what is
+        left. Each time the socket takes data, ``scope`` gets ``write_timeout`` more."""
+        loop = self._loop
+        fd = self._sock.fileno()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def on_writable() -> None:
+            if done.done():  # (cancelled: the waiting task removes us when it resumes)
+                return
+            try:
+                self._unwritten = self._write_now(self._unwritten)
+            except OSError as exc:
+                loop.remove_writer(fd)
+                done.set_exception(exc)
+                return
+            if self._unwritten:
+                scope.deadline = anyio.current_time() + self._write_timeout
+            else:
+                loop.remove_writer(fd)
+                done.set_result(None)
+
+        loop.add_writer(fd, on_writable)
+        try:
+            await done
+        finally:
+            if self._sock.fileno() == fd:  # (not closed by the teardown, which removed it)
+                loop.remove_writer(fd)
+
+    async def _finish_batch(self, rest: list[bytes]) -> None:
+        """Write the rest of a batch whose writer was cancelled, then the control records
+        queued meanwhile (the RESET of a message cut short among them); the writer left us
+        the write lock, which this releases."""
+        buffers: list[Any] = list(rest)
+        if self._control:
+            buffers.append(self._compose_control())
+        await self._write_batch(buffers, hand_over=False)
 
     def _queue_control(self, ftype: int, flags: int, stream_id: int, arg: int) -> None:
         """Send a control record soon: with the next message written in this turn of the event
