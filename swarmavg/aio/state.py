@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     import torch
 
     from swarmavg.aio.dht_facade import DHT
-    from swarmavg.aio.node import Node
+    from swarmavg.aio.node import BackgroundTask, Node
     from swarmavg.aio.rpc import CallContext
 
 __all__ = [
@@ -320,7 +320,7 @@ class StateSharer:
         self._priority = _check_priority(priority)
         self._started = False
         self._closed = False
-        self._scopes: list[anyio.CancelScope] = []  # the declaring and expiring tasks'
+        self._scopes: list[BackgroundTask] = []  # the declaring and expiring tasks'
         self._changed: anyio.Event | None = None  # wakes the declaring task
         self._declared_until: float | None = None  # expiration of our last declaration
         self._uploads: anyio.Semaphore | None = None
