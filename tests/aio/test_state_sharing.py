@@ -262,6 +262,7 @@ class BrokenDonor(DecentralizedAverager):
         raise RuntimeError("no state here")
 
 
+@pytest.mark.allow_error_log  # (the broken donor's get_current_state raises: its bug)
 async def test_a_failing_donor_is_replaced_by_the_next() -> None:
     async with _swarm() as swarm:
         good = await swarm.averager(
