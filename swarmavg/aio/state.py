@@ -768,8 +768,10 @@ class _Probe:
 
 
 def _warn(donor: Donor, exc: BaseException) -> None:
+    """A donor failed (its doing: DEBUG; the download goes on with the others, and
+    :func:`load_state` warns once if none delivers)."""
     peer, _, priority = donor
-    logger.warning(
+    logger.debug(
         "could not load the state from %s (priority %s): %s: %s",
         peer.short(),
         priority,
@@ -872,6 +874,7 @@ async def load_state(
     if not untried:
         logger.info("no peer shares the state of %s", prefix)
         return None
+    donors = len(untried)
     download: _Download | None = None
     while untried:
         batch, untried = untried[:max_donors], untried[max_donors:]
@@ -896,9 +899,14 @@ async def load_state(
             try:
                 return await download.finish()
             except StateDownloadFailed as exc:  # (its donors are tried: on with the others)
-                logger.warning("the state of %s was refused: %s", prefix, exc)
+                logger.debug("the state of %s was refused: %s", prefix, exc)
                 download = None
         untried = others + untried
+    logger.warning(
+        "could not load the state of %s: none of the %d peers that share it delivered it",
+        prefix,
+        donors,
+    )
     return None
 
 
