@@ -15,6 +15,7 @@ from swarmavg.aio.node import Node
 from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.dht import DHT
 from swarmavg.errors import (
+    AddressInUse,
     AllReduceFailed,
     AveragingError,
     ConnectError,
@@ -40,6 +41,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "DHT",
     "Address",
+    "AddressInUse",
     "AllReduceFailed",
     "AveragingError",
     "AveragingStage",

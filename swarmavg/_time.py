@@ -5,7 +5,25 @@ from __future__ import annotations
 import asyncio
 import time
 
-__all__ = ["get_dht_time"]
+import anyio
+
+__all__ = ["get_dht_time", "loop_time"]
+
+
+def loop_time() -> float:
+    """``anyio.current_time()`` (the event loop's clock, which deadlines and timeouts use) that
+    may also be called from a raw event-loop callback: a socket reader (``add_reader``), a
+    ``call_soon`` or a timer callback, as the transports run their readers and the RPC layer's
+    inline handlers.
+
+    anyio < 4.16 cannot tell the async library there (no task is running) and raises
+    ``sniffio.AsyncLibraryNotFoundError``; on asyncio its clock is the loop's ``time()``,
+    which this reads directly (also on :class:`swarmavg.testing.VirtualClockLoop`).
+    """
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop.time()
+    return anyio.current_time()  # (trio: its callbacks are tasks)
 
 
 def get_dht_time() -> float:

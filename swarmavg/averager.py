@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 import anyio.to_thread
@@ -44,18 +44,34 @@ class DecentralizedAverager:
     ``state_sharing_priority``, ``declare_state_period``, ``next_chunk_timeout``,
     ``max_state_size``, ``state_compression``, ``state_max_donors``) and:
 
+    :param averaged_tensors: any iterable of floating-point tensors (a list, or
+        ``model.parameters()``).
     :param dht: a running :class:`swarmavg.DHT`; the averager shares its node.
     :param start: start at once (otherwise :meth:`run_in_background`).
+    :raises TypeError: an argument has the wrong type (the message names it; see
+        :class:`swarmavg.aio.DecentralizedAverager` for the others).
+    :raises ValueError: an argument is out of range (the message names it).
+    :raises RuntimeError: ``start`` and the DHT is not running.
     """
 
     def __init__(
         self,
-        averaged_tensors: Sequence[torch.Tensor],
+        averaged_tensors: Iterable[torch.Tensor],
         dht: DHT,
         *,
         start: bool = True,
         **options: Any,
     ) -> None:
+        from swarmavg.dht import DHT
+
+        given: object = dht
+        if not isinstance(given, DHT):
+            hint = ""
+            if type(given).__module__ == "swarmavg.aio.dht_facade":
+                hint = " (swarmavg.aio.DHT goes with swarmavg.aio.DecentralizedAverager)"
+            raise TypeError(f"dht must be a swarmavg.DHT, not {type(given).__name__}{hint}")
+        if not isinstance(start, bool):
+            raise TypeError(f"start must be a bool, not {start!r:.64}")
         self.dht = dht
 
         async def create() -> AsyncAverager:
@@ -73,6 +89,11 @@ class DecentralizedAverager:
         if self._closed:
             raise RuntimeError("this averager was shut down")
         if not self._started:
+            if not self.dht.is_alive():
+                raise RuntimeError(
+                    "the averager's DHT is not running: start it first (swarmavg.DHT(...) "
+                    "starts unless start=False) and shut it down after the averager"
+                )
             run_sync(self._averager.__aenter__)
             self._started = True
 

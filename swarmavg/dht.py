@@ -73,6 +73,18 @@ class DHT:
         record_validators: Sequence[RecordValidator] = (),
         **options: Any,
     ) -> None:
+        for name, flag in (("start", start), ("await_ready", await_ready)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, not {flag!r:.64}")
+        if startup_timeout is not None and (
+            isinstance(startup_timeout, bool)
+            or not isinstance(startup_timeout, int | float)
+            or not startup_timeout > 0
+        ):
+            raise ValueError(
+                f"startup_timeout must be a positive number of seconds or None, "
+                f"not {startup_timeout!r:.64}"
+            )
         self._startup_timeout = startup_timeout
         self._lock = threading.Lock()
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()

@@ -6,6 +6,7 @@ SwarmError
 │               └ RemoteProtocolError (the peer sent something invalid)
 │                  └ MessageTooLarge also derives from LocalProtocolError when raised locally
 ├─ TransportError ─ ConnectError | ConnectionLost | PeerIdentityMismatch | StreamReset
+│                └ AddressInUse (a listen address's port is taken by another socket)
 ├─ TransportNotFound (no plugin for a transport name; says what to install)
 ├─ RPCError ─ RemoteError (handler failed) ─ MethodNotFound
 │          └ RPCTimeout
@@ -21,6 +22,7 @@ Cancellation and ``AssertionError`` are never swallowed anywhere in swarmavg.
 from __future__ import annotations
 
 __all__ = [
+    "AddressInUse",
     "AllReduceFailed",
     "AveragingError",
     "ConnectError",
@@ -69,6 +71,12 @@ class MessageTooLarge(LocalProtocolError):
 
 class TransportError(SwarmError):
     """A transport-level failure: dialing, a dropped connection, a failed identity check."""
+
+
+class AddressInUse(TransportError):
+    """A listen address could not be bound: another socket (another process, or another node
+    of this one) holds its port. Listen on port 0 for a free port, or on another port; the
+    ``OSError`` is the ``__cause__``."""
 
 
 class ConnectError(TransportError):

@@ -43,9 +43,9 @@ def resolve_transport(name: str) -> type[Transport]:
     """The transport class registered as ``name`` (also a URL scheme such as ``"quic"``).
 
     :raises TypeError: if ``name`` is not a string.
-    :raises TransportNotFound: if nothing is registered under ``name``; the message says which
-        distribution to install.
-    :raises ImportError: if the plugin is registered but fails to import (a broken install).
+    :raises TransportNotFound: if nothing is registered under ``name``, or what is registered
+        cannot be imported (a broken install: the ``ImportError`` is the ``__cause__``) or is
+        no transport; the message says which distribution to (re)install.
     """
     if not isinstance(name, str):
         raise TypeError(f"transport name must be a str, not {type(name).__name__}")
@@ -65,8 +65,19 @@ def resolve_transport(name: str) -> type[Transport]:
         known = ", ".join(available_transports())
         raise TransportNotFound(f"no transport named {name!r} ({hint}); available: {known}")
     module_name, _, attr = target.partition(":")
-    module = importlib.import_module(module_name)
-    cls = getattr(module, attr) if attr else module
+    try:
+        module = importlib.import_module(module_name)
+        cls = getattr(module, attr) if attr else module
+    except (ImportError, AttributeError) as exc:
+        fix = (
+            f"reinstall it with `pip install --force-reinstall {_DISTRIBUTIONS[name]}`"
+            if name in _DISTRIBUTIONS
+            else "reinstall the package that provides it"
+        )
+        raise TransportNotFound(
+            f"the {name!r} transport is registered ({ENTRY_POINT_GROUP} entry point "
+            f"{name} = {target}) but cannot be loaded: {exc}; {fix}"
+        ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise TransportNotFound(f"entry point {name!r} = {target!r} is not a Transport subclass")
     return cls

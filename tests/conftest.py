@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -40,3 +41,44 @@ def _load_benchmark(filename: str) -> ModuleType:
 def load_benchmark() -> Callable[[str], ModuleType]:
     """``load_benchmark("averaging_scale.py")``: a script of ``benchmarks/`` as a module."""
     return _load_benchmark
+
+
+class _ErrorRecords(logging.Handler):
+    """Keeps every record of level ERROR or above that reaches the root logger."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _describe(record: logging.LogRecord) -> str:
+    text = f"{record.levelname} {record.name}: {record.getMessage()}"
+    if record.exc_info and record.exc_info[1] is not None:
+        exc = record.exc_info[1]
+        text += f" [{type(exc).__module__}.{type(exc).__qualname__}: {exc}]"
+    return text
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_error_logs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test (at teardown) that logged anything at ERROR or above, from any logger
+    (swarmavg's, the transports', asyncio's "Task exception was never retrieved", ...): in
+    swarmavg an ERROR log means a bug, so a test that makes one has found it. A test whose
+    behaviour under test is an ERROR log says so with ``@pytest.mark.allow_error_log``."""
+    handler = _ErrorRecords()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+    if handler.records and request.node.get_closest_marker("allow_error_log") is None:
+        listed = "\n".join(f"  {_describe(r)}" for r in handler.records)
+        pytest.fail(
+            f"{len(handler.records)} unexpected ERROR log record(s) during the test "
+            f"(mark it allow_error_log if that is the behaviour under test):\n{listed}",
+            pytrace=False,
+        )

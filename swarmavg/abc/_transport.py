@@ -215,6 +215,13 @@ class Stream(TypedAttributeProvider, ABC):
         Returns ``False`` (and never calls it) if this transport cannot; the caller must then
         wait in :meth:`receive`. The RPC layer reads the answers of many calls in one task so
         (a DHT lookup's queries), instead of a task per call.
+
+        ``callback`` may run in a raw event-loop callback (a socket reader), outside any task:
+        it must not call an anyio function that needs to know the async library there (anyio
+        < 4.16 raises): no ``anyio.current_time()`` (the loop's ``time()`` is the same clock),
+        no new ``Event`` or ``CancelScope``; setting an event, cancelling a scope and
+        ``TaskGroup.start_soon`` are fine. The same holds for :meth:`on_abandoned` callbacks
+        and :meth:`Connection.serve_inline` handlers.
         """
         return False
 
@@ -468,8 +475,15 @@ class QueueListener(Listener, Generic[_C]):
         full or the listener closed."""
         try:
             self._send.send_nowait(conn)
-        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            logger.warning("dropping an incoming connection: nobody accepts on %s", self)
+        except anyio.WouldBlock:
+            logger.warning(
+                "dropping an incoming connection on %s: %d wait to be accepted already",
+                self._address,
+                self._send.statistics().current_buffer_used,
+            )
+            return False
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            logger.debug("dropping an incoming connection: %s is closed", self._address)
             return False
         return True
 
@@ -510,8 +524,9 @@ class Transport(ABC):
     async def listen(self, address: Address) -> Listener:
         """Start listening on ``address`` (port 0 picks a free port).
 
-        :raises OSError: translated to :class:`~swarmavg.errors.TransportError` subclasses where
-            it concerns the network; a port in use raises ``TransportError``.
+        :raises AddressInUse: if another socket holds the port (the ``OSError`` chained).
+        :raises TransportError: if the address cannot be listened on for another reason
+            (``OSError`` is translated, never raised as is).
         """
 
     @abstractmethod

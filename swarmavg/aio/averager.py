@@ -50,6 +50,7 @@ from swarmavg.aio.state import (
     DEFAULT_MAX_STATE_SIZE,
     StateLoad,
     StateSharer,
+    _check_priority,
     load_state,
 )
 from swarmavg.compression import (
@@ -142,11 +143,104 @@ class StepResult(Mapping["PeerID", Any]):
         return len(self.gathered)
 
 
-def _spec_of(tensor: torch.Tensor) -> TensorSpec:
+def _averaged_tensors(tensors: object) -> list[torch.Tensor]:
+    """``averaged_tensors`` as a list: any iterable of tensors (a list, ``model.parameters()``).
+
+    :raises TypeError: not an iterable of tensors (the message names the first item that is
+        not one, by its index), or a single tensor or a mapping.
+    :raises ValueError: no tensors at all.
+    """
+    import torch
+
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(
+            "averaged_tensors must be an iterable of tensors, not a single tensor: pass [tensor]"
+        )
+    if isinstance(tensors, Mapping):
+        raise TypeError(
+            "averaged_tensors must be an iterable of tensors, not a mapping: pass its .values()"
+        )
+    if isinstance(tensors, str | bytes) or not isinstance(tensors, Iterable):
+        raise TypeError(
+            f"averaged_tensors must be an iterable of tensors, not {type(tensors).__name__}"
+        )
+    listed = list(tensors)
+    for index, tensor in enumerate(listed):
+        if not isinstance(tensor, torch.Tensor):
+            kind = type(tensor)
+            hint = " (torch.from_numpy(array) makes one)" if kind.__module__ == "numpy" else ""
+            raise TypeError(
+                f"averaged_tensors[{index}] is a {kind.__module__}.{kind.__qualname__}, "
+                f"not a torch.Tensor{hint}"
+            )
+    if not listed:
+        raise ValueError("averaged_tensors is empty: there is nothing to average")
+    return listed
+
+
+def _spec_of(index: int, tensor: torch.Tensor) -> TensorSpec:
     dtype = str(tensor.dtype).removeprefix("torch.")
     if dtype not in _TORCH_DTYPES:
-        raise TypeError(f"averaged tensors must be floating point, not {tensor.dtype}")
+        raise TypeError(
+            f"averaged_tensors[{index}] is {tensor.dtype}: averaged tensors must be floating "
+            f"point ({', '.join(sorted(_TORCH_DTYPES))})"
+        )
     return TensorSpec(tuple(tensor.shape), dtype)
+
+
+def _check_dht(dht: object) -> None:
+    """:raises TypeError: ``dht`` is not a :class:`swarmavg.aio.DHT`."""
+    from swarmavg.aio.dht_facade import DHT
+
+    if isinstance(dht, DHT):
+        return
+    hint = ""
+    if type(dht).__module__ == "swarmavg.dht":
+        hint = " (the synchronous swarmavg.DHT goes with swarmavg.DecentralizedAverager)"
+    raise TypeError(f"dht must be a swarmavg.aio.DHT, not {type(dht).__name__}{hint}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, not {value!r:.64}")
+
+
+def _check_number(name: str, value: object) -> float:
+    """``value`` as a float. :raises TypeError: not an int or float (a bool is neither)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, not {value!r:.64}")
+    return float(value)
+
+
+def _check_count(name: str, value: object, *, minimum: int) -> int:
+    """:raises TypeError: not an int (a bool is none). :raises ValueError: below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {value!r:.64}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, not {value!r}")
+    return value
+
+
+@overload
+def _check_seconds(name: str, value: object, *, optional: Literal[False] = False) -> float: ...
+@overload
+def _check_seconds(name: str, value: object, *, optional: Literal[True]) -> float | None: ...
+def _check_seconds(name: str, value: object, *, optional: bool = False) -> float | None:
+    """``value`` as a positive, finite number of seconds (``None`` if ``optional``).
+
+    :raises TypeError: not a number (a bool is none). :raises ValueError: not positive or
+        not finite."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        either = " or None" if optional else ""
+        raise TypeError(f"{name} must be a number of seconds{either}, not {value!r:.64}")
+    if not (value > 0 and math.isfinite(value)):
+        either = " or None" if optional else ""
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds{either}, not {value!r}"
+        )
+    return float(value)
 
 
 _NO_COMPRESSION = NoCompression()
@@ -217,8 +311,12 @@ class _InPlace:
 class DecentralizedAverager:
     """Averages ``averaged_tensors`` with other peers under ``prefix`` (async API).
 
-    Parameters keep hivemind's names and meaning (see ``docs/``): ``prefix``,
-    ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``
+    ``averaged_tensors`` is any iterable of floating-point tensors (a list, or
+    ``model.parameters()``), read once. Parameters keep hivemind's names and meaning (see
+    ``docs/``): ``prefix``, ``target_group_size`` (a group begins as soon as it has this many
+    members), ``min_group_size`` (a group begins at its declared time if it has at least this
+    many; default ``min(2, target_group_size)``, at most ``target_group_size``),
+    ``initial_group_bits``, ``averaging_expiration``
     (the longest a peer waits for its group to fill, not a wait), ``request_timeout``,
     ``averaging_alpha``, ``part_size_bytes`` (default ``None``: chosen from the tensors' size and
     the group's; a number must be the same on every peer), ``allreduce_timeout`` (finite by
@@ -252,16 +350,23 @@ class DecentralizedAverager:
 
     Use as ``async with DecentralizedAverager(tensors, dht, ...) as averager:``; the DHT must be
     running (``async with swarmavg.aio.DHT(...)``) and outlive the averager.
+
+    :raises TypeError: an argument has the wrong type (a bool where a number is expected, an
+        item of ``averaged_tensors`` that is not a floating-point tensor: the message names
+        its index); the message names the argument.
+    :raises ValueError: an argument is out of range (``min_group_size`` above
+        ``target_group_size``, an empty ``averaged_tensors``, a timeout that is not positive
+        and finite, ...), or a matchmaker for ``prefix`` already runs on the DHT's node.
     """
 
     def __init__(
         self,
-        averaged_tensors: Sequence[torch.Tensor],
+        averaged_tensors: Iterable[torch.Tensor],
         dht: DHT,
         *,
         prefix: str,
         target_group_size: int,
-        min_group_size: int = 2,
+        min_group_size: int | None = None,
         initial_group_bits: str = "",
         averaging_expiration: float = 15.0,
         request_timeout: float = 3.0,
@@ -288,11 +393,24 @@ class DecentralizedAverager:
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: bool = False,
     ) -> None:
-        if isinstance(averaged_tensors, Mapping) or not isinstance(averaged_tensors, Sequence):
-            raise TypeError("averaged_tensors must be a sequence of tensors")
-        self._tensors = list(averaged_tensors)
-        self.specs = tuple(_spec_of(t) for t in self._tensors)
+        # Every argument is checked before anything is made (the matchmaker claims the prefix
+        # on the node): a bad one raises TypeError/ValueError naming it and leaves nothing.
+        self._tensors = _averaged_tensors(averaged_tensors)
+        self.specs = tuple(_spec_of(i, t) for i, t in enumerate(self._tensors))
         self.layout = FlatLayout(self.specs)
+        _check_dht(dht)
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        target_group_size = _check_count("target_group_size", target_group_size, minimum=1)
+        if min_group_size is None:
+            min_group_size = min(2, target_group_size)
+        else:
+            min_group_size = _check_count("min_group_size", min_group_size, minimum=1)
+            if min_group_size > target_group_size:
+                raise ValueError(
+                    f"min_group_size={min_group_size} is larger than "
+                    f"target_group_size={target_group_size}"
+                )
         if not isinstance(compression, CompressionBase | AdaptiveCompression):
             raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
         if tensor_infos is not None:
@@ -301,54 +419,60 @@ class DecentralizedAverager:
                 isinstance(info, TensorInfo) for info in tensor_infos
             ):
                 raise ValueError("tensor_infos must hold one TensorInfo per averaged tensor")
+        _check_bool("error_feedback", error_feedback)
+        _check_bool("auxiliary", auxiliary)
+        if client_mode is not None:
+            _check_bool("client_mode", client_mode)
+        averaging_expiration = _check_seconds("averaging_expiration", averaging_expiration)
+        request_timeout = _check_seconds("request_timeout", request_timeout)
+        allreduce_timeout = _check_seconds("allreduce_timeout", allreduce_timeout, optional=True)
+        sender_timeout = _check_seconds("sender_timeout", sender_timeout, optional=True)
+        reducer_timeout = _check_seconds("reducer_timeout", reducer_timeout, optional=True)
+        averaging_alpha = _check_number("averaging_alpha", averaging_alpha)
+        if not 0 < averaging_alpha <= 1:
+            raise ValueError(f"averaging_alpha must be in (0, 1], not {averaging_alpha!r}")
+        if part_size_bytes is not None:
+            part_size_bytes = _check_count("part_size_bytes", part_size_bytes, minimum=1024)
+        if clip_norm is not None:
+            clip_norm = _check_number("clip_norm", clip_norm)
+            if not (clip_norm >= 0 and math.isfinite(clip_norm)):
+                raise ValueError(
+                    f"clip_norm must be a finite number >= 0 or None, not {clip_norm!r}"
+                )
+        if bandwidth is not None:
+            bandwidth = _check_number("bandwidth", bandwidth)
+            if not (bandwidth >= 0 and math.isfinite(bandwidth)):
+                raise ValueError(
+                    f"bandwidth must be a finite number >= 0 or None (unknown), not {bandwidth!r}"
+                )
+        min_vector_size = _check_count("min_vector_size", min_vector_size, minimum=0)
+        if matchmaker is not None and not isinstance(matchmaker, Matchmaker):
+            raise TypeError(
+                f"matchmaker must be a swarmavg.abc.Matchmaker, not {type(matchmaker).__name__}"
+            )
+        if allreduce is not None and not isinstance(allreduce, AllReduceRunner):
+            raise TypeError(
+                f"allreduce must be a swarmavg.abc.AllReduceRunner, not {type(allreduce).__name__}"
+            )
         self.compression = compression
         self.tensor_infos = tensor_infos
         self.error_feedback = ErrorFeedback() if error_feedback else None
-        for name, value in (
-            ("averaging_expiration", averaging_expiration),
-            ("request_timeout", request_timeout),
-        ):
-            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-        if allreduce_timeout is not None and not allreduce_timeout > 0:
-            raise ValueError(
-                f"allreduce_timeout must be positive or None, not {allreduce_timeout!r}"
-            )
-        if not 0 < averaging_alpha <= 1:
-            raise ValueError(f"averaging_alpha must be in (0, 1], not {averaging_alpha!r}")
-        if part_size_bytes is not None and not (
-            isinstance(part_size_bytes, int) and part_size_bytes >= 1024
-        ):
-            raise ValueError(
-                f"part_size_bytes must be None (automatic) or an int >= 1024, "
-                f"not {part_size_bytes!r}"
-            )
         self.dht = dht
         self.prefix = prefix
-        self.averaging_expiration = float(averaging_expiration)
-        self.request_timeout = float(request_timeout)
-        self.averaging_alpha = float(averaging_alpha)
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.averaging_expiration = averaging_expiration
+        self.request_timeout = request_timeout
+        self.averaging_alpha = averaging_alpha
         self.part_size_bytes = part_size_bytes
         self.allreduce_timeout = allreduce_timeout
-        for name, bound in (
-            ("sender_timeout", sender_timeout),
-            ("reducer_timeout", reducer_timeout),
-        ):
-            if bound is not None and not (
-                isinstance(bound, int | float) and bound > 0 and math.isfinite(bound)
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds or None")
-        if clip_norm is not None and not (
-            isinstance(clip_norm, int | float) and clip_norm >= 0 and math.isfinite(clip_norm)
-        ):
-            raise ValueError(f"clip_norm must be a finite number >= 0 or None, not {clip_norm!r}")
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.clip_norm = clip_norm
         quarter = None if allreduce_timeout is None else allreduce_timeout / 4
-        self.sender_timeout = quarter if sender_timeout is None else float(sender_timeout)
+        self.sender_timeout = quarter if sender_timeout is None else sender_timeout
         self.reducer_timeout = (
             (None if quarter is None else 2 * quarter)
             if reducer_timeout is None
-            else float(reducer_timeout)
+            else reducer_timeout
         )
         self.min_vector_size = min_vector_size
         client = dht.client_mode if client_mode is None else client_mode
@@ -356,6 +480,15 @@ class DecentralizedAverager:
             MemberMode.AUX if auxiliary else MemberMode.CLIENT if client else MemberMode.NODE
         )
         self._bits = validate_bits(initial_group_bits)
+        self._init_state_sharing(  # (checks its arguments before making anything)
+            allow_state_sharing,
+            state_sharing_priority,
+            declare_state_period,
+            next_chunk_timeout,
+            max_state_size,
+            state_compression,
+            state_max_donors,
+        )
         self.allreduce = allreduce
         self.matchmaker = matchmaker or DHTMatchmaker(
             dht.dht_node,
@@ -380,19 +513,21 @@ class DecentralizedAverager:
         #: the thread of the round that holds the tensors' lock while it averages in place
         self._in_place_thread: int | None = None
         self._closed = False
-        self._init_state_sharing(
-            allow_state_sharing,
-            state_sharing_priority,
-            declare_state_period,
-            next_chunk_timeout,
-            max_state_size,
-            state_compression,
-            state_max_donors,
-        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Start serving the averager's requests (join requests, state downloads).
+
+        :raises RuntimeError: the DHT is not running, or the averager was closed.
+        """
+        if self._closed:
+            raise RuntimeError("this averager was closed")
+        if not self.dht.node.is_running:
+            raise RuntimeError(
+                "the averager's DHT is not running: enter it first "
+                "(`async with swarmavg.aio.DHT(...)`) and leave it after the averager"
+            )
         if self.allreduce is None:
             self.allreduce = AllReduceService.for_node(self.dht.node)
         self._state_sharer.start()
@@ -635,35 +770,22 @@ class DecentralizedAverager:
         if not isinstance(allow, bool):
             raise TypeError(f"allow_state_sharing must be a bool or None, not {allow!r}")
         if allow and self.mode is MemberMode.CLIENT:
-            raise ValueError("a client-mode averager cannot share its state (it cannot be dialed)")
-        for name, value in (
-            ("declare_state_period", period),
-            (
-                "next_chunk_timeout",
-                self.request_timeout if next_chunk_timeout is None else next_chunk_timeout,
-            ),
-        ):
-            if isinstance(value, bool) or not (
-                isinstance(value, int | float) and value > 0 and math.isfinite(value)
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-        if isinstance(max_state_size, bool) or not (
-            isinstance(max_state_size, int) and max_state_size >= 0
-        ):
-            raise ValueError(f"max_state_size must be an int >= 0 (bytes), not {max_state_size!r}")
+            raise ValueError(
+                "allow_state_sharing=True: a client-mode averager cannot share its state "
+                "(it cannot be dialed)"
+            )
+        period = _check_seconds("declare_state_period", period)
+        chunk_timeout = _check_seconds("next_chunk_timeout", next_chunk_timeout, optional=True)
+        max_state_size = _check_count("max_state_size", max_state_size, minimum=0)
         if not isinstance(state_compression, CompressionBase | AdaptiveCompression):
             raise TypeError(
                 f"state_compression must be a codec or a chooser, not {state_compression!r:.64}"
             )
-        if isinstance(state_max_donors, bool) or not (
-            isinstance(state_max_donors, int) and state_max_donors >= 1
-        ):
-            raise ValueError(f"state_max_donors must be an int >= 1, not {state_max_donors!r}")
+        state_max_donors = _check_count("state_max_donors", state_max_donors, minimum=1)
+        _check_priority(priority)
         self.state_compression = state_compression
         self.state_max_donors = state_max_donors
-        self.next_chunk_timeout = float(
-            self.request_timeout if next_chunk_timeout is None else next_chunk_timeout
-        )
+        self.next_chunk_timeout = self.request_timeout if chunk_timeout is None else chunk_timeout
         self.max_state_size = max_state_size
         self._state_sharer = StateSharer(
             self.dht,
@@ -671,7 +793,7 @@ class DecentralizedAverager:
             self.get_current_state,
             enabled=allow,
             priority=priority,
-            declare_period=float(period),
+            declare_period=period,
             compression=state_compression,
         )
 

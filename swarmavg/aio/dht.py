@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeAlias, TypeVar
 
 import anyio
 
+from swarmavg._groups import sole_error
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
 from swarmavg.aio.rpc import PendingCall, Prepared
@@ -61,7 +62,7 @@ from swarmavg.proto.lookup import Lookup
 from swarmavg.proto.routing import RoutingTable, node_id
 
 if TYPE_CHECKING:
-    from swarmavg.aio.node import Node
+    from swarmavg.aio.node import BackgroundTask, Node
     from swarmavg.aio.rpc import CallContext
     from swarmavg.identity import PeerID
 
@@ -389,15 +390,39 @@ class DHTNode:
         announce: Callable[[], Sequence[Address]] | None = None,
         clock: Callable[[], float] = get_dht_time,
     ) -> None:
-        for name, count in (("k", k), ("alpha", alpha), ("num_replicas", num_replicas)):
+        for name, count in (
+            ("k", k),
+            ("alpha", alpha),
+            ("num_replicas", num_replicas),
+            ("depth_modulo", depth_modulo),
+            ("cache_size", cache_size),
+            ("max_records_per_peer", max_records_per_peer),
+        ):
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise ValueError(f"{name} must be a positive int, not {count!r}")
         for name, seconds in (
             ("request_timeout", request_timeout),
             ("refresh_period", refresh_period),
+            ("max_stores_per_second", max_stores_per_second),
         ):
-            if seconds is not None and not (isinstance(seconds, int | float) and seconds > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, not {seconds!r}")
+            if seconds is not None and (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, int | float)
+                or not (seconds > 0 and math.isfinite(seconds))
+            ):
+                raise ValueError(f"{name} must be a positive, finite number, not {seconds!r}")
+        if (
+            isinstance(blacklist_delay, bool)
+            or not isinstance(blacklist_delay, int | float)
+            or not (blacklist_delay >= 0 and math.isfinite(blacklist_delay))
+        ):
+            raise ValueError(
+                f"blacklist_delay must be a finite number >= 0, not {blacklist_delay!r}"
+            )
+        if not isinstance(client_mode, bool):
+            raise TypeError(f"client_mode must be a bool, not {client_mode!r}")
+        if not isinstance(cache_locally, bool):
+            raise TypeError(f"cache_locally must be a bool, not {cache_locally!r}")
         if isinstance(initial_peers, str | Address):
             raise TypeError("initial_peers must be a list of addresses, not a single address")
         self.node = node
@@ -425,7 +450,7 @@ class DHTNode:
         self.cache: LocalStorage | None = LocalStorage(cache_size) if cache_locally else None
         self.clock = clock
         self._hints: dict[PeerID, list[Address]] = {}  # addresses answers named (unproven)
-        self._tasks: list[anyio.CancelScope] = []  # our upkeep tasks (run by the node)
+        self._tasks: list[BackgroundTask] = []  # our upkeep tasks (run by the node)
         self._started = False
         self._wake_pinger: anyio.Event | None = None
         self._closed = False
@@ -490,9 +515,15 @@ class DHTNode:
             except (SwarmError, OSError, TimeoutError, ValueError) as exc:
                 failures.append(f"{address}: {type(exc).__name__}: {exc}")
 
-        async with anyio.create_task_group() as tg:
-            for address in self.initial_peers:
-                tg.start_soon(ping, address)
+        error: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                for address in self.initial_peers:
+                    tg.start_soon(ping, address)
+        except BaseExceptionGroup as group:
+            error = sole_error(group)  # (a bug: the failures of peers are caught above)
+        if error is not None:
+            raise error
         if len(failures) == len(self.initial_peers):
             raise ConnectError("no initial peer answered: " + "; ".join(failures))
         for failure in failures:
@@ -856,7 +887,7 @@ class _Queries(Generic[R]):
         self._pending: dict[PeerID, tuple[PendingCall[R], Address]] = {}
         #: settled queries not yet handled: (peer, address, the call or why it failed)
         self._ready: deque[tuple[PeerID, Address | None, PendingCall[R] | Exception]] = deque()
-        self._tasks: set[anyio.CancelScope] = set()  # queries running in tasks of their own
+        self._tasks: set[BackgroundTask] = set()  # queries running in tasks of their own
         self._closed = False
         self._wake: asyncio.Future[None] | anyio.Event | None = None
         try:  # on asyncio, the wait is a bare future with a timer (the cheapest there is)
@@ -913,6 +944,10 @@ class _Queries(Generic[R]):
         """Send the requests to ``peers``: from this task to the peers we are connected to,
         under one deadline; to the others from tasks of their own."""
         dht = self._dht
+        if not dht.node.is_running:  # (it closed under the lookup: that ends with what it has)
+            for peer in peers:
+                self._settled(peer, None, ConnectError("the node is closed"))
+            return
         now: list[tuple[PeerID, Address]] = []
         for peer in peers:
             address = dht._address_of(peer)
@@ -929,7 +964,7 @@ class _Queries(Generic[R]):
                     for peer, address in now[done:]:
                         try:
                             call = await self._call(address)
-                        except (SwarmError, OSError) as exc:
+                        except (SwarmError, OSError, anyio.ClosedResourceError) as exc:
                             self._settled(peer, address, exc)
                         else:
                             if not self._watch(peer, address, call):
@@ -941,6 +976,8 @@ class _Queries(Generic[R]):
                 done += 1
 
     async def _call(self, address: Address) -> PendingCall[R]:
+        if not self._dht.node.is_running:  # (it closed under the lookup; its tasks stop soon)
+            raise ConnectError("the node is closed")
         query = self._query
         return await self._dht.node.rpc.start_call(
             address,
@@ -952,7 +989,7 @@ class _Queries(Generic[R]):
         )
 
     def _in_task(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        scope: anyio.CancelScope | None = None
+        scope: BackgroundTask | None = None
 
         async def run() -> None:
             try:
@@ -968,7 +1005,7 @@ class _Queries(Generic[R]):
         try:
             with anyio.fail_after(self._timeout):
                 call = await self._call(address)
-        except (SwarmError, OSError, TimeoutError) as exc:
+        except (SwarmError, OSError, TimeoutError, anyio.ClosedResourceError) as exc:
             self._settled(peer, address, exc)
             return
         if self._closed:

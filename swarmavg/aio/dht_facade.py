@@ -7,10 +7,11 @@ coroutines. The synchronous ``swarmavg.DHT`` runs one of these on swarmavg's eve
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Self, TypeVar
+from typing import Any, Final, Self, TypeVar
 
 import anyio
 
@@ -42,6 +43,16 @@ def _listen_addresses(
     if transport == "memory":
         return [Address("memory", "local", port)]
     return [Address(transport, host, port)]
+
+
+#: The keyword arguments of DHTNode that the facade passes on (the others it sets itself).
+_DHT_OPTIONS: Final = frozenset(inspect.signature(DHTNode).parameters) - {
+    "node",
+    "initial_peers",
+    "client_mode",
+    "validators",
+    "announce",
+}
 
 
 class DHT:
@@ -103,6 +114,12 @@ class DHT:
             raise ValueError(f"port must be an int in 0..65535, not {port!r}")
         if identity is not None and identity_path is not None:
             raise ValueError("pass identity or identity_path, not both")
+        unknown = sorted(set(dht_options) - _DHT_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"DHT() got an unexpected keyword argument {unknown[0]!r} (the DHT options are "
+                f"{', '.join(sorted(_DHT_OPTIONS))})"
+            )
         self._owns_node = node is None
         if node is None:
             listen = _listen_addresses(transport, host, port, host_maddrs, client_mode)
@@ -133,11 +150,15 @@ class DHT:
         if self._entered:
             raise RuntimeError("a DHT can be started once")
         self._entered = True
-        async with AsyncExitStack() as stack:
-            if self._owns_node:
-                await stack.enter_async_context(self.node)
-            await stack.enter_async_context(self.dht_node)
-            self._stack = stack.pop_all()
+        try:
+            async with AsyncExitStack() as stack:
+                if self._owns_node:
+                    await stack.enter_async_context(self.node)
+                await stack.enter_async_context(self.dht_node)
+                self._stack = stack.pop_all()
+        except BaseException:
+            self._closed.set()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:

@@ -26,19 +26,44 @@ from typing import Any, Self
 import anyio
 import anyio.abc
 
+from swarmavg._groups import sole_error
 from swarmavg.abc import Connection, Stream, Transport
 from swarmavg.address import Address
-from swarmavg.aio.rpc import RPC
+from swarmavg.aio.rpc import _REQUEST_FAILURES, RPC
 from swarmavg.errors import ConnectError, SwarmError
 from swarmavg.identity import Identity, PeerID
 from swarmavg.transport import resolve_transport
 
-__all__ = ["Node", "StreamHandler"]
+__all__ = ["BackgroundTask", "Node", "StreamHandler"]
 
 logger = logging.getLogger(__name__)
 
 #: Called with every stream a peer opens to us; runs in its own task and owns the stream.
 StreamHandler = Callable[[Stream], Coroutine[Any, Any, None]]
+
+
+class BackgroundTask:
+    """A task started with :meth:`Node.spawn`: :meth:`cancel` stops it (idempotent)."""
+
+    __slots__ = ("_cancelled", "_scope")
+
+    def __init__(self) -> None:
+        self._cancelled = False
+        self._scope: anyio.CancelScope | None = None  # (made by the task itself)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    @property
+    def cancel_called(self) -> bool:
+        """Whether :meth:`cancel` was called (as ``anyio.CancelScope.cancel_called``)."""
+        return self._cancelled
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class Node:
@@ -112,23 +137,48 @@ class Node:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Start the transports of the ``listen`` addresses and listen on them.
+
+        :raises AddressInUse: a listen address's port is taken.
+        :raises TransportNotFound: no transport is installed for a listen address's scheme.
+        :raises TransportError: another reason a listen address cannot be listened on.
+        """
         if self._stack is not None or self._closed:
             raise RuntimeError("a Node can be started once")
-        async with AsyncExitStack() as stack:
-            self._tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.push_async_callback(self._close_transports)
-            for address in self._listen:
-                transport = await self._transport_for(address.scheme)
-                listener = await transport.listen(address)
-                self._addresses.append(listener.address)
-                self._tg.start_soon(
-                    self._guarded, self._accept_loop, listener, name=f"listen {listener.address}"
-                )
-                logger.info("node %s listening on %s", self.peer_id.short(), listener.address)
-            self._stack = stack.pop_all()
-        return self
+        try:
+            async with AsyncExitStack() as stack:
+                self._tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.push_async_callback(self._close_transports)
+                for address in self._listen:
+                    transport = await self._transport_for(address.scheme)
+                    listener = await transport.listen(address)
+                    self._addresses.append(listener.address)
+                    self._tg.start_soon(
+                        self._guarded,
+                        self._accept_loop,
+                        listener,
+                        name=f"listen {listener.address}",
+                    )
+                    logger.info("node %s listening on %s", self.peer_id.short(), listener.address)
+                self._stack = stack.pop_all()
+        except BaseExceptionGroup as group:
+            # (the task group wraps what failed: give the caller the exception itself)
+            error = sole_error(group)
+        else:
+            return self
+        self._closed = True
+        raise error
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
+        try:
+            return await self._exit(*exc_info)
+        except BaseExceptionGroup as group:
+            # The task group wraps what the ``async with`` body raised: give the caller their
+            # own exception back (a ConnectError, not a group), or the one that failed.
+            error = sole_error(group, exc_info[1])
+        raise error
+
+    async def _exit(self, *exc_info: Any) -> bool | None:
         try:
             await self.aclose()
         except BaseException as exc:
@@ -141,15 +191,7 @@ class Node:
         stack, self._stack = self._stack, None
         if stack is None:
             return None
-        try:
-            return await stack.__aexit__(*exc_info)
-        except BaseExceptionGroup as group:
-            # The task group wraps what the ``async with`` body raised; when nothing else
-            # failed, give the caller their own exception back (a ConnectError, not a group).
-            error = exc_info[1]
-            if error is not None and list(group.exceptions) == [error]:
-                raise error from None
-            raise
+        return await stack.__aexit__(*exc_info)
 
     async def aclose(self) -> None:
         """Stop serving and close every transport, listener and connection. Idempotent."""
@@ -176,6 +218,11 @@ class Node:
     @property
     def peer_id(self) -> PeerID:
         return self.identity.peer_id
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the node has started (``async with``) and not closed."""
+        return self._tg is not None and not self._closed
 
     @property
     def addresses(self) -> list[Address]:
@@ -212,46 +259,76 @@ class Node:
 
     def spawn(
         self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
-    ) -> anyio.CancelScope:
+    ) -> BackgroundTask:
         """Run ``fn(*args)`` as a background task of the node, until it returns, the returned
-        scope is cancelled, or the node closes. An exception it raises is logged, not raised:
-        it ends only that task. For the layers built on the node (the DHT's upkeep)."""
+        handle is cancelled, or the node closes (a task that begins after that is cancelled at
+        its first checkpoint). For the layers built on the node (the DHT's upkeep).
+
+        An exception it raises is logged, not raised: it ends only that task. A
+        :class:`~swarmavg.SwarmError` (or a timeout) is an event of the network, logged as a
+        WARNING line (the task stopped); any other exception is a bug, logged at ERROR with
+        its traceback. This may be called from an event-loop callback (a transport's reader).
+
+        :raises RuntimeError: the node is not running.
+        """
         if self._tg is None or self._closed:
             raise RuntimeError("the node is not running: use `async with Node(...) as node`")
-        scope = anyio.CancelScope()
+        task = BackgroundTask()
 
         async def run() -> None:
-            with scope:
+            with anyio.CancelScope() as scope:
+                if self._closed or task._cancelled:
+                    scope.cancel()  # (before it began: it ends at its first checkpoint)
+                task._scope = scope
+                self._scopes.add(scope)
                 try:
                     await fn(*args)
+                except (SwarmError, TimeoutError) as exc:
+                    logger.warning("background task %s stopped: %s", name or _name_of(fn), exc)
                 except Exception:
-                    logger.exception("background task %s failed", name or fn)
+                    logger.exception("background task %s failed", name or _name_of(fn))
+                finally:
+                    self._scopes.discard(scope)
 
-        self._tg.start_soon(self._guarded, run, name=name)
-        return scope
+        # (start_soon, and nothing that needs to know the async library: a loop callback has
+        # no task, and anyio < 4.16 cannot tell the library there)
+        self._tg.start_soon(run, name=name)
+        return task
 
     # -- dialing ---------------------------------------------------------------------------------
 
     async def _transport_for(self, scheme: str) -> Transport:
-        """The running transport for ``scheme``, created and started on first use."""
-        transport = self._transports.get(scheme)
-        if transport is None:
-            if self._closed or self._tg is None:
-                raise anyio.ClosedResourceError("node is closed")
-            cls = resolve_transport(scheme)
-            transport = cls(self.identity, **self._transport_options.get(cls.name, {}))
-            for s in cls.schemes:
-                self._transports.setdefault(s, transport)
-        started = self._running.get(id(transport))
-        if started is None:
-            started = self._running[id(transport)] = anyio.Event()
-            assert self._tg is not None
-            await self._tg.start(
-                self._guarded_start, self._run_transport, transport, name=f"{transport.name}"
-            )
-            started.set()
-        await started.wait()  # another task may be starting it right now
-        return transport
+        """The running transport for ``scheme``, created and started on first use.
+
+        :raises TransportNotFound: no transport is installed for ``scheme``.
+        """
+        while True:
+            transport = self._transports.get(scheme)
+            if transport is None:
+                if self._closed or self._tg is None:
+                    raise anyio.ClosedResourceError("node is closed")
+                cls = resolve_transport(scheme)
+                transport = cls(self.identity, **self._transport_options.get(cls.name, {}))
+                for s in cls.schemes:
+                    self._transports.setdefault(s, transport)
+            key = id(transport)
+            started = self._running.get(key)
+            if started is None:
+                started = self._running[key] = anyio.Event()
+                assert self._tg is not None
+                try:
+                    await self._tg.start(
+                        self._guarded_start, self._run_transport, transport, name=transport.name
+                    )
+                except BaseException:
+                    del self._running[key]  # (a task waiting for it tries again, and raises)
+                    raise
+                finally:
+                    started.set()
+                return transport
+            await started.wait()  # another task is starting it right now
+            if self._running.get(key) is started:
+                return transport
 
     async def _run_transport(
         self, transport: Transport, *, task_status: anyio.abc.TaskStatus[None]
@@ -422,8 +499,11 @@ class Node:
                 await self.rpc.serve_stream(stream, peer_id)
             else:
                 await handler(stream)
-        except Exception:
-            logger.exception("stream handler failed; resetting the stream")
+        except Exception as exc:
+            if isinstance(exc, _REQUEST_FAILURES):  # (the peer's doing: see RPC)
+                logger.debug("the stream handler failed for %s: %r; resetting", peer_id, exc)
+            else:
+                logger.exception("the stream handler failed; resetting the stream")
             with anyio.CancelScope(shield=True):
                 await stream.abort()
         else:

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from swarmavg._time import loop_time
 from swarmavg.abc import Stream
 from swarmavg.address import Address
 from swarmavg.errors import (
@@ -982,8 +983,10 @@ class RPC:
             request = self._check_request(method, msg)
         except (RemoteProtocolError, _BadRequest):
             return False
-        # From here on the call is ours: every outcome is answered.
-        ctx = CallContext(peer_id, method.name, anyio.current_time() + (timeout or math.inf))
+        # From here on the call is ours: every outcome is answered. (This runs in the
+        # transport's reader, an event-loop callback: no anyio call may be made here, see
+        # loop_time.)
+        ctx = CallContext(peer_id, method.name, loop_time() + (timeout or math.inf))
         try:
             response = _inline_answer(method, request, ctx)
             if not isinstance(response, Message):
@@ -994,7 +997,7 @@ class RPC:
         except MessageTooLarge as exc:
             parts = _failure_parts(stream, "response_too_large", "MessageTooLarge", str(exc))
         except Exception as exc:
-            logger.warning("handler of %r failed for %s: %r", method.name, peer_id, exc)
+            _log_handler_failure(method.name, peer_id, exc)
             parts = _failure_parts(stream, "handler_error", type(exc).__name__, str(exc))
         if not stream.send_last_nowait(*parts):
             with contextlib.suppress(RuntimeError):  # (the node is closing: so is the connection)
@@ -1109,7 +1112,7 @@ class RPC:
         except _ResponseTooLarge as exc:
             fail("response_too_large", "MessageTooLarge", str(exc))
         except Exception as exc:
-            logger.warning("handler of %r failed for %s: %r", ctx.method, ctx.peer_id, exc)
+            _log_handler_failure(ctx.method, ctx.peer_id, exc)
             fail("handler_error", type(exc).__name__, str(exc))
         return False
 
@@ -1228,6 +1231,20 @@ class RPC:
                 except (SwarmError, *_GONE):
                     pass
                 return
+
+
+#: What a handler raises when the request cannot be served (a bad or stale request, a peer
+#: that went away, a deadline): the caller is told (``"handler_error"``), and it is logged at
+#: DEBUG only, since a remote peer can make it happen at will. Any other exception type is a
+#: bug of the handler, logged at ERROR with its traceback (see docs/design.md, "Logging").
+_REQUEST_FAILURES: Final = (ValueError, SwarmError, TimeoutError, *_GONE, anyio.EndOfStream)
+
+
+def _log_handler_failure(method: str, peer: PeerID, exc: Exception) -> None:
+    if isinstance(exc, _REQUEST_FAILURES):
+        logger.debug("handler of %r failed for %s: %r", method, peer, exc)
+    else:
+        logger.error("handler of %r failed for %s: %r", method, peer, exc, exc_info=exc)
 
 
 def _inline_answer(method: _Method, request: object, ctx: CallContext) -> object:

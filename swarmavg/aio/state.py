@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
     from swarmavg.aio.dht import GetResult
     from swarmavg.aio.dht_facade import DHT
-    from swarmavg.aio.node import Node
+    from swarmavg.aio.node import BackgroundTask, Node
     from swarmavg.aio.rpc import CallContext
 
 __all__ = [
@@ -321,7 +321,7 @@ class StateSharer:
         self._priority = _check_priority(priority)
         self._started = False
         self._closed = False
-        self._scopes: list[anyio.CancelScope] = []  # the declaring and expiring tasks'
+        self._scopes: list[BackgroundTask] = []  # the declaring and expiring tasks'
         self._changed: anyio.Event | None = None  # wakes the declaring task
         self._declared_until: float | None = None  # expiration of our last declaration
         self._uploads: anyio.Semaphore | None = None
@@ -770,8 +770,10 @@ class _Probe:
 
 
 def _warn(donor: Donor, exc: BaseException) -> None:
+    """A donor failed (its doing: DEBUG; the download goes on with the others, and
+    :func:`load_state` warns once if none delivers)."""
     peer, _, priority = donor
-    logger.warning(
+    logger.debug(
         "could not load the state from %s (priority %s): %s: %s",
         peer.short(),
         priority,
@@ -874,6 +876,7 @@ async def load_state(
     if not untried:
         logger.info("no peer shares the state of %s", prefix)
         return None
+    donors = len(untried)
     download: _Download | None = None
     while untried:
         batch, untried = untried[:max_donors], untried[max_donors:]
@@ -898,9 +901,14 @@ async def load_state(
             try:
                 return await download.finish()
             except StateDownloadFailed as exc:  # (its donors are tried: on with the others)
-                logger.warning("the state of %s was refused: %s", prefix, exc)
+                logger.debug("the state of %s was refused: %s", prefix, exc)
                 download = None
         untried = others + untried
+    logger.warning(
+        "could not load the state of %s: none of the %d peers that share it delivered it",
+        prefix,
+        donors,
+    )
     return None
 
 

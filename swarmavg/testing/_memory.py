@@ -40,12 +40,12 @@ from swarmavg.abc import (
 from swarmavg.abc._transport import StreamAttribute
 from swarmavg.address import Address
 from swarmavg.errors import (
+    AddressInUse,
     ConnectError,
     ConnectionLost,
     MessageTooLarge,
     PeerIdentityMismatch,
     StreamReset,
-    TransportError,
 )
 from swarmavg.identity import Identity, PeerID
 
@@ -83,7 +83,7 @@ class MemoryNetwork:
                 port = next(self._ports)
         key = (address.host, port)
         if key in self._listeners:
-            raise TransportError(f"memory address {address.host}:{port} is already in use")
+            raise AddressInUse(f"memory address {address.host}:{port} is already in use")
         self._listeners[key] = listener
         return address.with_port(port)
 

@@ -111,6 +111,69 @@ async def test_bad_arguments_are_named() -> None:
             )
 
 
+async def test_argument_errors_name_what_the_user_passed() -> None:
+    network = MemoryNetwork()
+    async with DHT(transport="memory", transport_options={"network": network}) as dht:
+
+        def make(tensors: Any = None, **options: Any) -> DecentralizedAverager:
+            options = {"prefix": "x", "target_group_size": 2, **options}
+            return DecentralizedAverager(
+                [torch.zeros(3)] if tensors is None else tensors, dht, **options
+            )
+
+        checks: list[tuple[type[Exception], str, Any, dict[str, Any]]] = [
+            # (the error, what its message says, the tensors, the options)
+            (TypeError, r"averaged_tensors\[1\] is a numpy.ndarray, not a torch.Tensor",
+             [torch.zeros(3), torch.zeros(3).numpy()], {}),
+            (TypeError, r"averaged_tensors\[0\] is a builtins.list", [[1.0, 2.0]], {}),
+            (TypeError, r"averaged_tensors\[0\] is torch.int64", [torch.zeros(3).long()], {}),
+            (TypeError, "not a single tensor: pass \\[tensor\\]", torch.zeros(3), {}),
+            (TypeError, "not a mapping", {"w": torch.zeros(3)}, {}),
+            (TypeError, "averaged_tensors must be an iterable of tensors, not int", 3, {}),
+            (ValueError, "averaged_tensors is empty", iter([]), {}),
+            (ValueError, "min_group_size=3 is larger than target_group_size=2", None,
+             {"min_group_size": 3}),
+            (ValueError, "target_group_size must be an int >= 1, not 0", None,
+             {"target_group_size": 0}),
+            (TypeError, "target_group_size must be an int, not 2.0", None,
+             {"target_group_size": 2.0}),
+            (TypeError, "min_group_size must be an int, not True", None,
+             {"min_group_size": True}),
+            (TypeError, "request_timeout must be a number of seconds, not True", None,
+             {"request_timeout": True}),
+            (ValueError, "averaging_expiration must be a positive, finite", None,
+             {"averaging_expiration": float("inf")}),
+            (TypeError, "allreduce_timeout must be a number of seconds or None", None,
+             {"allreduce_timeout": "60"}),
+            (TypeError, "averaging_alpha must be a number, not '1'", None,
+             {"averaging_alpha": "1"}),
+            (TypeError, "part_size_bytes must be an int", None, {"part_size_bytes": 4096.0}),
+            (ValueError, "bandwidth must be a finite number >= 0", None, {"bandwidth": -1}),
+            (TypeError, "min_vector_size must be an int", None, {"min_vector_size": None}),
+            (TypeError, "auxiliary must be a bool", None, {"auxiliary": 1}),
+            (TypeError, "client_mode must be a bool", None, {"client_mode": "no"}),
+            (TypeError, "error_feedback must be a bool", None, {"error_feedback": 0}),
+            (TypeError, "prefix must be a str", None, {"prefix": b"x"}),
+            (TypeError, "matchmaker must be a swarmavg.abc.Matchmaker", None,
+             {"matchmaker": object()}),
+            (TypeError, "declare_state_period must be a number of seconds", None,
+             {"declare_state_period": False}),
+            (ValueError, "state_max_donors must be an int >= 1", None, {"state_max_donors": 0}),
+        ]  # fmt: skip
+        for error, message, tensors, options in checks:
+            with pytest.raises(error, match=message):
+                make(tensors, **options)
+        with pytest.raises(TypeError, match=r"dht must be a swarmavg\.aio\.DHT, not str"):
+            DecentralizedAverager([torch.zeros(3)], "dht", prefix="x", target_group_size=2)  # type: ignore[arg-type]
+        # none of those claimed the prefix; a generator (model.parameters()) is fine, and
+        # min_group_size follows a target of one
+        model = torch.nn.Linear(3, 2)
+        averager = make(model.parameters(), target_group_size=1)
+        assert len(averager._tensors) == 2
+        assert (averager.target_group_size, averager.min_group_size) == (1, 1)
+        assert make(prefix="y").min_group_size == 2
+
+
 class _FixedGroup(Matchmaker):
     """A matchmaker that hands out one group known in advance (the protocol swapped out)."""
 

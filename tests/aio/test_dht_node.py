@@ -708,3 +708,16 @@ async def test_answers_never_name_the_peers_a_lookup_started_with() -> None:
             assert not started_with & {info.peer_id for answer in named for info in answer}
             if len(getter.protocol.routing) == len(dhts) - 1:
                 assert all(answer == [] for answer in named)
+
+
+async def test_lookups_on_a_node_that_closed_end_without_a_result() -> None:
+    """A lookup whose node closes (under it, or before: a background task that begins as the
+    node closes) ends at once with what it has (no peer answers): no error escapes or is
+    logged."""
+    async with _swarm(4, cache_locally=False) as dhts:
+        own = dhts[0]
+        await own.node.aclose()
+        with anyio.fail_after(5):
+            await own.store("after", 2, get_dht_time() + 60)  # (its own storage may take it)
+            assert await own.get("elsewhere", latest=True) is None
+            assert await own.find_peers(node_id(dhts[1].peer_id)) == []

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 
@@ -121,7 +122,8 @@ async def test_streams_are_served_at_once_and_idle_servers_stay_few() -> None:
             assert settled < 20  # the eight servers of the burst did not all stay
 
 
-async def test_handler_error_resets_only_that_stream() -> None:
+@pytest.mark.allow_error_log  # (a RuntimeError of the handler is its bug: logged at ERROR)
+async def test_handler_error_resets_only_that_stream(caplog: pytest.LogCaptureFixture) -> None:
     network = MemoryNetwork()
 
     async def handler(stream: Stream) -> None:
@@ -138,6 +140,30 @@ async def test_handler_error_resets_only_that_stream() -> None:
         good = await client.open_stream(server.addresses[0])
         await good.send(b"hi")
         assert bytes(await good.receive()) == b"fine"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert "stream handler failed" in errors[0].getMessage()
+    assert errors[0].exc_info is not None  # with the traceback
+
+
+async def test_a_handler_failing_because_of_the_request_logs_no_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a peer can cause (a ValueError over its request, a stream it reset) is no bug of
+    ours: the stream is reset as for any failure, and it is logged at DEBUG only."""
+    network = MemoryNetwork()
+
+    async def handler(stream: Stream) -> None:
+        raise ValueError(f"no such thing as {bytes(await stream.receive())!r}")
+
+    caplog.set_level(logging.DEBUG, logger="swarmavg.aio.node")
+    async with _node(network, stream_handler=handler) as server, _node(network) as client:
+        bad = await client.open_stream(server.addresses[0])
+        await bad.send(b"nonsense")
+        with pytest.raises(StreamReset):
+            await bad.receive()
+    failed = [r for r in caplog.records if "no such thing" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.DEBUG]
 
 
 async def test_rpc_layer_aborts_garbage_on_incoming_streams() -> None:

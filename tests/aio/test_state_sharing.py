@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, ClassVar
@@ -264,6 +265,7 @@ class BrokenDonor(DecentralizedAverager):
         raise RuntimeError("no state here")
 
 
+@pytest.mark.allow_error_log  # (the broken donor's get_current_state raises: its bug)
 async def test_a_failing_donor_is_replaced_by_the_next() -> None:
     async with _swarm() as swarm:
         good = await swarm.averager(
@@ -405,7 +407,8 @@ async def test_a_good_fake_donor_works() -> None:
             await download_state(taker.node, address, PREFIX, chunk_timeout=5, max_bytes=63)
 
 
-async def test_bad_donors_are_skipped_for_the_next_one() -> None:
+async def test_bad_donors_are_skipped_for_the_next_one(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="swarmavg.aio.state")
     kinds = ["checksum", "too_large", "offset", "stall", "dies", "extra"]
     async with _swarm() as swarm:
         # every peer joins first: a record stored before the nearest peers joined is not on them
@@ -426,6 +429,30 @@ async def test_bad_donors_are_skipped_for_the_next_one() -> None:
         assert loaded is not None
         assert torch.equal(loaded[1][0], torch.full((5,), 3.0))
         assert anyio.current_time() - started < 10  # the stalled donor cost ~0.5 s
+    # what the bad donors did is theirs (DEBUG); the load succeeded: nothing to warn about
+    state_logs = [r for r in caplog.records if r.name == "swarmavg.aio.state"]
+    assert [r for r in state_logs if r.levelno >= logging.WARNING] == []
+    assert any("could not load the state from" in r.getMessage() for r in state_logs)
+
+
+async def test_when_no_donor_delivers_one_warning_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with _swarm() as swarm:
+        dhts = [await swarm.dht() for _ in range(3)]
+        for priority, fake in enumerate(dhts[:2]):
+            await _fake_donor(fake, _garbage("checksum", [fake]), priority=priority)
+        taker = await swarm.averager([torch.zeros(5)], dht=dhts[-1])
+        await _wait_until(lambda d: len(d) == 2, taker.dht)
+        assert await taker.load_state_from_peers(timeout=30) is None
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "swarmavg.aio.state" and r.levelno >= logging.WARNING
+    ]
+    assert warnings == [
+        f"could not load the state of {PREFIX}: none of the 2 peers that share it delivered it"
+    ]
 
 
 # -- several donors at once, compression, ranges -----------------------------------------------

@@ -80,6 +80,7 @@ async def _tcp_pair() -> AsyncIterator[tuple[Connection, Connection]]:
             await accepted.aclose()
 
 
+@pytest.mark.allow_error_log  # (an inline handler that raises is a bug: logged at ERROR)
 async def test_tcp_offers_whole_openings_to_the_inline_handler() -> None:
     offered: list[tuple[bytes, bool]] = []
 

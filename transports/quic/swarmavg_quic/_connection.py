@@ -274,7 +274,7 @@ class QuicStream(Stream):
                 self._maybe_forget()
             return
         if timer.cancelled_caught and self._writable_now():
-            logger.warning(
+            logger.debug(  # (the peer's doing; the writer gets StreamReset)
                 "%r: the peer took no data for %.0f s; resetting the stream",
                 self,
                 conn._write_timeout,
@@ -416,7 +416,7 @@ class QuicStream(Stream):
             try:
                 decoder.feed(data)
             except RemoteProtocolError as exc:
-                logger.info("%r: %s; resetting it", self, exc)
+                logger.debug("%r: %s; resetting it", self, exc)  # (the peer's doing)
                 self._protocol_error()
                 return
             if decoder.pending_frames != before:
@@ -436,7 +436,7 @@ class QuicStream(Stream):
                 try:
                     self._decoder.feed_eof()
                 except RemoteProtocolError as exc:
-                    logger.info("%r: %s", self, exc)
+                    logger.debug("%r: %s", self, exc)
                     self._recv_reset = True
                 self._drop_partial()
             self._maybe_forget()
@@ -623,9 +623,12 @@ class QuicConnection(Connection):
         self._pump_again = False
         self._scheduled = False
         self._sending: set[int] = set()  # streams with data written that may be unsent
+        # The pump also runs as an event-loop callback (_schedule): what it calls reads this
+        # loop's clock (anyio's on asyncio) and calls no anyio function that needs to know the
+        # async library (anyio < 4.16 cannot tell it outside a task).
         self._loop = asyncio.get_running_loop()
         self._last_ping = 0.0
-        self._idle_since = anyio.current_time()
+        self._idle_since = self._loop.time()
         # a probe of the peer's liveness (see _suspect): its deadline, when to ping again,
         # the PING ids that answer it, and what started it
         self._probe_deadline: float | None = None
@@ -751,7 +754,7 @@ class QuicConnection(Connection):
     def _flush(self) -> None:
         """The application wrote something: transmit it soon, with the acknowledgement aioquic
         was holding back (so a reply acknowledges its request in the same packet)."""
-        self._quic.ack_with_next_packet(anyio.current_time())
+        self._quic.ack_with_next_packet(self._loop.time())
         self._schedule()
 
     def _schedule(self) -> None:
@@ -781,7 +784,7 @@ class QuicConnection(Connection):
         quic = self._quic
         if (
             self._sending
-            or quic.ack_due(anyio.current_time())
+            or quic.ack_due(self._loop.time())
             or not self.handshake_done.is_set()
             or closing_event(quic) is not None
         ):
@@ -843,7 +846,7 @@ class QuicConnection(Connection):
         """Send what aioquic has for the network; re-arm the timer."""
         quic = self._quic
         self._update_data_credit()
-        self._endpoint.send_datagrams(quic.datagrams_to_send(anyio.current_time()))
+        self._endpoint.send_datagrams(quic.datagrams_to_send(self._loop.time()))
         if self._sending:
             streams = quic._streams
             for stream_id in list(self._sending):
@@ -919,7 +922,7 @@ class QuicConnection(Connection):
     def _on_handshake(self) -> None:
         try:
             self._peer_id = authenticated_peer(self._quic, self._expected)
-            self._last_ping = anyio.current_time()
+            self._last_ping = self._loop.time()
         except (PeerIdentityMismatch, RemoteProtocolError) as exc:
             self._handshake_error = exc
             self._quic.close(error_code=BAD_CERTIFICATE, reason_phrase="peer identity")
@@ -939,7 +942,7 @@ class QuicConnection(Connection):
                     del self._streams[stream.id]
                 credit.pop(stream.id, None)
         if not self._streams:
-            self._idle_since = anyio.current_time()
+            self._idle_since = self._loop.time()
 
     # -- the driver ------------------------------------------------------------------------------
 
@@ -1027,7 +1030,7 @@ class QuicConnection(Connection):
             return
         rtt = smoothed_rtt(self._quic) or 0.0
         wait = min(max(PROBE_RTTS * rtt, PROBE_MIN), max(PROBE_MAX, 2 * rtt))
-        now = anyio.current_time()
+        now = self._loop.time()  # (may run from a callback: see __init__)
         self._probe_deadline = now + wait
         self._probe_retry_at = now + wait / 2
         self._probe_reason = reason

@@ -21,6 +21,7 @@ reason to drop a connection by itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import ipaddress
@@ -123,6 +124,7 @@ class Endpoint:
         self._by_cid: dict[bytes, QuicConnection] = {}
         self._connections: set[QuicConnection] = set()
         self._scope: anyio.CancelScope | None = None
+        self._reading = False  # the socket task waits for the socket (or reads it)
         self.closed = False
         self.dropped_sends = 0
 
@@ -173,20 +175,26 @@ class Endpoint:
     # -- the socket task ---------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        with anyio.CancelScope() as scope:
-            self._scope = scope
-            task_status.started()
-            sock = self.sock
-            while not self.closed:
-                try:
-                    await anyio.wait_readable(sock)
-                except (anyio.ClosedResourceError, OSError):
-                    break
-                self._read_batch()
+        self._reading = True
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                task_status.started()
+                sock = self.sock
+                while not self.closed:
+                    try:
+                        await anyio.wait_readable(sock)
+                    except (anyio.ClosedResourceError, OSError):
+                        break
+                    self._read_batch()
+        finally:
+            self._reading = False
+            if self.closed:  # (closed from a loop callback: see close)
+                self.sock.close()
 
     def _read_batch(self) -> None:
         sock = self.sock
-        now = anyio.current_time()
+        now = asyncio.get_running_loop().time()  # (anyio's clock on asyncio)
         touched: dict[int, QuicConnection] = {}
         for _ in range(BATCH):
             try:
@@ -304,5 +312,18 @@ class Endpoint:
         self._transport._endpoints.discard(self)
         if self._scope is not None:
             self._scope.cancel()
+        if self._reading and not _in_task():
+            # An event-loop callback (a connection's scheduled pump saw it end): anyio < 4.16
+            # cannot be called there. The socket task, cancelled above, closes the socket once
+            # its wait for the socket has ended.
+            return
         anyio.notify_closing(self.sock)
         self.sock.close()
+
+
+def _in_task() -> bool:
+    """Whether this runs in a task (not in a raw callback of the event loop)."""
+    try:
+        return asyncio.current_task() is not None
+    except RuntimeError:  # no running loop
+        return False

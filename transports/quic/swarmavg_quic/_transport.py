@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import socket
@@ -15,7 +16,7 @@ from aioquic.quic.configuration import QuicConfiguration
 
 from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
 from swarmavg.address import Address
-from swarmavg.errors import ConnectError, PeerIdentityMismatch, TransportError
+from swarmavg.errors import AddressInUse, ConnectError, PeerIdentityMismatch, TransportError
 from swarmavg_quic import _tls
 from swarmavg_quic._aioquic import FlowControlledQuic, check_private_api
 from swarmavg_quic._connection import CLOSE_REFUSED, QuicConnection
@@ -197,6 +198,11 @@ class QuicTransport(TaskGroupTransport):
         try:
             sock = bind_socket(family, sockaddr)
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUse(
+                    f"cannot bind a UDP socket to {sockaddr[0]} port {sockaddr[1]}: the port is "
+                    "already in use (listen on port 0 to pick a free one)"
+                ) from exc
             raise TransportError(f"cannot bind a UDP socket to {sockaddr[:2]}: {exc}") from exc
         endpoint = Endpoint(self, sock)
         self._endpoints.add(endpoint)
@@ -311,11 +317,11 @@ class QuicTransport(TaskGroupTransport):
         finally:
             self._pending_handshakes -= 1
         if not conn.handshake_done.is_set():
-            logger.info("incoming QUIC handshake from %s timed out", conn._remote_address)
+            logger.debug("incoming QUIC handshake from %s timed out", conn._remote_address)
             conn._close(CLOSE_REFUSED, "handshake timeout")
             return
         if conn._handshake_error is not None:
-            logger.info("incoming QUIC handshake failed: %s", conn._handshake_error)
+            logger.debug("incoming QUIC handshake failed: %s", conn._handshake_error)
             return
         if conn.is_closed:
             return
@@ -326,7 +332,7 @@ class QuicTransport(TaskGroupTransport):
         else:
             refusal = self._incoming_limits.refusal(peer)
         if refusal is not None or listener is None:
-            logger.info("refusing a QUIC connection: %s", refusal)
+            logger.info("refusing an incoming QUIC connection: %s", refusal)
             conn._close(CLOSE_REFUSED, refusal or "refused")
             return
         self._incoming_limits.admit(conn)

@@ -1217,8 +1217,11 @@ class TcpConnection(Connection):
     #
     # A callback of the event loop (``add_reader``), not a task: it runs as soon as the socket is
     # readable, reads what it can without blocking, and dispatches every complete record
-    # synchronously. A plaintext payload of a large record is read straight into the message's
-    # buffer (``_direct``); everything else goes through the reusable read buffer.
+    # synchronously. Nothing it calls (stream callbacks and the inline handler included) may
+    # call an anyio function that needs to know the async library (anyio < 4.16 cannot tell
+    # it outside a task): clocks are the loop's, tasks are started with start_soon. A plaintext
+    # payload of a large record is read straight into the message's buffer (``_direct``);
+    # everything else goes through the reusable read buffer.
 
     def _on_readable(self) -> None:
         self._inline_left = _INLINE_PER_READ
@@ -1262,7 +1265,7 @@ class TcpConnection(Connection):
                     break
             self._last_receive = time.monotonic()
         except RemoteProtocolError as exc:
-            logger.info("dropping %r: protocol error: %s", self, exc)
+            logger.debug("dropping %r: protocol error: %s", self, exc)  # (the peer's doing)
             self._protocol_error(exc)
         except ConnectionLost as exc:
             self._fail(exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import anyio.abc
 from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import (
+    AddressInUse,
     ConnectError,
     ConnectionLost,
     PeerIdentityMismatch,
@@ -274,6 +276,11 @@ class TcpTransport(TaskGroupTransport):
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUse(
+                    f"cannot listen on {address}: port {address.port} is already in use "
+                    "(listen on port 0 to pick a free one)"
+                ) from exc
             raise TransportError(f"cannot listen on {address}: {exc}") from exc
         port = sock.getsockname()[1]
         listener = TcpListener(
@@ -288,7 +295,7 @@ class TcpTransport(TaskGroupTransport):
             async with self._handshake_slots:
                 conn = await self._handshake(sock, is_initiator=False, expected=None)
         except (RemoteProtocolError, ConnectionLost, OSError, TimeoutError) as exc:
-            logger.info("incoming handshake failed: %s", exc)
+            logger.debug("incoming handshake failed: %s", exc)  # (the peer's doing)
             sock.close()
             return
         except Exception:  # a bug must cost one connection, never the transport
@@ -303,7 +310,7 @@ class TcpTransport(TaskGroupTransport):
             "the listener was closed" if listener._closed else self._incoming_limits.refusal(peer)
         )
         if refusal is not None:
-            logger.info("refusing a connection: %s", refusal)
+            logger.info("refusing an incoming connection: %s", refusal)
             self._connections.discard(conn)
             sock.close()
             return
@@ -334,7 +341,9 @@ class TcpListener(QueueListener[TcpConnection]):
                 except OSError as exc:
                     if self.is_closed:
                         break
-                    logger.warning("accept() failed on %s: %s", self, exc)
+                    logger.warning(
+                        "accepting connections on %s failed: %s; retrying", self.address, exc
+                    )
                     await anyio.sleep(0.1)
                     continue
                 sock.setblocking(False)
