@@ -353,7 +353,7 @@ class _Round:
         if all(sender in reducer.received for reducer in self.reducers[first:]):
             return  # it delivered everything: nobody to leave out (its call ended after)
         self.dropped[sender] = (first, reason)
-        logger.warning(
+        logger.debug(
             "all-reduce %s: member %d (%s) left out of parts %d.. of our span: %s",
             self.group.group_id.hex()[:8],
             sender,
@@ -858,7 +858,7 @@ class AllReduceService(AllReduceRunner):
             if got < len(parts):
                 result.local_spans.append((reducer, got, reason))
             result.relayed.append((reducer, first, got, source))
-            logger.info(
+            logger.debug(
                 "all-reduce %s: member %d relayed parts %d..%d of member %d's span",
                 group.group_id.hex()[:8],
                 source,
@@ -950,7 +950,8 @@ class AllReduceService(AllReduceRunner):
                 await self.node.rpc.call(
                     member.address, LEAVE_METHOD, notice, timeout=_LEAVE_TIMEOUT
                 )
-            except (SwarmError, OSError) as exc:
+            except (SwarmError, OSError, RuntimeError, anyio.ClosedResourceError) as exc:
+                # (RuntimeError, ClosedResourceError: our node is closing meanwhile)
                 logger.debug("could not tell %s we left: %s", member.peer_id.short(), exc)
 
         async def tell_all() -> None:
@@ -1138,7 +1139,7 @@ class AllReduceService(AllReduceRunner):
             if isinstance(exc, TimeoutError):
                 reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
         out.result.local_spans.append((reducer, progress[0], reason))
-        logger.warning(
+        logger.debug(
             "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local values: %s",
             group.group_id.hex()[:8],
             reducer,

@@ -1091,7 +1091,7 @@ class DecentralizedAverager:
                 left = control._deadline - anyio.current_time()
                 if not allow_retries or left <= 0:
                     raise
-                logger.warning("%s; looking for another group (%.1f s left)", exc, left)
+                logger.info("%s; looking for another group (%.1f s left)", exc, left)
 
     async def _step_once(
         self,
@@ -1182,7 +1182,8 @@ class DecentralizedAverager:
         members = group.members
         me = group.index_of(self.dht.peer_id)
         self._bits = next_group_bits(self._bits, group.group_id, me, len(members))
-        self._exclude(members[i].peer_id for i in outcome.nonfinite if i != me)
+        excluded = {members[i].peer_id for i in outcome.nonfinite if i != me}
+        self._exclude(excluded)
         finished = anyio.current_time()
         local_spans = [(members[r].peer_id, why) for r, _, why in outcome.local_spans]
         dropped = [
@@ -1190,12 +1191,9 @@ class DecentralizedAverager:
         ]
         if local_spans or dropped:
             logger.warning(
-                "averaged with %d peers, incompletely: %s",
+                "averaged with %d peers, not completely: %s",
                 len(members),
-                "; ".join(
-                    [f"{p.short()}'s span stayed local ({why})" for p, why in local_spans]
-                    + [f"{d.short()} left out by {r.short()} ({why})" for r, d, why in dropped]
-                ),
+                _faults_in_words(local_spans, dropped, excluded),
             )
         return StepResult(
             local_spans=local_spans,
@@ -1210,6 +1208,29 @@ class DecentralizedAverager:
             matchmaking_seconds=matched - started,
             allreduce_seconds=finished - matched,
         )
+
+
+def _faults_in_words(
+    local_spans: list[tuple[PeerID, str]],
+    dropped: list[tuple[PeerID, PeerID, str]],
+    excluded: set[PeerID],
+) -> str:
+    """What the groupmates of an incomplete round did, one clause per peer: ``peer …4L77
+    sent non-finite values: left out (3 of 4 parts of the tensors)``. Peers just excluded for
+    non-finite values were named in their own line already."""
+    clauses = []
+    senders: dict[PeerID, tuple[str, int]] = {}
+    for _, sender, why in dropped:
+        first, count = senders.get(sender, (why, 0))
+        senders[sender] = (first, count + 1)
+    for sender, (why, count) in senders.items():
+        if sender in excluded:
+            continue
+        by = "one groupmate" if count == 1 else f"{count} groupmates"
+        clauses.append(f"peer {sender.short()}'s values were left out by {by} ({why})")
+    for reducer, why in local_spans:
+        clauses.append(f"peer {reducer.short()}'s share kept our own values ({why})")
+    return "; ".join(clauses) or "peers that sent non-finite values were left out"
 
 
 def _check_weight(weight: object) -> float:
@@ -1377,5 +1398,5 @@ def _unpack_gathered(peer: PeerID, raw: bytes) -> Any:
     try:
         return msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        logger.warning("the metadata %s gathered does not decode: %s", peer.short(), exc)
+        logger.debug("the metadata %s gathered does not decode: %s", peer.short(), exc)
         return None

@@ -62,6 +62,8 @@ _MAX_ADDRESSES: Final = 4
 _MAX_ADDRESS_LENGTH: Final = 512
 _MAX_DECLARED: Final = 4096
 _MAX_SCHEMA_TEXT: Final = 200
+#: What a DHT operation raises when the network or our own node (closing) fails it.
+_UNREACHABLE: Final = (SwarmError, OSError, RuntimeError, anyio.ClosedResourceError)
 #: How long a cancelled search may spend withdrawing its declaration (s).
 _WITHDRAW_TIMEOUT: Final = 1.0
 
@@ -338,7 +340,7 @@ class DHTMatchmaker(Matchmaker):
             stored = await self.dht.store(
                 key, value, effect.expiration, subkey=self.peer_id.to_bytes()
             )
-        except (SwarmError, OSError) as exc:
+        except _UNREACHABLE as exc:
             logger.debug("declaring under %s failed: %s", key, exc)
             return
         if not stored:
@@ -347,7 +349,7 @@ class DHTMatchmaker(Matchmaker):
     async def _read(self, running: _Running, seq: int) -> None:
         try:
             declarations = await self._declarations(running.search.key)
-        except (SwarmError, OSError) as exc:
+        except _UNREACHABLE as exc:
             logger.debug("reading %s failed: %s", running.search.key, exc)
             declarations = []
         running.search.on_read(seq, declarations, get_dht_time())

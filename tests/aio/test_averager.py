@@ -477,7 +477,10 @@ async def test_a_groupmate_that_goes_silent_is_done_without_and_reported(
         averaged = values[0] == 0.5
         assert averaged.any()
         assert torch.equal(averaged, values[1] == 0.5)  # the same parts, for both
-        assert "incompletely" in caplog.text
+        # one line in words naming the silent peer, both ways it failed the others
+        (line,) = [r.message for r in caplog.records if "not completely" in r.message][:1]
+        assert f"peer {silent.short()}'s values were left out by 2 groupmates" in line
+        assert f"peer {silent.short()}'s share kept our own values" in line
         controls[2].cancel()
 
 
