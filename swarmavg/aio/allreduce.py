@@ -183,6 +183,9 @@ class _Applied:
     #: once the round is over: whether ``buffers`` still hold its results (``None``: they do,
     #: until ``until`` or the next round on them)
     valid: Callable[[], bool] | None = None
+    #: the memory the round ran on, when ``buffers`` became a copy of it (see
+    #: :meth:`AllReduceService.keep_results`)
+    origin: Sequence[npt.NDArray[Any]] = ()
 
     def __post_init__(self) -> None:
         for reducer in range(len(self.plans)):
@@ -763,13 +766,36 @@ class AllReduceService(AllReduceRunner):
         if waiting is not None:
             waiting.set()
 
+    def keep_results(self, buffers: Sequence[npt.NDArray[Any]], max_bytes: int) -> None:
+        """``buffers``, the caller's memory that a finished round ran on in place, are about
+        to change: a round of three or more members whose results they still hold keeps a copy
+        of them (if at most ``max_bytes``), so that a groupmate that a reducer stopped answering
+        can still fetch what it missed (``avg.relay``) until our next round. Callable from any
+        thread (the caller's training thread enters ``get_tensors``)."""
+        for applied in list(self._recent.values()):
+            valid = applied.valid
+            if (
+                valid is None
+                or len(applied.group.members) < 3
+                or not any(np.may_share_memory(a, b) for a in applied.buffers for b in buffers)
+                or sum(b.nbytes for b in applied.buffers) > max_bytes
+                or not valid()
+            ):
+                continue
+            origin = applied.buffers
+            applied.buffers = [np.array(b, copy=True) for b in origin]
+            applied.origin = origin
+            applied.valid = None
+
     def _forget_results(self, buffers: Sequence[npt.NDArray[Any]]) -> None:
         """``buffers`` are about to be reused (or rounds are old): stop relaying the results
-        that earlier rounds left in them."""
+        that earlier rounds left in them (or in a copy of them: :meth:`keep_results`)."""
         now = anyio.current_time()
         for group_id, applied in list(self._recent.items()):
             if applied.until < now or any(
-                np.may_share_memory(a, b) for a in applied.buffers for b in buffers
+                np.may_share_memory(a, b)
+                for a in (*applied.buffers, *applied.origin)
+                for b in buffers
             ):
                 applied.until = -math.inf
                 del self._recent[group_id]

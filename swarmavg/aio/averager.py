@@ -89,6 +89,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The largest results (bytes) of an in-place round that are copied when the caller takes the
+#: tensors back, so that groupmates can still fetch parts they missed (see get_tensors).
+_RELAY_COPY_MAX = 1 << 30
 #: How long closing waits for the steps it cancelled to withdraw and tell their groupmates.
 _CLOSE_TIMEOUT = 2.0
 #: Tensors larger than this (bytes in all) are checked for NaN/inf in a worker thread.
@@ -512,6 +515,8 @@ class DecentralizedAverager:
         self._tensors_epoch = 0
         #: the thread of the round that holds the tensors' lock while it averages in place
         self._in_place_thread: int | None = None
+        #: the last round that averaged in place (its results may be relayed to groupmates)
+        self._last_in_place: _InPlace | None = None
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -569,6 +574,13 @@ class DecentralizedAverager:
                 )
             self._lock.acquire()
         try:
+            last = self._last_in_place
+            if last is not None and last.results_valid():
+                # the caller may change the tensors: keep what groupmates may still fetch
+                keep = getattr(self.allreduce, "keep_results", None)
+                if keep is not None:
+                    keep([b for b in last.buffers if b is not None], _RELAY_COPY_MAX)
+                self._last_in_place = None
             self._tensors_epoch += 1
             yield self._tensors
         finally:
@@ -614,6 +626,7 @@ class DecentralizedAverager:
             for tensor in in_place.tensors:
                 _written(tensor)
             in_place.versions = [_version(tensor) for tensor in in_place.tensors]
+            self._last_in_place = in_place
         finally:
             self._in_place_thread = None
             self._lock.release()

@@ -37,6 +37,12 @@ def _say(**message: Any) -> None:
 
 def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if os.environ.get("SWARMAVG_DEBUG_LOG"):  # (to trace a failure: DEBUG lines on stderr)
+        import logging
+
+        logging.basicConfig(
+            level=logging.DEBUG, format="%(relativeCreated)7.0f %(name)s %(message)s"
+        )
     import numpy as np
     import torch
 
