@@ -883,6 +883,43 @@ async def test_results_in_the_callers_memory_are_relayed_only_while_it_says_they
         assert have == AvgHave(0)
 
 
+async def test_results_in_the_callers_memory_are_kept_for_relays_when_it_takes_them_back() -> None:
+    """The caller is about to change its tensors (``keep_results``): a round of three whose
+    results they still hold copies them, and relays go on from the copy, the same values as
+    before, however the tensors change; until the next round on that memory."""
+    rng = np.random.default_rng(41)
+    async with _nodes(3) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in range(3)]
+        holds = [True]
+        await _run_all(nodes, group, buffers, [1.0] * 3, results_valid=lambda: holds[0])
+        ask = AvgRelay(group.group_id, 1, 0, True)
+        before = await _relay_ask(nodes[1], nodes[0], ask)
+        service = AllReduceService.for_node(nodes[0])
+        service.keep_results(buffers[0], max_bytes=1 << 30)
+        holds[0] = False  # (the caller changed its tensors)
+        for buffer in buffers[0]:
+            buffer[...] = 7
+        after = await _relay_ask(nodes[1], nodes[0], ask)
+        assert after[0] == before[0] != AvgHave(0)
+        assert len(after) == len(before) > 1
+        for old, new in zip(before[1:], after[1:], strict=True):
+            assert isinstance(new, AvgPart)
+            assert isinstance(old, AvgPart)
+            np.testing.assert_array_equal(new.values, old.values)
+        # the next round on that memory ends it; too large a copy is not made at all
+        await _run_all(nodes, _group(nodes), buffers, [1.0] * 3)
+        [have] = await _relay_ask(nodes[1], nodes[0], ask)
+        assert have == AvgHave(0)
+        group3 = _group(nodes)
+        holds[0] = True
+        await _run_all(nodes, group3, buffers, [1.0] * 3, results_valid=lambda: holds[0])
+        service.keep_results(buffers[0], max_bytes=1)
+        holds[0] = False
+        [have] = await _relay_ask(nodes[1], nodes[0], AvgRelay(group3.group_id, 1, 0, True))
+        assert have == AvgHave(0)
+
+
 async def test_later_rounds_reduce_into_recycled_accumulators() -> None:
     # (a fresh span-sized accumulator is page-faulted in every round; the pool hands the last
     # round's back once nothing refers to it: the means of later rounds stay exact)
