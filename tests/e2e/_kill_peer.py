@@ -4,8 +4,8 @@ lines on stdin, answering JSON lines on stdout (one object a line, nothing else 
 
 Requests (``{"op": ...}``):
 
-- ``start`` (``initial_peers``, ``size``, ``value``, ``prefix``, ``group_size``, ``options``):
-  the DHT and the averager (tensor all ``value``); answers ``{"event": "started", "peer_id",
+- ``start`` (``initial_peers``, ``size``, ``value``, ``prefix``, ``group_size``, ``options``,
+  ``transport``: ``"tcp"`` (plaintext, the default) or ``"quic"``): the DHT and the averager (tensor all ``value``); answers ``{"event": "started", "peer_id",
   "maddrs"}``.
 - ``step`` (``timeout``, ``out``): ``step(wait=False)``; answers ``{"event": "stepping", "t"}``
   once the step's stage is ``RUNNING_ALLREDUCE`` (or it is done), then, when the step is over,
@@ -65,12 +65,13 @@ def main() -> int:
             if op == "exit":
                 return 0
             if op == "start":
+                transport = request.get("transport", "tcp")
                 dht = swarmavg.DHT(
                     initial_peers=request["initial_peers"],
-                    transport="tcp",
+                    transport=transport,
                     host="127.0.0.1",
                     port=0,
-                    transport_options={"encryption": False},
+                    transport_options={"encryption": False} if transport == "tcp" else {},
                 )
                 tensor = torch.full((request["size"],), float(request["value"]))
                 averager = swarmavg.DecentralizedAverager(
