@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -185,6 +186,8 @@ class DHTMatchmaker(Matchmaker):
         self.admission = admission if admission is not None else Admission()
         self._running: _Running | None = None
         self._declared: dict[PeerID, Address] = {}  # addresses read in declarations
+        #: peers whose last connection to us ended, and when (DHT time), oldest first
+        self._lost: OrderedDict[PeerID, float] = OrderedDict()
         registry = _matchmakers.get(dht.node)
         if registry is None:
             registry = _matchmakers[dht.node] = {}
@@ -219,7 +222,19 @@ class DHTMatchmaker(Matchmaker):
         bandwidth = -1.0 if self.bandwidth is None else float(self.bandwidth)
         return MemberInfo(self.peer_id, addresses, bandwidth, self.mode.value, gather)
 
+    def _lately_lost(self) -> list[PeerID]:
+        """Peers lost within the last ``declaration_ttl`` (a declaration they made before
+        they died may still be in the DHT that long)."""
+        since = get_dht_time() - self.declaration_ttl
+        while self._lost and next(iter(self._lost.values())) < since:
+            self._lost.popitem(last=False)
+        return list(self._lost)
+
     def _peer_lost(self, peer: PeerID) -> None:
+        self._lost[peer] = get_dht_time()
+        self._lost.move_to_end(peer)
+        while len(self._lost) > _MAX_DECLARED:
+            self._lost.popitem(last=False)
         running = self._running
         if running is not None:
             running.search.on_peer_lost(peer, get_dht_time())
@@ -249,6 +264,7 @@ class DHTMatchmaker(Matchmaker):
             declaration_ttl=self.declaration_ttl,
             new_group_id=lambda: os.urandom(16),
             admission=self.admission,
+            lost=self._lately_lost(),
         )
         running = self._running = _Running(search)
         try:

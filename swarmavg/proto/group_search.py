@@ -285,6 +285,8 @@ class GroupSearch:
     :param declaration_ttl: how long one declaration lives (s); renewed at half-life.
     :param new_group_id: makes a group id (the driver's randomness).
     :param admission: peers excluded from our groups (shared between searches).
+    :param lost: peers whose connection failed lately (an earlier search heard of it): their
+        declarations do not count, unless they join us.
     """
 
     def __init__(
@@ -302,6 +304,7 @@ class GroupSearch:
         declaration_ttl: float,
         new_group_id: Callable[[], bytes],
         admission: Admission | None = None,
+        lost: Iterable[PeerID] = (),
     ) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
@@ -325,7 +328,7 @@ class GroupSearch:
         self._ask_seq = -1
         self._leader: PeerID | None = None  # whom we ask or follow
         self._rejected: set[PeerID] = set()  # turned us away in this search
-        self._lost: set[PeerID] = set()  # their connection failed
+        self._lost: set[PeerID] = set(lost)  # their connection failed
         self._term = 0
         self._leading: _Leadership | None = None
         self._poll = FIRST_POLL

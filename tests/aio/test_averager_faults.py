@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -305,3 +306,153 @@ def test_a_plain_dictionary_under_a_group_key_is_not_taken_for_declarations() ->
 
     outcomes = run_on_virtual_time(main)
     assert all(isinstance(o, StepResult) for o in outcomes), outcomes
+
+
+# -- the fault matrix ----------------------------------------------------------------------------
+
+
+def _matrix_run(seed: int) -> dict[str, Any]:
+    """One random swarm (3-5 peers, one group, links of 2 ms and 2 MB/s so that a round takes a
+    while); one peer leaves, dies or sends NaN at a random moment of a step: while the others
+    look, while they assemble, before the first part, mid-span or while they relay."""
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 5)
+    victim = rng.randrange(n)
+    fault = rng.choice(["leave", "kill", "nan"])
+    at = rng.uniform(0.0, 0.4)
+    timeout = 10.0
+
+    async def main() -> dict[str, Any]:
+        async with AsyncExitStack() as stack:
+            swarm = _Swarm(stack)
+            swarm.network = MemoryNetwork()
+            for i in range(n):
+                own = AsyncExitStack()
+                await stack.enter_async_context(own)
+                seeds = [a for d in swarm.dhts[:2] for a in d.get_visible_maddrs()]
+                dht = await own.enter_async_context(
+                    DHT(
+                        seeds,
+                        transport="memory",
+                        transport_options={
+                            "network": swarm.network,
+                            "latency": 0.002,
+                            "bandwidth": 2e6,
+                        },
+                    )
+                )
+                averager = await own.enter_async_context(
+                    DecentralizedAverager(
+                        [torch.full((20000,), 10.0**i)],
+                        dht,
+                        prefix="matrix",
+                        target_group_size=n,
+                        part_size_bytes=4096,
+                        sender_timeout=1.0,
+                        reducer_timeout=2.0,
+                        allreduce_timeout=8.0,
+                    )
+                )
+                swarm.dhts.append(dht)
+                swarm.averagers.append(averager)
+                swarm.stacks.append(own)
+            bad = swarm.averagers[victim]
+            if fault == "nan":
+                with bad.get_tensors() as tensors:
+                    tensors[0][::5] = float("nan")
+
+                async def no_check() -> None:
+                    return None
+
+                bad._check_finite = no_check  # type: ignore[method-assign]
+                bad.allreduce._finite = lambda buffers: True  # type: ignore[union-attr,method-assign]
+            survivors = [i for i in range(n) if i != victim]
+            outcomes: dict[int, StepResult | BaseException] = {}
+            took: dict[int, float] = {}
+
+            async def step(i: int) -> None:
+                started = anyio.current_time()
+                try:
+                    outcomes[i] = await swarm.averagers[i].step(timeout=timeout)
+                except Exception as exc:
+                    outcomes[i] = exc
+                took[i] = anyio.current_time() - started
+
+            async def strike() -> None:
+                await anyio.sleep(at)
+                if fault == "leave":  # (as Ctrl+C: its averager closes, cancelling its step)
+                    await bad.aclose()
+                elif fault == "kill":
+                    await swarm.kill(victim)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    if i in survivors or fault == "nan":
+                        tg.start_soon(step, i)
+                    else:
+                        tg.start_soon(_quietly, swarm.averagers[i])
+                tg.start_soon(strike)
+            values = {i: _values(swarm.averagers[i])[0] for i in survivors}
+            # the next round, survivors only: quick, complete, exact
+            started = anyio.current_time()
+            again, _ = await _steps([swarm.averagers[i] for i in survivors], timeout=timeout)
+            return {
+                "outcomes": outcomes,
+                "took": took,
+                "values": values,
+                "again": again,
+                "again_took": anyio.current_time() - started,
+                "after": {i: _values(swarm.averagers[i])[0] for i in survivors},
+                "ids": [a.dht.peer_id for a in swarm.averagers],
+            }
+
+    found = run_on_virtual_time(main)
+    found.update(n=n, victim=victim, fault=fault, at=at, timeout=timeout)
+    return found
+
+
+async def _quietly(averager: DecentralizedAverager) -> None:
+    with contextlib.suppress(Exception):  # (the victim: what it raises as it goes is moot)
+        await (await averager.step(wait=False))
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FAULT_MATRIX_RUNS", "24"))))
+def test_fault_matrix(seed: int) -> None:
+    """Every survivor's step ends within its timeout; survivors of one group agree exactly
+    (the same elements averaged, to the same values, the rest their own), the victim is the
+    only peer their results name, no NaN spreads; the next round forms at once, complete."""
+    run = _matrix_run(seed)
+    n, victim, fault = run["n"], run["victim"], run["fault"]
+    ids = run["ids"]
+    survivors = [i for i in range(n) if i != victim]
+    for i in survivors:
+        assert run["took"][i] <= run["timeout"] + 1, (i, run["took"][i], run)
+        assert not np.isnan(run["values"][i]).any()
+    by_group: dict[bytes, list[int]] = {}
+    for i in survivors:
+        outcome = run["outcomes"][i]
+        if isinstance(outcome, StepResult):
+            by_group.setdefault(outcome.group_id, []).append(i)
+            named = {p for p, _ in outcome.local_spans} | {s for _, s, _ in outcome.dropped}
+            assert named <= {ids[victim]}, (i, outcome.local_spans, outcome.dropped)
+            if outcome.incomplete:
+                assert ids[victim] in named
+        else:
+            assert isinstance(outcome, MatchmakingFailed | AllReduceFailed), (i, outcome)
+    for members in by_group.values():
+        kept = {i: run["values"][i] == np.float32(10.0**i) for i in members}
+        first = members[0]
+        for other in members[1:]:
+            assert np.array_equal(kept[first], kept[other]), (first, other, fault, run["at"])
+            both = ~kept[first] & ~kept[other]
+            assert np.array_equal(run["values"][first][both], run["values"][other][both])
+    # the next round: the survivors alone, at once, complete, in agreement
+    assert run["again_took"] < 2.0, run["again_took"]
+    for outcome in run["again"]:
+        assert isinstance(outcome, StepResult), outcome
+        assert outcome.group_size == n - 1
+        assert not outcome.incomplete
+    after = [run["after"][i] for i in survivors]
+    assert all(np.array_equal(after[0], other) for other in after[1:])
