@@ -313,14 +313,15 @@ def test_a_plain_dictionary_under_a_group_key_is_not_taken_for_declarations() ->
 
 def _matrix_run(seed: int) -> dict[str, Any]:
     """One random swarm (3-5 peers, one group, links of 2 ms and 2 MB/s so that a round takes a
-    while); one peer leaves, dies or sends NaN at a random moment of a step: while the others
-    look, while they assemble, before the first part, mid-span or while they relay."""
+    while); one peer leaves, dies or sends NaN at a random moment of a step (while the others
+    look, while they assemble, before the first part, mid-span or while they relay), or joins
+    the group and then stalls (it never begins its all-reduce)."""
     import random
 
     rng = random.Random(seed)
     n = rng.randint(3, 5)
     victim = rng.randrange(n)
-    fault = rng.choice(["leave", "kill", "nan"])
+    fault = rng.choice(["leave", "kill", "nan", "stall"])
     at = rng.uniform(0.0, 0.4)
     timeout = 10.0
 
@@ -368,9 +369,16 @@ def _matrix_run(seed: int) -> dict[str, Any]:
 
                 bad._check_finite = no_check  # type: ignore[method-assign]
                 bad.allreduce._finite = lambda buffers: True  # type: ignore[union-attr,method-assign]
+            elif fault == "stall":
+
+                async def stall(*args: Any, **kwargs: Any) -> Any:
+                    await anyio.sleep_forever()
+
+                bad.allreduce.run = stall  # type: ignore[method-assign,union-attr]
             survivors = [i for i in range(n) if i != victim]
             outcomes: dict[int, StepResult | BaseException] = {}
             took: dict[int, float] = {}
+            survived = anyio.Event()
 
             async def step(i: int) -> None:
                 started = anyio.current_time()
@@ -379,6 +387,8 @@ def _matrix_run(seed: int) -> dict[str, Any]:
                 except Exception as exc:
                     outcomes[i] = exc
                 took[i] = anyio.current_time() - started
+                if len(took) == len(survivors) + (fault == "nan"):
+                    survived.set()
 
             async def strike() -> None:
                 await anyio.sleep(at)
@@ -394,6 +404,11 @@ def _matrix_run(seed: int) -> dict[str, Any]:
                     else:
                         tg.start_soon(_quietly, swarm.averagers[i])
                 tg.start_soon(strike)
+                if fault == "stall":
+                    await survived.wait()
+                    tg.cancel_scope.cancel()  # (the stalled one stays stalled)
+            if fault == "stall":
+                await bad.aclose()  # (it leaves before the next round)
             values = {i: _values(swarm.averagers[i])[0] for i in survivors}
             # the next round, survivors only: quick, complete, exact
             started = anyio.current_time()
