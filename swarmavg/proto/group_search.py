@@ -32,7 +32,7 @@ Stages and what moves them (everything that changes the stage lives in this clas
 
     stage      event                                   next stage   effects
     ---------  --------------------------------------  -----------  ----------------------------
-    (start)    __init__                                DECIDING     Declare (not for clients), Read
+    (start)    __init__                                DECIDING     Declare, Read
     DECIDING   on_read: a better-ranked leader         ASKING       Ask
     DECIDING   on_read: none, we can lead              LEADING      (poll timer)
     DECIDING   on_read: none, client mode              WAITING      (poll timer)
@@ -388,7 +388,7 @@ class GroupSearch:
         times = [self.begin_at + self.request_timeout, self._next_poll]
         if self.stage is Stage.LEADING:
             times.append(self.begin_at)
-        if not self.client and self._declared_until < self.begin_at:
+        if self._declared_until < self.begin_at:
             times.append(self._declared_until - self.ttl / 2)
         return min(times)
 
@@ -398,11 +398,7 @@ class GroupSearch:
         """Time passed (call it at :meth:`deadline`, or any time)."""
         if self.done:
             return
-        if (
-            not self.client
-            and self._declared_until < self.begin_at
-            and now >= self._declared_until - self.ttl / 2
-        ):
+        if self._declared_until < self.begin_at and now >= self._declared_until - self.ttl / 2:
             self._declare(now)
         if self.stage is Stage.LEADING and now >= self.begin_at:
             self._assemble_or_fail(now)
@@ -500,12 +496,11 @@ class GroupSearch:
         if code == "accepted" and self.stage is Stage.ASKING:
             self.stage = Stage.FOLLOWING
             return
-        if code == "begin" and self.stage is Stage.FOLLOWING:
-            if any(m.peer_id == self.peer for m in members):
-                self._finish(Finished(group_id, tuple(members), leader), now)
-                return
-            code = "a group without us"  # (not ours: look again)
-        self._turned_away(leader, now, pointer)
+        in_it = any(m.peer_id == self.peer for m in members)
+        if code == "begin" and self.stage is Stage.FOLLOWING and in_it:
+            self._finish(Finished(group_id, tuple(members), leader), now)
+            return
+        self._turned_away(leader, now, pointer)  # (a group without us is not ours either)
 
     def on_ask_failed(self, seq: int, now: float) -> None:
         """The leader of :class:`Ask` ``seq`` did not answer in time, or the call broke."""
