@@ -5,8 +5,8 @@ lines on stdin, answering JSON lines on stdout (one object a line, nothing else 
 Requests (``{"op": ...}``):
 
 - ``start`` (``initial_peers``, ``size``, ``value``, ``prefix``, ``group_size``, ``options``,
-  ``transport``: ``"tcp"`` (plaintext, the default) or ``"quic"``): the DHT and the averager (tensor all ``value``); answers ``{"event": "started", "peer_id",
-  "maddrs"}``.
+  ``transport``: ``"tcp"`` (plaintext, the default) or ``"quic"``): the DHT and the averager
+  (tensor all ``value``); answers ``{"event": "started", "peer_id", "maddrs"}``.
 - ``step`` (``timeout``, ``out``): ``step(wait=False)``; answers ``{"event": "stepping", "t"}``
   once the step's stage is ``RUNNING_ALLREDUCE`` (or it is done), then, when the step is over,
   saves the tensor to ``out`` (``.npy``) and answers ``{"event": "result", "t", ...}`` with
