@@ -141,8 +141,10 @@ _MAX_PENDING_ROUNDS: Final = 64
 #: Finished rounds remembered, so that late calls for them fail at once.
 _FINISHED_MEMORY: Final = 256
 #: A member whose last connection to us was lost this recently (seconds), and to which no
-#: connection is open, counts as gone when a round with it starts here.
-_LOST_RECENTLY: Final = 10.0
+#: connection is open, counts as gone when a round with it starts here (it died between the
+#: group's forming and our round's start; short, so that a connection closed for idleness
+#: before a group formed is no false alarm).
+_LOST_RECENTLY: Final = 2.0
 _LOST_MEMORY: Final = 1024
 #: Parts bigger than this (bytes) are compressed and decompressed in a worker thread.
 _THREAD_THRESHOLD: Final = 1 << 20
