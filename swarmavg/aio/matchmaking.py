@@ -450,13 +450,7 @@ class DHTMatchmaker(Matchmaker):
                 first = await anext(replies, None)
             if first is None or first.code != "accepted":
                 logger.debug("%s did not take us: %s", ask.leader.short(), first)
-                search.on_reply(
-                    ask.seq,
-                    "rejected",
-                    get_dht_time(),
-                    pointer=_pointer_in(first),
-                    reason="" if first is None else first.reason,
-                )
+                _refused(search, ask, first, "rejected")
                 running.notify()
                 return
             search.on_reply(ask.seq, "accepted", get_dht_time())
@@ -470,13 +464,7 @@ class DHTMatchmaker(Matchmaker):
                     ask.seq, "begin", get_dht_time(), group_id=reply.group_id, members=members
                 )
             else:
-                search.on_reply(
-                    ask.seq,
-                    "disband",
-                    get_dht_time(),
-                    pointer=_pointer_in(reply),
-                    reason="" if reply is None else reply.reason,
-                )
+                _refused(search, ask, reply, "disband")
             running.notify()
 
     def _pointer(self, leader: PeerID, address: Address | None) -> list[MemberInfo]:
@@ -547,6 +535,18 @@ def _serve_join(registry: dict[str, DHTMatchmaker]) -> Any:
             yield reply
 
     return serve
+
+
+def _refused(search: GroupSearch, ask: Ask, reply: JoinReply | None, code: str) -> None:
+    """Tell the machine that the leader of ``ask`` turned us away (``rejected``) or disbanded
+    (``disband``), with where it pointed and why."""
+    search.on_reply(
+        ask.seq,
+        code,
+        get_dht_time(),
+        pointer=_pointer_in(reply),
+        reason="" if reply is None else reply.reason,
+    )
 
 
 def _pointer_in(reply: JoinReply | None) -> MemberInfo | None:

@@ -88,6 +88,19 @@ async def _steps(
     return outcomes, took
 
 
+def _poison(averager: DecentralizedAverager, *, every: int) -> None:
+    """Make ``averager`` a modified peer that sends NaN: every ``every``-th value of its first
+    tensor is NaN and it skips its own checks (the step's and the all-reduce's)."""
+    with averager.get_tensors() as tensors:
+        tensors[0][::every] = float("nan")
+
+    async def no_check() -> None:
+        return None
+
+    averager._check_finite = no_check  # type: ignore[method-assign]
+    averager.allreduce._finite = lambda buffers: True  # type: ignore[union-attr,method-assign]
+
+
 def _values(averager: DecentralizedAverager) -> list[np.ndarray[Any, Any]]:
     with averager.get_tensors() as tensors:
         return [t.numpy().copy() for t in tensors]
@@ -213,15 +226,7 @@ def test_a_peer_that_sends_nan_anyway_is_left_out_of_its_groupmates_next_groups(
         list[StepResult | BaseException], list[StepResult | BaseException], bool
     ]:
         async with _swarm(4) as swarm:
-            bad = swarm.averagers[3]
-            with bad.get_tensors() as tensors:
-                tensors[0][::3] = float("nan")
-
-            async def no_check() -> None:
-                return None
-
-            bad._check_finite = no_check  # type: ignore[method-assign]
-            bad.allreduce._finite = lambda buffers: True  # type: ignore[union-attr,method-assign]
+            _poison(swarm.averagers[3], every=3)
             first, _ = await _steps(swarm.averagers, timeout=30)
             second, _ = await _steps(swarm.averagers, timeout=5)
             return first, second, _agree(swarm.averagers[:3])
@@ -361,14 +366,7 @@ def _matrix_run(seed: int) -> dict[str, Any]:
                 swarm.stacks.append(own)
             bad = swarm.averagers[victim]
             if fault == "nan":
-                with bad.get_tensors() as tensors:
-                    tensors[0][::5] = float("nan")
-
-                async def no_check() -> None:
-                    return None
-
-                bad._check_finite = no_check  # type: ignore[method-assign]
-                bad.allreduce._finite = lambda buffers: True  # type: ignore[union-attr,method-assign]
+                _poison(bad, every=5)
             elif fault == "stall":
 
                 async def stall(*args: Any, **kwargs: Any) -> Any:
