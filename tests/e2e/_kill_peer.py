@@ -12,6 +12,8 @@ Requests (``{"op": ...}``):
   saves the tensor to ``out`` (``.npy``) and answers ``{"event": "result", "t", ...}`` with
   what the ``StepResult`` says (or ``"error"``). ``t`` is ``time.monotonic()`` (one clock for
   every process on Linux).
+- ``poison`` (``every``): NaN in every ``every``-th element of its tensor (a diverged peer);
+  answers ``{"event": "poisoned"}``.
 - ``exit``: shuts down and exits.
 
 The process exits by itself when stdin closes, and after ``IDLE`` seconds without a request.
@@ -79,14 +81,17 @@ def main() -> int:
                     dht,
                     prefix=request["prefix"],
                     target_group_size=request["group_size"],
-                    min_group_size=request["group_size"],
-                    **request["options"],
+                    **{"min_group_size": request["group_size"], **request["options"]},
                 )
                 _say(
                     event="started",
                     peer_id=str(dht.peer_id),
                     maddrs=[str(a) for a in dht.get_visible_maddrs()],
                 )
+            elif op == "poison":  # (its training diverged: NaN in its tensor)
+                with averager.get_tensors() as tensors:
+                    tensors[0][:: request.get("every", 7)] = float("nan")
+                _say(event="poisoned")
             elif op == "step":
                 handle = averager.step(timeout=request["timeout"], wait=False)
                 deadline = time.monotonic() + request["timeout"] + 30
@@ -100,7 +105,12 @@ def main() -> int:
                 try:
                     result = handle.result(timeout=max(0.0, deadline - time.monotonic()))
                 except Exception as exc:
-                    _say(event="result", t=time.monotonic(), error=f"{type(exc).__name__}: {exc}")
+                    _say(
+                        event="result",
+                        t=time.monotonic(),
+                        error=f"{type(exc).__name__}: {exc}",
+                        error_type=type(exc).__name__,
+                    )
                     continue
                 done = time.monotonic()
                 with averager.get_tensors() as tensors:

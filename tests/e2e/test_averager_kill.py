@@ -203,3 +203,55 @@ def test_survivors_finish_and_agree(
     tmp_path: Path, victim: int, kill_after: float, how: signal.Signals, transport: str
 ) -> None:
     _run(tmp_path, victim, kill_after, how, transport)
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_peer_is_refused_at_once_and_the_others_average_without_it(
+    tmp_path: Path,
+) -> None:
+    """A new user's scenario: four processes, one of which holds NaN (its training diverged).
+    Its step raises NonFiniteTensors at once, naming the tensor, instead of failing after a
+    timeout; the three others average completely, in a group of three that does not wait for
+    it, and agree exactly."""
+    procs: list[_Proc] = []
+    try:
+        procs = [_Proc(i, tmp_path / f"peer{i}.log") for i in range(PEERS)]
+        deadline = time.monotonic() + 90
+        prefix = f"nan_{uuid.uuid4().hex[:8]}"
+        seeds: list[str] = []
+        for i, proc in enumerate(procs):
+            proc.send(
+                op="start",
+                initial_peers=seeds,
+                size=1 << 16,
+                value=10.0**i,
+                prefix=prefix,
+                group_size=PEERS,
+                options={**OPTIONS, "min_group_size": 2},
+            )
+            started = proc.expect("started", deadline)
+            if not seeds:
+                seeds = started["maddrs"]
+        procs[1].send(op="poison")
+        procs[1].expect("poisoned", deadline)
+        began = time.monotonic()
+        for i, proc in enumerate(procs):
+            proc.send(op="step", timeout=STEP_TIMEOUT, out=str(tmp_path / f"peer{i}.npy"))
+        results = {i: proc.expect("result", deadline) for i, proc in enumerate(procs)}
+        assert results[1]["error_type"] == "NonFiniteTensors", results[1]
+        assert "tensor 0 (float32[65536])" in results[1]["error"]
+        assert results[1]["t"] - began < 5
+        healthy = [0, 2, 3]
+        for i in healthy:
+            got = results[i]
+            assert "error" not in got, got
+            assert not got["incomplete"], got
+            assert len(got["group"]) == 3
+            assert got["t"] - began < 5  # (not the 5 s averaging_expiration)
+        tensors = [np.load(tmp_path / f"peer{i}.npy") for i in healthy]
+        mean = np.float32((1 + 100 + 1000) / 3)
+        for tensor in tensors:
+            assert np.array_equal(tensor, np.full_like(tensor, mean))
+    finally:
+        for proc in procs:
+            proc.stop()
