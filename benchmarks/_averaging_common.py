@@ -7,12 +7,16 @@ so that ``_averaging_hivemind.py`` can import it under hivemind's Python too).
   their threads), from ``/proc/<pid>/stat``; a process that exits between two readings drops out
   of the second, so take both readings while the processes of interest run.
 - :func:`stats`: median, min, max and mean of a list of samples.
+- :func:`hivemind_sockets`, :func:`remove_stale_sockets`: hivemind's p2pd control sockets in
+  /tmp, and removing those left behind (no live socket bound to them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+from pathlib import Path
 from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -86,3 +90,21 @@ def stats(samples: list[float]) -> dict[str, Any]:
         "max": xs[-1],
         "mean": statistics.fmean(xs),
     }
+
+
+def hivemind_sockets() -> set[Path]:
+    """hivemind's p2pd control sockets (``/tmp/hivemind-p2p*.sock``)."""
+    return set(Path("/tmp").glob("hivemind-p2p*.sock"))
+
+
+def remove_stale_sockets(before: set[Path]) -> None:
+    """Removes the hivemind sockets made since ``before`` that no live socket is bound to:
+    hivemind leaves its p2p clients' sockets behind even when it shuts down cleanly."""
+    try:
+        bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    except (OSError, IndexError):
+        return  # cannot tell which are in use: leave them
+    for path in hivemind_sockets() - before:
+        if str(path) not in bound:
+            with contextlib.suppress(OSError):
+                path.unlink()

@@ -16,10 +16,6 @@ first, says that torch and swarmavg are imported). The operations, methods of :c
   returns when it was called and returned (monotonic), this process's CPU seconds over the
   call (``time.process_time()``: all its threads; ``cpu_sys``: the kernel's part) and what
   the ``StepResult`` says, or the error.
-- ``step_watch(go_at, timeout)`` (the ``--faults`` rows): as ``step``, but through
-  ``step(wait=False)``: a first message ``(seq, "event", monotonic time)`` when the step's stage
-  becomes ``RUNNING_ALLREDUCE`` (or it ended first), then the answer, which also says whether
-  the result was ``incomplete`` and how many spans were kept local and senders dropped.
 - ``load_state(timeout)`` (the ``--state`` rows): times ``load_state_from_peers(timeout=...)``:
   seconds, bytes of the tensors received (0 for ``None``), or the error.
 - ``error(expected)``: the largest ``|tensor - expected|`` (is the average right?).
@@ -183,51 +179,6 @@ class _Peer:
             "bytes_received": int(result.bytes_received),
         }
 
-    def step_watch(
-        self, conn: Connection, seq: int, go_at: float, timeout: float
-    ) -> dict[str, Any]:
-        import swarmavg
-
-        wait = go_at - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        cpu = time.process_time()
-        kernel = os.times().system
-        start = time.monotonic()
-        handle = self.averager.step(timeout=timeout, wait=False)
-        deadline = start + timeout + 300.0
-        while (
-            handle.stage != swarmavg.AveragingStage.RUNNING_ALLREDUCE
-            and not handle.done()
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.002)
-        conn.send((seq, "event", time.monotonic()))
-        try:
-            result = handle.result(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception as exc:
-            end = time.monotonic()
-            return {
-                "start": start,
-                "end": end,
-                "cpu": time.process_time() - cpu,
-                "cpu_sys": os.times().system - kernel,
-                "error": f"{type(exc).__name__}: {exc}"[:300],
-            }
-        end = time.monotonic()
-        return {
-            "start": start,
-            "end": end,
-            "cpu": time.process_time() - cpu,
-            "cpu_sys": os.times().system - kernel,
-            "allreduce_s": float(result.allreduce_seconds),
-            "group_size": int(result.group_size),
-            "contributors": len(result.contributors),
-            "incomplete": bool(result.incomplete),
-            "local_spans": len(result.local_spans),
-            "dropped": len(result.dropped),
-        }
-
     def load_state(self, timeout: float) -> dict[str, Any]:
         start = time.monotonic()
         try:
@@ -289,7 +240,6 @@ def peer_main(conn: Connection, idle: float) -> None:
         "start": peer.start,
         "averager": peer.averager_,
         "step": peer.step,
-        "step_watch": peer.step_watch,
         "load_state": peer.load_state,
         "error": peer.error,
         "randomize": peer.randomize,
@@ -305,8 +255,6 @@ def peer_main(conn: Connection, idle: float) -> None:
                 conn.send((seq, "ok", None))
                 clean = True
                 break
-            if op == "step_watch":  # it also sends an event before its answer
-                args = (conn, seq, *args)
             try:
                 conn.send((seq, "ok", ops[op](*args)))
             except Exception as exc:

@@ -4,7 +4,7 @@ beside torch.distributed gloo and hivemind 1.1.12 measured in the same run.
     python benchmarks/averaging.py [--quick] [--out results.jsonl] [--peers 4,8] [--size S]
                                    [--rounds R] [--no-gloo] [--no-hivemind] [--no-plain]
                                    [--no-encrypted] [--hivemind-python PATH]
-                                   [--faults] [--state] [--codecs]
+                                   [--main] [--faults [--fault-quick]] [--state] [--codecs]
 
 hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
 ``--hivemind-python`` for another); without one its cells say why they are empty.
@@ -65,16 +65,31 @@ encrypted (N=4 and N=8, S=16 Mi); whole round at N=8 encrypted >= 5x faster than
 group formation >= 4x faster; CPU per round is reported beside gloo's (no target). ratio =
 ours / reference (lower is better, but for the MB/s rows, where higher is).
 
-Issue 7 rows, off unless asked for (add ``--no-gloo --no-hivemind --no-plain --no-encrypted``
-for them alone):
+The main table runs unless ``--faults``, ``--state`` or ``--codecs`` is given (``--main`` runs it
+beside them; ``--no-gloo``, ``--no-plain``, ``--no-encrypted``, ``--no-hivemind`` leave parts of it
+out).
 
-- ``--faults``: on a fresh pool of ``--fault-peers`` (4) processes with ``--fault-size`` (16 Mi)
-  float32 elements each, plain TCP, ``sender_timeout=1``, ``reducer_timeout=2``,
-  ``allreduce_timeout=20``: a warm-up round, a clean round, then a round where the last peer's
-  process is SIGKILLed ``--kill-after`` (0.1) s after every peer's step reached
-  ``RUNNING_ALLREDUCE`` (``step(wait=False)``, stage polled every 2 ms). Rows: the whole round
-  of the survivors; kill -> last survivor done, beside the same moment -> last done in the
-  clean round; all-reduce began -> last done. ``--fault-repeats`` fresh swarms.
+Issue 22 (``--faults``, a table of its own; ``_averaging_faults.py`` has the method): the
+survivors' step times before and after a peer leaves (Ctrl+C: SIGINT, the script shuts its
+averager and DHT down) or dies (SIGKILL) at each stage of a round (``idle`` between rounds,
+``looking`` for a group, right after its ``allreduce`` began, ``allreduce-mid``), over TCP and
+QUIC, at N = 4 and 8 (``--fault-peers``, ``--fault-transports``, ``--fault-kinds``,
+``--fault-stages``), each peer a training loop of ``step(timeout=--fault-step-timeout)`` (15 s)
+and ``--fault-compute`` (0.1 s) of compute on ``--fault-size`` (4 Mi) float32 elements with
+``target_group_size=N``, swarmavg's defaults otherwise; hivemind 1.1.12 in the same scenarios
+and run (``--no-hivemind`` leaves it out; TCP only by default, ``--fault-hivemind-transports``:
+its p2pd listens on QUIC (``/quic-v1``) but in a trial at N=4 most of its rounds there failed
+before any fault, "Unable to run All-Reduce", 15-20 s steps). Per scenario: the median step
+time before, the fault round's (and whether a survivor's step raised, with what), the three
+rounds after, whether the survivors' tensors agree exactly after the next complete round, and
+whether the second round after is within 2x the median before (the issue's target).
+``--fault-quick``: N=4, TCP, stages ``looking`` and ``allreduce``, fewer rounds before (the
+test's setting). Every scenario is bounded (``--fault-scenario-timeout``: reported as hung,
+its processes killed); the peers' logs go under ``--fault-logs``. ``--out``: one
+``fault_row`` line per scenario and a ``raw`` one with every step of every peer.
+
+Issue 7 rows, off unless asked for:
+
 - ``--state``: a taker and k donor processes (k in ``--state-donors``, 1,2,4) on plain TCP, each
   donor sharing one float32 tensor of ``--state-mb`` (256) MiB; the taker times
   ``load_state_from_peers()`` ``--state-repeats`` (3) times (MB/s = 10**6 bytes/s). The donors
@@ -124,7 +139,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _averaging_bulk import measure as bulk_reference_seconds
-from _averaging_common import machine_busy_seconds, stats, tree_cpu_seconds
+from _averaging_common import (
+    hivemind_sockets,
+    machine_busy_seconds,
+    remove_stale_sockets,
+    stats,
+    tree_cpu_seconds,
+)
+from _averaging_faults import KINDS as FAULT_KINDS
+from _averaging_faults import STAGES as FAULT_STAGES
+from _averaging_faults import fault_rows, print_fault_table, run_faults
 from _averaging_gloo import rank_main
 from _averaging_peer import CODEC_CLASSES, peer_main
 
@@ -377,97 +401,7 @@ def _run_on_one_pool(
     return results
 
 
-# -- issue 7: a peer killed mid-all-reduce (--faults), state download (--state) -------------------
-
-
-def _watch_round(
-    peers: list[_PeerHandle], args: argparse.Namespace, victim: int | None
-) -> dict[str, Any]:
-    """One round through ``step_watch``; with ``victim``, that peer's process is SIGKILLed
-    ``--kill-after`` seconds after every peer said its all-reduce began. Figures over the
-    survivors (everyone in a clean round)."""
-    go_at = time.monotonic() + GO_DELAY
-    budget = args.step_timeout + args.request_timeout + args.allreduce_timeout + 30.0
-    seqs = [peer.send("step_watch", go_at, args.step_timeout) for peer in peers]
-    began = []
-    for peer, seq in zip(peers, seqs, strict=True):
-        while True:  # its first message: the all-reduce began (or the step ended)
-            left = go_at + budget - time.monotonic()
-            if left <= 0 or not peer.conn.poll(left):
-                raise TimeoutError(f"{peer.proc.name}: no all-reduce in time")
-            got, status, payload = peer.conn.recv()
-            if got == seq and status == "event":
-                began.append(payload)
-                break
-            if got == seq:
-                raise RuntimeError(f"{peer.proc.name}: step_watch: {payload}")
-    last_began = max(began)
-    moment = last_began + args.kill_after  # the kill, or the same moment of a clean round
-    killed_at = None
-    if victim is not None:
-        time.sleep(max(0.0, moment - time.monotonic()))
-        peers[victim].proc.kill()
-        killed_at = time.monotonic()
-    alive = [i for i in range(len(peers)) if i != victim]
-    answers = {i: peers[i].answer(seqs[i], "step_watch", go_at + budget) for i in alive}
-    errors = [f"peer {i}: {a['error']}" for i, a in answers.items() if "error" in a]
-    ends = [a["end"] for a in answers.values()]
-    out: dict[str, Any] = {
-        "ok": not errors,
-        "errors": errors,
-        "round_s": max(ends) - min(a["start"] for a in answers.values()),
-        "allreduce_wall_s": max(ends) - min(began),
-        "after_moment_s": max(ends) - (killed_at if killed_at is not None else moment),
-        "killed_after_began_s": None if killed_at is None else killed_at - last_began,
-        "incomplete": sum(bool(a.get("incomplete")) for a in answers.values()),
-        "local_spans": [a.get("local_spans") for a in answers.values()],
-        "dropped": [a.get("dropped") for a in answers.values()],
-    }
-    return out
-
-
-def _run_faults(args: argparse.Namespace) -> dict[str, Any]:
-    """``--fault-repeats`` times, on a fresh pool of N processes: a warm-up round, a clean round,
-    then a round where peer N-1 is killed ``--kill-after`` s after all began the all-reduce."""
-    n, size = args.fault_peers, args.fault_size
-    options = {
-        "averaging_expiration": args.averaging_expiration,
-        "request_timeout": args.request_timeout,
-        "allreduce_timeout": args.fault_allreduce_timeout,
-        "sender_timeout": args.sender_timeout,
-        "reducer_timeout": args.reducer_timeout,
-    }
-    clean: list[dict[str, Any]] = []
-    killed: list[dict[str, Any]] = []
-    for repeat in range(args.fault_repeats):
-        pool = _Pool(n)
-        try:
-            peers = pool.peers
-            _, maddrs = peers[0].call("start", [], False)
-            for peer in peers[1:]:
-                peer.call("start", maddrs, False)
-            prefix = f"avgfault_{uuid.uuid4().hex[:8]}"
-            for i, peer in enumerate(peers):
-                peer.call("averager", prefix, n, size, float(i), options)
-            time.sleep(args.settle)
-            _watch_round(peers, args, None)  # warm-up
-            time.sleep(args.gap)
-            clean.append(_watch_round(peers, args, None))
-            time.sleep(args.gap)
-            killed.append(_watch_round(peers, args, n - 1))
-            for name, got in (("clean", clean[-1]), ("killed", killed[-1])):
-                _progress(
-                    f"  faults {repeat} {name}: round {got['round_s']:.3f} s, "
-                    f"{got['after_moment_s']:.3f} s after the (kill) moment, "
-                    f"incomplete {got['incomplete']}, {got['errors'][:2]}"
-                )
-        finally:
-            pool.close()
-    result: dict[str, Any] = {"peers": n, "size": size, "clean": clean, "killed": killed}
-    for key in ("round_s", "allreduce_wall_s", "after_moment_s"):
-        result[f"clean_{key}"] = stats([r[key] for r in clean if r["ok"]])
-        result[f"killed_{key}"] = stats([r[key] for r in killed if r["ok"]])
-    return result
+# -- issue 7: state download (--state) -----------------------------------------------------------
 
 
 def _run_state(args: argparse.Namespace) -> dict[str, Any]:
@@ -516,40 +450,8 @@ def _mb_per_s(total: int, seconds: Any) -> dict[str, Any] | None:
     return {"n": seconds["n"], "median": total / 1e6 / seconds["median"], "min": None}
 
 
-def _issue7_rows(
-    args: argparse.Namespace, faults: dict[str, Any] | None, state: dict[str, Any] | None
-) -> list[dict[str, Any]]:
+def _issue7_rows(args: argparse.Namespace, state: dict[str, Any] | None) -> list[dict[str, Any]]:
     rows = []
-    if faults is not None and "error" not in faults:
-        n, size = faults["peers"], faults["size"]
-        setting = f"N={n} S={size // MiB}M plain"
-        rows.append(
-            _row(
-                f"round, peer killed mid-all-reduce (survivors), {setting}",
-                faults["killed_round_s"],
-                "clean",
-                faults["clean_round_s"],
-                None,
-            )
-        )
-        rows.append(
-            _row(
-                f"kill -> last survivor done (clean: same moment -> done), {setting}",
-                faults["killed_after_moment_s"],
-                "clean",
-                faults["clean_after_moment_s"],
-                None,
-            )
-        )
-        rows.append(
-            _row(
-                f"all-reduce began -> last done, peer killed, {setting}",
-                faults["killed_allreduce_wall_s"],
-                "clean",
-                faults["clean_allreduce_wall_s"],
-                None,
-            )
-        )
     if state is not None and "error" not in state:
         total = state["bytes"]
         raw = _mb_per_s(total, state["raw_s"])
@@ -567,19 +469,8 @@ def _issue7_rows(
     return rows
 
 
-def _issue7_notes(faults: dict[str, Any] | None, state: dict[str, Any] | None) -> list[str]:
+def _issue7_notes(state: dict[str, Any] | None) -> list[str]:
     notes = []
-    if faults is not None:
-        if "error" in faults:
-            notes.append(f"faults: {faults['error']}")
-        else:
-            for r in faults["killed"]:
-                notes.append(
-                    f"faults: killed {r['killed_after_began_s']:.3f} s after the last peer began "
-                    f"its all-reduce; survivors incomplete {r['incomplete']}/"
-                    f"{len(r['local_spans'])}, local spans {r['local_spans']}, dropped "
-                    f"{r['dropped']}, errors {r['errors'][:2]}"
-                )
     if state is not None:
         if "error" in state:
             notes.append(f"state: {state['error']}")
@@ -687,24 +578,6 @@ def _best_gloo(
 # -- hivemind -------------------------------------------------------------------------------------
 
 
-def _hivemind_sockets() -> set[Path]:
-    """hivemind's p2pd control sockets (``/tmp/hivemind-p2p*.sock``)."""
-    return set(Path("/tmp").glob("hivemind-p2p*.sock"))
-
-
-def _remove_stale_sockets(before: set[Path]) -> None:
-    """Removes the hivemind sockets made since ``before`` that no live socket is bound to:
-    hivemind leaves its p2p clients' sockets behind even when it shuts down cleanly."""
-    try:
-        bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
-    except (OSError, IndexError):
-        return  # cannot tell which are in use: leave them
-    for path in _hivemind_sockets() - before:
-        if str(path) not in bound:
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
 def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
     """``_averaging_hivemind.py`` under hivemind's Python: its JSON, or ``{"error": ...}``."""
     python = Path(args.hivemind_python)
@@ -722,7 +595,7 @@ def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
         f"--settle={args.settle}",
         f"--gap={args.gap}",
     ]
-    sockets_before = _hivemind_sockets()
+    sockets_before = hivemind_sockets()
     # a session of its own, so that its averager and DHT processes and their p2pd daemons can be
     # killed as a group if it does not shut them down itself
     proc = subprocess.Popen(
@@ -749,7 +622,7 @@ def _run_hivemind(args: argparse.Namespace) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        _remove_stale_sockets(sockets_before)
+        remove_stale_sockets(sockets_before)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": f"exit status {proc.returncode}; stderr: {err[-800:]}"}
@@ -1142,6 +1015,13 @@ def _parse_codecs(text: str) -> list[str]:
     return codecs
 
 
+def _parse_choices(text: str, choices: tuple[str, ...]) -> list[str]:
+    got = [x.strip() for x in text.split(",") if x.strip()]
+    if not got or not set(got) <= set(choices):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(choices)}")
+    return got
+
+
 def _parse_peers_any(text: str) -> list[int]:
     counts = [int(x) for x in text.split(",") if x.strip()]
     if not counts or min(counts) < 1:
@@ -1149,7 +1029,7 @@ def _parse_peers_any(text: str) -> list[int]:
     return counts
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S=1 Mi, 2 rounds, 3 gloo iters")
     parser.add_argument(
@@ -1176,15 +1056,61 @@ def main() -> int:
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before the rounds")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between rounds")
+    parser.add_argument(
+        "--main",
+        action=argparse.BooleanOptionalAction,
+        help="the main table (gloo, ours, hivemind); default: on unless --faults, --state or "
+        "--codecs is given",
+    )
+    fault = parser.add_argument_group(
+        "issue 22: survivors' steps when a peer leaves or dies (off unless asked for)"
+    )
+    fault.add_argument("--faults", action="store_true", help="the fault scenarios")
+    fault.add_argument(
+        "--fault-quick",
+        action="store_true",
+        help="N=4, TCP, stages looking and allreduce, 1 warm-up + 3 rounds before",
+    )
+    fault.add_argument("--fault-peers", type=_parse_peers, help="e.g. 4,8 (the default)")
+    fault.add_argument(
+        "--fault-transports",
+        type=functools.partial(_parse_choices, choices=("tcp", "quic")),
+        help="tcp,quic (the default)",
+    )
+    fault.add_argument(
+        "--fault-hivemind-transports",
+        type=functools.partial(_parse_choices, choices=("tcp", "quic")),
+        default=["tcp"],
+        help="those of --fault-transports that hivemind runs too (default tcp)",
+    )
+    fault.add_argument(
+        "--fault-kinds",
+        type=functools.partial(_parse_choices, choices=FAULT_KINDS),
+        default=list(FAULT_KINDS),
+        help="leave (SIGINT: Ctrl+C), die (SIGKILL)",
+    )
+    fault.add_argument(
+        "--fault-stages",
+        type=functools.partial(_parse_choices, choices=FAULT_STAGES),
+        help=f"some of {','.join(FAULT_STAGES)} (the default)",
+    )
+    fault.add_argument("--fault-size", type=int, default=4 * MiB, help="float32 elements")
+    fault.add_argument("--fault-step-timeout", type=float, default=15.0, help="step(timeout=)")
+    fault.add_argument("--fault-compute", type=float, default=0.1, help="s between steps")
+    fault.add_argument("--fault-warmup", type=int, help="rounds not counted (default 2)")
+    fault.add_argument("--fault-before", type=int, help="rounds before the fault (default 5)")
+    fault.add_argument(
+        "--fault-check-rounds",
+        type=int,
+        default=6,
+        help="rounds after the fault in which to look for a complete one",
+    )
+    fault.add_argument("--fault-settle", type=float, default=1.0, help="s before the loops")
+    fault.add_argument(
+        "--fault-scenario-timeout", type=float, default=240.0, help="s: longer is a hang"
+    )
+    fault.add_argument("--fault-logs", type=Path, help="the peers' logs (default: a new dir)")
     issue7 = parser.add_argument_group("issue 7 (off unless asked for)")
-    issue7.add_argument("--faults", action="store_true", help="a peer killed mid-all-reduce")
-    issue7.add_argument("--fault-peers", type=int, default=4)
-    issue7.add_argument("--fault-size", type=int, default=16 * MiB, help="float32 elements")
-    issue7.add_argument("--fault-repeats", type=int, default=1, help="fresh swarms, one kill each")
-    issue7.add_argument("--kill-after", type=float, default=0.1, help="s after all began")
-    issue7.add_argument("--sender-timeout", type=float, default=1.0)
-    issue7.add_argument("--reducer-timeout", type=float, default=2.0)
-    issue7.add_argument("--fault-allreduce-timeout", type=float, default=20.0)
     issue7.add_argument("--state", action="store_true", help="state download MB/s")
     issue7.add_argument("--state-mb", type=int, default=256, help="MiB of state")
     issue7.add_argument("--state-donors", type=_parse_peers_any, default=[1, 2, 4])
@@ -1201,7 +1127,36 @@ def main() -> int:
         default=list(CODEC_CLASSES),
         help="comma-separated class names (default: all six, NoCompression first)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.main is None:
+        args.main = not (args.faults or args.state or args.codecs)
+    if not args.main:
+        args.gloo = args.plain = args.encrypted = False
+    quick = args.fault_quick
+    if args.fault_peers is None:
+        args.fault_peers = [4] if quick else [4, 8]
+    if args.fault_transports is None:
+        args.fault_transports = ["tcp"] if quick else ["tcp", "quic"]
+    if args.fault_stages is None:
+        args.fault_stages = ["looking", "allreduce"] if quick else list(FAULT_STAGES)
+    if args.fault_warmup is None:
+        args.fault_warmup = 1 if quick else 2
+    if args.fault_before is None:
+        args.fault_before = 3 if quick else 5
+    if args.fault_logs is None:
+        args.fault_logs = Path(f"/tmp/swarmavg-faults-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (
+        args.fault_size < 1
+        or args.fault_warmup < 0
+        or args.fault_before < 1
+        or args.fault_check_rounds < 3
+        or not args.fault_step_timeout > 5
+    ):
+        parser.error(
+            "--fault-size and --fault-before must be >= 1, --fault-warmup >= 0, "
+            "--fault-check-rounds >= 3, --fault-step-timeout > 5 (hivemind's step needs its "
+            "min_matchmaking_time, 5 s, within it)"
+        )
     if args.codec_size is None:
         args.codec_size = MiB if args.quick else 16 * MiB
     if args.codec_rounds is None:
@@ -1224,7 +1179,14 @@ def main() -> int:
     def on_term(signum: int, frame: object) -> None:  # let `finally` shut the processes down
         raise SystemExit(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, on_term)
+    previous_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _main(args: argparse.Namespace) -> int:
     started = time.time()
     try:
         gloo = _run_gloo_all(args) if args.gloo else {}
@@ -1233,11 +1195,7 @@ def main() -> int:
             gloo = _best_gloo(gloo, _run_gloo_all(args))
         faults = state = None
         if args.faults:
-            _progress(f"running faults N={args.fault_peers} S={args.fault_size} ...")
-            try:
-                faults = _run_faults(args)
-            except Exception as exc:
-                faults = {"error": _error(exc)}
+            faults = run_faults(args)  # a failed scenario says so in its entry
         if args.state:
             _progress(f"running state download {args.state_mb} MiB ...")
             try:
@@ -1249,7 +1207,7 @@ def main() -> int:
             _progress(f"running codecs N={args.codec_peers} S={args.codec_size} ...")
             codecs = _run_codecs(args)  # a failed codec says so in its entry
         hivemind = None
-        if args.hivemind:
+        if args.main and args.hivemind:
             _progress(f"running hivemind N={args.hivemind_peers} ({args.hivemind_python}) ...")
             try:
                 hivemind = _run_hivemind(args)
@@ -1258,12 +1216,17 @@ def main() -> int:
     except KeyboardInterrupt:  # every process was shut down on the way out
         _progress("interrupted")
         return 130
-    rows = _rows(args, ours, gloo, hivemind) + _issue7_rows(args, faults, state)
-    main_table = args.gloo or args.hivemind or args.plain or args.encrypted
-    notes = _notes(args, ours, gloo, hivemind) if main_table else []
-    notes += _issue7_notes(faults, state)
+    rows = _rows(args, ours, gloo, hivemind) + _issue7_rows(args, state)
+    notes = _notes(args, ours, gloo, hivemind) if args.main else []
+    notes += _issue7_notes(state)
     notes.append(f"the whole run took {time.time() - started:.0f} s")
-    _print_table(rows, notes)
+    if rows:
+        _print_table(rows, notes)
+    if faults is not None:
+        print()
+        print_fault_table(fault_rows(faults), args)
+    if not rows:
+        print(f"  {notes[-1]}")
     if codecs is not None:
         print()
         _print_codec_table(_codec_rows(codecs), _codec_notes(args, codecs))
@@ -1282,7 +1245,8 @@ def main() -> int:
         if hivemind is not None:
             lines.append({"kind": "raw", "run": "hivemind", **hivemind})
         if faults is not None:
-            lines.append({"kind": "raw", "run": "faults", **faults})
+            lines += [{"kind": "fault_row", **row} for row in fault_rows(faults)]
+            lines += [{"kind": "raw", "run": "fault", **got} for got in faults]
         if state is not None:
             lines.append({"kind": "raw", "run": "state", **state})
         if codecs is not None:
