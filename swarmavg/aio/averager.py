@@ -550,7 +550,7 @@ class DecentralizedAverager:
             cancelled = [control for control in list(self._live) if control.cancel()]
             with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
                 for control in cancelled:
-                    await control._done.wait()
+                    await control._ended.wait()
             self.matchmaker.close()
             self._state_sharer.stop()
 
@@ -1046,6 +1046,7 @@ class DecentralizedAverager:
         finally:
             self._live.discard(control)
             control._set_stage(AveragingStage.FINISHED)
+            control._ended.set()
 
     async def _check_finite(self) -> None:
         """Refuse to average tensors that hold NaN or an infinity (a diverged peer would spread
@@ -1301,6 +1302,9 @@ class StepControl:
         self._wake: Callable[[], None] | None = None  # wakes a step waiting for its trigger
         self._canceller: Callable[[], object] | None = None
         self._done = anyio.Event()
+        #: set when the step's task is over (whoever reads its outcome: the sync facade's
+        #: handle holds it, not this control)
+        self._ended = anyio.Event()
         self._outcome: tuple[StepResult | None, BaseException | None] | None = None
 
     def __repr__(self) -> str:

@@ -41,6 +41,7 @@ from swarmavg.proto.group_search import (
     Declaration,
     Declare,
     GroupSearch,
+    Probe,
     Read,
     Settle,
     Verdict,
@@ -310,6 +311,8 @@ class DHTMatchmaker(Matchmaker):
                         self.dht.node.spawn(self._declare, search.key, effect)
             elif isinstance(effect, Settle):
                 self._settle(running, effect)
+            elif isinstance(effect, Probe):
+                tg.start_soon(self._probe, running, effect.peer)
         if running.ask_scope is not None and running.ask_seq != search.asking:
             # the machine moved on: end the join call, or the leader keeps us as a follower
             running.ask_scope.cancel()
@@ -415,6 +418,21 @@ class DHTMatchmaker(Matchmaker):
                 while len(self._declared) > _MAX_DECLARED:
                     del self._declared[next(iter(self._declared))]
         return declarations
+
+    async def _probe(self, running: _Running, peer: PeerID) -> None:
+        """Ping ``peer`` (it looks under our key but does not join): if it does not answer,
+        it no longer counts as looking. A dead peer's transport tells at once (TCP's reset;
+        QUIC's ICMP error starts its liveness probe)."""
+        address = self._address_of(peer)
+        if address is None:
+            return
+        try:
+            await self.dht._ping(address)
+        except (*_UNREACHABLE, TimeoutError, ValueError) as exc:
+            logger.debug("%s looks under our key but does not answer: %s", peer.short(), exc)
+            self._peer_lost(peer)
+        else:
+            running.notify()
 
     def _address_of(self, peer: PeerID) -> Address | None:
         """Where to dial ``peer``: as our DHT node knows it, else as it declared itself (the

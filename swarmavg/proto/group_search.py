@@ -49,6 +49,7 @@ Stages and what moves them (everything that changes the stage lives in this clas
     LEADING    timer (poll)                            LEADING      Read
     LEADING    on_read: a better-ranked leader         ASKING       Settle(disband), Ask
     LEADING    on_read: all looking joined, twice      DONE         Settle(begin), Finished, ...
+    LEADING    on_read: the same looking, some absent  LEADING      Probe (each absent peer once)
     LEADING    timer: begin_at, >= min_group_size      DONE         Settle(begin), Finished, ...
     LEADING    timer: begin_at, too few                FAILED       Settle(disband), Failed, ...
     any        timer: begin_at + request_timeout       FAILED       Failed, Declare(withdraw)
@@ -83,6 +84,7 @@ __all__ = [
     "Failed",
     "Finished",
     "GroupSearch",
+    "Probe",
     "Read",
     "Settle",
     "Stage",
@@ -180,6 +182,15 @@ class Ask:
 
 
 @dataclass(frozen=True, slots=True)
+class Probe:
+    """Check that ``peer`` is alive (it declared that it looks under our key, but it has not
+    joined us though two reads agree): if the check fails, answer with
+    :meth:`GroupSearch.on_peer_lost`."""
+
+    peer: PeerID
+
+
+@dataclass(frozen=True, slots=True)
 class Settle:
     """Tell the followers of leadership ``term`` how it ended: ``begin`` with the group
     (``group_id``, ``members`` in PeerID order) or ``disband`` (``reason``; ``pointer``: the
@@ -209,7 +220,7 @@ class Failed:
     reason: str
 
 
-Effect = Declare | Read | Ask | Settle | Finished | Failed
+Effect = Declare | Read | Ask | Probe | Settle | Finished | Failed
 
 
 # -- who may join ----------------------------------------------------------------------------------
@@ -341,6 +352,7 @@ class GroupSearch:
         self._refusals: dict[PeerID, str] = {}
         #: every peer a read showed looking here (for the failure's message)
         self._seen_looking: set[PeerID] = set()
+        self._probed: set[PeerID] = set()  # (once each)
         self._declared_until = -math.inf  # our declaration's expiration (-inf: none made)
         self.finished: Finished | None = None
         self.failure: str | None = None
@@ -454,14 +466,15 @@ class GroupSearch:
                 self._ask(better, now, begin_at=better_begin)
                 return
             joined = set(self._leading.followers)
-            if (
-                current == previous
-                and current <= joined
-                and 1 + len(joined) >= self.minimum
-                and len(joined) >= 1
-            ):
-                self._assemble(now)
-                return
+            if current == previous:
+                if current <= joined and 1 + len(joined) >= self.minimum and len(joined) >= 1:
+                    self._assemble(now)
+                    return
+                # looking, yet not joining: it may be dead with its declaration still there
+                # (a connection to it tells at once; with none, nothing would until it lapses)
+                for peer in sorted(current - joined - self._probed, key=PeerID.to_bytes):
+                    self._probed.add(peer)
+                    self._effects.append(Probe(peer))
             self._schedule_poll(now)
             return
         if better is not None:

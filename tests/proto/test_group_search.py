@@ -29,6 +29,7 @@ from swarmavg.proto.group_search import (
     Failed,
     Finished,
     GroupSearch,
+    Probe,
     Read,
     Settle,
     Stage,
@@ -93,6 +94,7 @@ class Sim:
         self._order = itertools.count()
         self._group_ids = itertools.count(1)
         self._last_reply: dict[tuple[PeerID, int], float] = {}
+        self.probes = 0
 
     # -- the event queue ------------------------------------------------------------------------
 
@@ -205,6 +207,8 @@ class Sim:
                 self._ask(peer, effect)
             elif isinstance(effect, Settle):
                 self._settle(peer, effect)
+            elif isinstance(effect, Probe):
+                self._probe(peer, effect.peer)
             elif isinstance(effect, Finished | Failed):
                 peer.outcome = effect
                 peer.ended_at = self.now
@@ -244,6 +248,16 @@ class Sim:
                 self.dht[peer.peer] = (declaration, effect.expiration)
 
         self.at(self.now + self.latency(), go)
+
+    def _probe(self, peer: _Peer, target: PeerID) -> None:
+        """A ping: a dead peer's transport fails it after a round trip, a stalled one's after
+        the request timeout (as the driver's ping); a live one answers."""
+        self.probes += 1
+        state = self.by_id[target].state
+        if state in ("alive", "left"):
+            return
+        delay = 2 * self.latency() if state == "dead" else self.request_timeout
+        self.at(self.now + delay, self._lost(peer, target))
 
     def _read(self, peer: _Peer, seq: int) -> None:
         def answer() -> None:
@@ -428,19 +442,22 @@ def test_after_a_peer_is_gone_the_rest_assemble_without_waiting_out_the_expirati
     assert max(p.ended_at for p in sim.peers[:3]) < 0.2
 
 
-def test_a_dead_peer_nobody_hears_of_stops_counting_when_its_declaration_lapses() -> None:
-    """It died while looking (its declaration stays in the DHT) and no connection told the
-    others: they wait for it only until its short-lived declaration lapses (ttl), not until
-    begin_at."""
-    sim = Sim(4, target=4, ttl=3.0, loss_notice=None)
+@pytest.mark.parametrize("how", ["dead", "stalled"])
+def test_a_peer_that_declared_and_died_is_probed_not_waited_for(how: str) -> None:
+    """It died (or froze) while looking: its declaration stays in the DHT and no connection
+    told the others. The leader, seeing it look but not join, pings it: a dead peer's transport
+    fails the ping at once, a frozen one's times out (request_timeout); either way it stops
+    counting, long before begin_at (and before its declaration lapses, for the dead one)."""
+    sim = Sim(4, target=4, ttl=3.0, loss_notice=None, request_timeout=2.0)
     for i in range(4):
         sim.start(i, 0.01 * i if i < 3 else 0.0, wait=15)
-    sim.kill(3, 0.0005, how="dead")  # (declared, then died before anyone asked it)
+    sim.kill(3, 0.0005, how=how)  # (declared, then died before anyone asked it)
     sim.run()
     sim.check_invariants()
     assert _sizes(sim) == [3]
+    assert sim.probes >= 1
     ended = max(p.ended_at for p in sim.peers[:3])
-    assert ended < 3.0 + 0.5, ended
+    assert ended < (0.5 if how == "dead" else 2.0 + 0.5), ended
 
 
 def test_a_peer_that_starts_late_is_not_left_out_of_a_group_of_those_that_wait() -> None:

@@ -118,3 +118,21 @@ def test_step_handles_wait_for_the_trigger_take_new_weights_and_cancel() -> None
         assert handles[2].cancelled()
         with pytest.raises(ValueError, match="require_trigger"):
             averagers[0].step(require_trigger=True)
+
+
+def test_shutdown_right_after_a_cancelled_step_is_prompt() -> None:
+    """Ctrl+C in a training script cancels its step and shuts the averager down: the
+    shutdown waits for the cancelled step to end (it withdraws, tells its group), not for a
+    timeout (it waited 2 s for a step the facade ran, while its group waited for it)."""
+    with ExitStack() as stack:
+        dht = stack.enter_context(DHT(host="127.0.0.1"))
+        averager = DecentralizedAverager([torch.zeros(10)], dht, prefix="quit", target_group_size=2)
+        handle = averager.step(wait=False, timeout=15)
+        deadline = time.monotonic() + 10
+        while handle.stage is not AveragingStage.LOOKING_FOR_GROUP and time.monotonic() < deadline:
+            time.sleep(0.005)
+        handle.cancel()
+        started = time.monotonic()
+        averager.shutdown()
+        took = time.monotonic() - started
+    assert took < 1.0, took
