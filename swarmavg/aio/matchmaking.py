@@ -33,7 +33,7 @@ from swarmavg._time import get_dht_time
 from swarmavg.abc._averaging import Group, GroupInfo, GroupMember, Matchmaker, MemberMode
 from swarmavg.address import Address
 from swarmavg.errors import MatchmakingFailed, SwarmError
-from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo
+from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo, Presence
 from swarmavg.proto.dht_storage import ValueWithExpiration
 from swarmavg.proto.group_search import (
     Admission,
@@ -58,12 +58,14 @@ __all__ = ["DHTMatchmaker", "GroupInfo", "MatchmakingFailed"]
 logger = logging.getLogger(__name__)
 
 JOIN_METHOD: Final = "avg.join"
+PRESENCE_METHOD: Final = "avg.presence"
 #: A declaration carries at most this many of our addresses (others read the first), each at
 #: most this long; we remember the addresses of this many declared peers.
 _MAX_ADDRESSES: Final = 4
 _MAX_ADDRESS_LENGTH: Final = 512
 _MAX_DECLARED: Final = 4096
 _MAX_SCHEMA_TEXT: Final = 200
+_MAX_KEYS: Final = 64
 #: What a DHT operation raises when the network or our own node (closing) fails it.
 _UNREACHABLE: Final = (SwarmError, OSError, RuntimeError, anyio.ClosedResourceError)
 #: How long a cancelled search may spend withdrawing its declaration (s).
@@ -187,6 +189,12 @@ class DHTMatchmaker(Matchmaker):
         self.admission = admission if admission is not None else Admission()
         self._running: _Running | None = None
         self._declared: dict[PeerID, Address] = {}  # addresses read in declarations
+        #: the latest expiration of a record we stored under each key (a new declaration must
+        #: expire later than our last withdrawal there, or the DHT keeps the withdrawal)
+        self._records: dict[str, float] = {}
+        #: the key of our last search and the members of the group it formed (if it did): when
+        #: we look under that key again, they are expected back (see GroupSearch's regulars)
+        self._previous: tuple[str, frozenset[PeerID] | tuple[()]] = ("", ())
         #: peers whose last connection to us ended, and when (DHT time), oldest first
         self._lost: OrderedDict[PeerID, float] = OrderedDict()
         registry = _matchmakers.get(dht.node)
@@ -194,6 +202,9 @@ class DHTMatchmaker(Matchmaker):
             registry = _matchmakers[dht.node] = {}
             dht.node.rpc.register(
                 JOIN_METHOD, _serve_join(registry), kind="server_stream", request_type=JoinRequest
+            )
+            dht.node.rpc.register(
+                PRESENCE_METHOD, _serve_presence(registry), request_type=Presence, inline=True
             )
         if prefix in registry:
             raise ValueError(f"a matchmaker for prefix {prefix!r} already runs on this node")
@@ -266,6 +277,8 @@ class DHTMatchmaker(Matchmaker):
             new_group_id=lambda: os.urandom(16),
             admission=self.admission,
             lost=self._lately_lost(),
+            regulars=self._previous[1] if self._previous[0] == key else (),
+            declared_before=self._records.get(key, -math.inf),
         )
         running = self._running = _Running(search)
         try:
@@ -288,8 +301,12 @@ class DHTMatchmaker(Matchmaker):
         finally:
             self._running = None
             running.notify()
-        if search.finished is not None:
             finished = search.finished
+            self._previous = (
+                key,
+                frozenset(m.peer_id for m in finished.members) if finished is not None else (),
+            )
+        if finished is not None:
             return _group_info(finished.group_id, finished.members, finished.leader)
         raise MatchmakingFailed(search.failure or "no group formed")
 
@@ -304,6 +321,11 @@ class DHTMatchmaker(Matchmaker):
                 running.ask_seq = effect.seq
                 tg.start_soon(self._ask, running, effect, scope)
             elif isinstance(effect, Declare):
+                self._records[search.key] = max(
+                    self._records.get(search.key, -math.inf), effect.expiration
+                )
+                while len(self._records) > _MAX_KEYS:
+                    del self._records[next(iter(self._records))]
                 if effect.looking:
                     tg.start_soon(self._declare, search.key, effect)
                 else:  # (in the background: the group must not wait for it)
@@ -325,7 +347,9 @@ class DHTMatchmaker(Matchmaker):
             if isinstance(effect, Settle):
                 self._settle(running, effect)
             elif isinstance(effect, Declare) and not effect.looking:
-                await self._declare(running.search.key, effect)
+                key = running.search.key
+                self._records[key] = max(self._records.get(key, -math.inf), effect.expiration)
+                await self._declare(key, effect)
         running.notify()
 
     def _settle(self, running: _Running, effect: Settle) -> None:
@@ -420,19 +444,29 @@ class DHTMatchmaker(Matchmaker):
         return declarations
 
     async def _probe(self, running: _Running, peer: PeerID) -> None:
-        """Ping ``peer`` (it looks under our key but does not join): if it does not answer,
-        it no longer counts as looking. A dead peer's transport tells at once (TCP's reset;
-        QUIC's ICMP error starts its liveness probe)."""
+        """Ask ``peer`` whether it still averages under our prefix (it looks under our key
+        but does not join, or it was in our last group and is not back): if it does not
+        answer, or says no, it is not waited for. A dead peer's transport tells at once (TCP's
+        reset; QUIC's ICMP error starts its liveness probe)."""
         address = self._address_of(peer)
-        if address is None:
-            return
-        try:
-            await self.dht._ping(address)
-        except (*_UNREACHABLE, TimeoutError, ValueError) as exc:
-            logger.debug("%s looks under our key but does not answer: %s", peer.short(), exc)
-            self._peer_lost(peer)
-        else:
+        present = False
+        if address is not None:
+            try:
+                answer = await self.dht.node.rpc.call(
+                    address,
+                    PRESENCE_METHOD,
+                    Presence(self.prefix),
+                    response_type=Presence,
+                    timeout=self.request_timeout,
+                )
+                present = answer.present
+            except (*_UNREACHABLE, TimeoutError, ValueError) as exc:
+                logger.debug("%s did not answer our probe: %s", peer.short(), exc)
+        if present:
             running.notify()
+        else:
+            logger.debug("%s no longer averages under %r", peer.short(), self.prefix)
+            self._peer_lost(peer)
 
     def _address_of(self, peer: PeerID) -> Address | None:
         """Where to dial ``peer``: as our DHT node knows it, else as it declared itself (the
@@ -551,6 +585,15 @@ def _serve_join(registry: dict[str, DHTMatchmaker]) -> Any:
             return
         async for reply in matchmaker._serve_join(request, ctx):
             yield reply
+
+    return serve
+
+
+def _serve_presence(registry: dict[str, DHTMatchmaker]) -> Any:
+    """The node's ``avg.presence`` handler (inline): whether it averages under the prefix."""
+
+    def serve(request: Presence, ctx: CallContext) -> Presence:
+        return Presence(request.prefix, request.prefix in registry)
 
     return serve
 

@@ -41,6 +41,7 @@ __all__ = [
     "JoinReply",
     "JoinRequest",
     "MemberInfo",
+    "Presence",
 ]
 
 
@@ -224,3 +225,13 @@ class JoinReply(Message):
     reason: str
     group_id: bytes
     members: list[MemberInfo]
+
+
+@message("avg.presence")
+@dataclass(frozen=True, slots=True)
+class Presence(Message):
+    """Asked (``avg.presence``): does this node average under ``prefix``? Answered with the
+    same message, ``present`` saying so (a leader pings a peer it expected back this way)."""
+
+    prefix: str
+    present: bool = False

@@ -50,6 +50,9 @@ Stages and what moves them (everything that changes the stage lives in this clas
     LEADING    on_read: a better-ranked leader         ASKING       Settle(disband), Ask
     LEADING    on_read: all looking joined, twice      DONE         Settle(begin), Finished, ...
     LEADING    on_read: the same looking, some absent  LEADING      Probe (each absent peer once)
+    LEADING    (with regulars) all looking and every   DONE         Settle(begin), Finished, ...
+               regular not lost joined (a read, a join
+               or a loss completes it)
     LEADING    timer: begin_at, >= min_group_size      DONE         Settle(begin), Finished, ...
     LEADING    timer: begin_at, too few                FAILED       Settle(disband), Failed, ...
     any        timer: begin_at + request_timeout       FAILED       Failed, Declare(withdraw)
@@ -298,6 +301,13 @@ class GroupSearch:
     :param admission: peers excluded from our groups (shared between searches).
     :param lost: peers whose connection failed lately (an earlier search heard of it): their
         declarations do not count, unless they join us.
+    :param declared_before: the expiration of our last record under this key (a withdrawal):
+        a new declaration must expire later, or the DHT keeps the old record.
+    :param regulars: the members of our last group, when it formed under this same key: a
+        leader takes them for coming back (they are alive; a departed or dead one is reported
+        lost) and assembles once they and every peer looking have joined, after one read; it
+        pings one that has not joined at once. One that a read shows looking and then no
+        longer looking is in another group: it is not waited for.
     """
 
     def __init__(
@@ -316,6 +326,8 @@ class GroupSearch:
         new_group_id: Callable[[], bytes],
         admission: Admission | None = None,
         lost: Iterable[PeerID] = (),
+        regulars: Iterable[PeerID] = (),
+        declared_before: float = -math.inf,
     ) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
@@ -340,6 +352,13 @@ class GroupSearch:
         self._leader: PeerID | None = None  # whom we ask or follow
         self._rejected: set[PeerID] = set()  # turned us away in this search
         self._lost: set[PeerID] = set(lost)  # their connection failed
+        self._regulars = {
+            peer
+            for peer in regulars
+            if peer != me.peer_id and self.admission.excluded(peer, now) is None
+        }
+        self._regulars_looked: set[PeerID] = set()
+        self._floor = declared_before
         self._term = 0
         self._leading: _Leadership | None = None
         self._poll = FIRST_POLL
@@ -433,6 +452,12 @@ class GroupSearch:
         mine = _rank(self.peer, math.inf if self.client else self.begin_at)
         for item in declarations:
             peer = item.peer
+            if peer in self._regulars:
+                if item.looking:
+                    self._regulars_looked.add(peer)
+                elif peer in self._regulars_looked:
+                    # it looked this time and stopped: it is in another group (or left)
+                    self._regulars.discard(peer)
             if peer == self.peer or not item.looking:
                 continue
             if item.schema != self.schema:
@@ -466,8 +491,17 @@ class GroupSearch:
                 self._ask(better, now, begin_at=better_begin)
                 return
             joined = set(self._leading.followers)
-            if current == previous:
-                if current <= joined and 1 + len(joined) >= self.minimum and len(joined) >= 1:
+            if self._regulars:
+                absent = self._regulars - self._lost - self._excluded_seen.keys() - joined
+                for peer in sorted(absent, key=PeerID.to_bytes):
+                    if peer not in self._probed:  # (a regular that is not back yet: alive?)
+                        self._probed.add(peer)
+                        self._effects.append(Probe(peer))
+                if self._all_in(current):
+                    self._assemble(now)
+                    return
+            elif current == previous:
+                if self._all_in(current):
                     self._assemble(now)
                     return
                 # looking, yet not joining: it may be dead with its declaration still there
@@ -554,9 +588,23 @@ class GroupSearch:
         leading.followers[peer] = member
         self._lost.discard(peer)
         decision = Decision(Verdict.ACCEPT, term=leading.term)
-        if 1 + len(leading.followers) >= self.target:
+        if 1 + len(leading.followers) >= self.target or (
+            self._regulars and self._last_looking is not None and self._all_in(self._last_looking)
+        ):
             self._assemble(now)
         return decision
+
+    def _all_in(self, looking: frozenset[PeerID]) -> bool:
+        """Whether every peer ``looking`` and every regular still alive has joined us (and
+        that makes a group)."""
+        assert self._leading is not None
+        joined = set(self._leading.followers)
+        return (
+            looking <= joined
+            and self._regulars - self._lost - self._excluded_seen.keys() <= joined
+            and 1 + len(joined) >= self.minimum
+            and len(joined) >= 1
+        )
 
     def on_follower_left(self, peer: PeerID, term: int) -> None:
         """A follower of leadership ``term`` went away before the group was settled."""
@@ -572,8 +620,16 @@ class GroupSearch:
             return
         if self._leader == peer and self.stage in (Stage.ASKING, Stage.FOLLOWING):
             self._turned_away(peer, now, None)
-        elif self._last_looking is not None and peer in self._last_looking:
+            return
+        if self._last_looking is not None and peer in self._last_looking:
             self._last_looking = self._last_looking - {peer}
+        if (
+            self.stage is Stage.LEADING
+            and self._regulars
+            and self._last_looking is not None
+            and self._all_in(self._last_looking)
+        ):
+            self._assemble(now)  # (the regular we waited for is gone)
 
     def cancel(self, now: float) -> None:
         """The search is abandoned (its step was cancelled): disband our followers and
@@ -589,7 +645,7 @@ class GroupSearch:
         self._effects.append(Read(self._seq))
 
     def _declare(self, now: float) -> None:
-        expiration = min(self.begin_at, now + self.ttl)
+        expiration = max(min(self.begin_at, now + self.ttl), self._floor + WITHDRAWN)
         if expiration <= self._declared_until:
             return
         self._declared_until = expiration

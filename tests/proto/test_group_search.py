@@ -76,8 +76,10 @@ class Sim:
         schemas: list[bytes] | None = None,
         clients: frozenset[int] = frozenset(),
         admission: list[Admission] | None = None,
+        regulars: list[int] = (),  # type: ignore[assignment]
     ) -> None:
         self.now = 0.0
+        self.regulars = [_IDS[i] for i in regulars]
         self.peers = [_Peer(_IDS[i]) for i in range(n)]
         self.by_id = {p.peer: p for p in self.peers}
         self.target = target
@@ -131,6 +133,7 @@ class Sim:
                 declaration_ttl=self.ttl,
                 new_group_id=lambda: next(self._group_ids).to_bytes(4, "big"),
                 admission=self.admission[index] if self.admission else None,
+                regulars=self.regulars,
             )
             self._pump(peer)
 
@@ -250,13 +253,14 @@ class Sim:
         self.at(self.now + self.latency(), go)
 
     def _probe(self, peer: _Peer, target: PeerID) -> None:
-        """A ping: a dead peer's transport fails it after a round trip, a stalled one's after
-        the request timeout (as the driver's ping); a live one answers."""
+        """A probe: a dead peer's transport fails it after a round trip, a peer that left says
+        no, a stalled one's times out (request_timeout); a live one answers."""
         self.probes += 1
         state = self.by_id[target].state
-        if state in ("alive", "left"):
+        if state == "alive":
             return
-        delay = 2 * self.latency() if state == "dead" else self.request_timeout
+        # (a peer that left says it no longer averages there, or its node is gone)
+        delay = self.request_timeout if state == "stalled" else 2 * self.latency()
         self.at(self.now + delay, self._lost(peer, target))
 
     def _read(self, peer: _Peer, seq: int) -> None:
@@ -617,6 +621,7 @@ def test_random_faults_keep_deadlines_and_groups_consistent(seed: int) -> None:
         ttl=rng.choice([1.0, 3.0]),
         latency=lambda: rng.uniform(0.0, 0.01),
         loss_notice=rng.choice([None, 0.001, 0.05]),
+        regulars=rng.choice([[], list(range(n))]),  # (they were our last group, or no history)
     )
     spread = rng.choice([0.0, 0.01, 0.5])
     for i in range(n):
@@ -634,3 +639,54 @@ def test_random_faults_keep_deadlines_and_groups_consistent(seed: int) -> None:
     if faults == 0 and spread == 0.0 and n >= minimum:
         grouped = sum(len(m) for m in sim.groups().values())
         assert grouped == n or target < n, (n, target, _sizes(sim))
+
+
+def test_regulars_that_come_back_late_are_waited_for() -> None:
+    """The four peers of the last group under this key (regulars) come back, one of them
+    0.3 s late (its training step took longer): the others do not assemble without it (two
+    agreeing reads would not wait that long), so nobody is split off."""
+    sim = Sim(4, target=8, regulars=[0, 1, 2, 3])
+    for i in range(3):
+        sim.start(i, 0.0, wait=15)
+    sim.start(3, 0.3, wait=15)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [4]
+    assert max(p.ended_at for p in sim.peers) < 0.4
+
+
+def test_without_regulars_a_late_peer_misses_the_group() -> None:
+    """(what the regulars are for: with no history, two agreeing reads decide)"""
+    sim = Sim(4, target=8)
+    for i in range(3):
+        sim.start(i, 0.0, wait=15)
+    sim.start(3, 0.3, wait=2)
+    sim.run()
+    assert sorted(_sizes(sim)) == [3]
+
+
+@pytest.mark.parametrize("how", ["dead", "stalled", "left"])
+def test_a_regular_that_is_gone_is_probed_and_not_waited_for(how: str) -> None:
+    """A regular that died (no connection tells), froze or left before the round: the leader
+    pings it when its first read does not show it back, and assembles without it."""
+    sim = Sim(4, target=8, regulars=[0, 1, 2, 3], loss_notice=None, request_timeout=2.0)
+    sim.kill(3, 0.0, how=how)
+    for i in range(3):
+        sim.start(i, 0.001, wait=15)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [3]
+    limit = 2.0 + 0.5 if how == "stalled" else 0.2
+    assert max(p.ended_at for p in sim.peers[:3]) < limit
+
+
+def test_a_regular_that_joined_another_group_is_not_waited_for() -> None:
+    """Eight peers, groups of four, all of them our last group's peers under this key: those
+    that look this time and then stop (they are in another group) are not waited for."""
+    sim = Sim(8, target=4, regulars=list(range(8)))
+    for i in range(8):
+        sim.start(i, 0.0005 * i, wait=15)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [4, 4]
+    assert max(p.ended_at for p in sim.peers) < 1.0
