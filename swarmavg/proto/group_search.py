@@ -10,9 +10,13 @@ the best-ranked peer that can lead. The leader takes followers in and *assembles
 (sends every follower the members) as soon as one of these holds:
 
 1. the group is full (``target_group_size``);
-2. waiting cannot make it bigger: two reads of the key in a row show the same peers looking
-   there, and every one of them has joined (a peer that leaves withdraws its declaration; a
-   dead one stops counting when its connection fails or its short-lived declaration lapses);
+2. waiting cannot make it bigger: every peer looking there has joined, and so has every
+   *regular* still alive (the members of our last group, when it formed under this same key:
+   peers of a training loop come back every round, a few tens of ms apart), as one read shows;
+   with no regulars, two reads in a row must agree. A peer that leaves withdraws its
+   declaration; a dead one stops counting when its connection fails, when a probe of it fails
+   (a leader asks a regular that is not back, or a looking peer that does not join, whether
+   it still averages here), or when its short-lived declaration lapses;
 3. ``begin_at`` came, with at least ``min_group_size`` members (with fewer it disbands and
    the search fails, saying why: too few peers, peers with another tensor schema, peers
    excluded for sending non-finite values).
