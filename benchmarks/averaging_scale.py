@@ -22,7 +22,8 @@ Largest distance with groups assembled as soon as every peer looking has joined 
 seeds 0/1/2: 5.01e-4 / 2.44e-4 / 5.62e-4 after 6 rounds (one run of seed 1 of a version
 without regulars: 1.03e-3 after 6, 1.7e-4 after 7). Before that, seeds 0/1: with
 ``min_group_size`` 8, 7.98e-4 after 6 rounds / 9.95e-4 after 5 (since a peer still deciding
-holds join requests for its key, 2026-11-26: groups fill to 16 more often, and a round's few leftovers, 0-11, may be fewer than 8 and miss it; holding
+holds join requests for its key, 2026-11-26: groups fill to 16 more often, and a round's few
+leftovers, 0-11, may be fewer than 8 and miss it; holding
 requests for any key: 9.65e-4 after 6 / 7.44e-4 after 6, seed 2 9.12e-4 after 5; before any
 holding, 7.35e-4 after 6 / 8.58e-4 after 5 / 9.46e-4 after 5; runs vary from one to the next:
 seed 0 of that code also gave 5.65e-4 after 6); with ``min_group_size`` 2 (before it),
