@@ -8,6 +8,8 @@ conformance suites).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from swarmavg._time import get_dht_time
 from swarmavg.address import Address
 from swarmavg.aio.averager import AveragingStage, StepResult
@@ -20,6 +22,7 @@ from swarmavg.errors import (
     AveragingError,
     ConnectError,
     ConnectionLost,
+    LoadStateFailed,
     LocalProtocolError,
     MatchmakingFailed,
     MessageTooLarge,
@@ -38,6 +41,21 @@ from swarmavg.transport import available_transports, resolve_transport
 
 __version__ = "0.1.0.dev0"
 
+if TYPE_CHECKING:
+    from swarmavg.optim.optimizer import Optimizer
+
+
+def __getattr__(name: str) -> Any:
+    # swarmavg.Optimizer subclasses torch.optim.Optimizer: resolved on first use, so that
+    # `import swarmavg` does not import torch.
+    if name == "Optimizer":
+        from swarmavg.optim.optimizer import Optimizer
+
+        globals()["Optimizer"] = Optimizer
+        return Optimizer
+    raise AttributeError(f"module 'swarmavg' has no attribute {name!r}")
+
+
 __all__ = [
     "DHT",
     "Address",
@@ -49,11 +67,13 @@ __all__ = [
     "ConnectionLost",
     "DecentralizedAverager",
     "Identity",
+    "LoadStateFailed",
     "LocalProtocolError",
     "MatchmakingFailed",
     "MessageTooLarge",
     "Node",
     "NonFiniteTensors",
+    "Optimizer",
     "PeerID",
     "PeerIdentityMismatch",
     "ProtocolError",

@@ -151,3 +151,8 @@ class NonFiniteTensors(AveragingError, ValueError):
     def __init__(self, message: str, indices: list[int]) -> None:
         super().__init__(message)
         self.indices = indices
+
+
+class LoadStateFailed(AveragingError):
+    """No peer's training state could be downloaded (no donor shares it, every donor failed or
+    refused, or the time allowed ran out); the message says which and how often it was tried."""

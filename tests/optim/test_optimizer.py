@@ -1,0 +1,336 @@
+"""``swarmavg.Optimizer``: hivemind's optimizer tests ported, and the multi-peer cases they lack.
+
+Peers run in threads of one process, each with its own :class:`swarmavg.DHT` over TCP on
+127.0.0.1 (the sync facade's event-loop thread carries all of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import swarmavg
+from swarmavg import DHT
+from swarmavg.optim import Optimizer
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = {"request_timeout": 1.0}
+
+
+@contextmanager
+def swarm(count: int) -> Iterator[list[DHT]]:
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        dhts = [first]
+        for _ in range(count - 1):
+            dhts.append(stack.enter_context(DHT(first.get_visible_maddrs())))
+        yield dhts
+
+
+def run_threads(targets: list[Callable[[], None]], timeout: float = 90) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a peer's training loop hung"
+    if errors:
+        raise errors[0]
+
+
+# -- hivemind's test_optimizer, one peer (spec A.3) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("use_local_updates", "delay_state_averaging", "delay_optimizer_step", "delay_grad_averaging",
+     "reuse_grad_buffers"),
+    [
+        (False, False, False, False, False),
+        (False, True, False, False, False),
+        (False, True, True, True, False),
+        (False, False, False, False, True),
+        (False, True, True, True, True),
+        (False, True, True, False, True),
+        (True, False, False, False, False),
+        (True, True, False, False, False),
+    ],
+)
+def test_one_peer_runs_three_epochs(
+    use_local_updates: bool,
+    delay_state_averaging: bool,
+    delay_optimizer_step: bool,
+    delay_grad_averaging: bool,
+    reuse_grad_buffers: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    features = torch.randn(100, 5)
+    targets = features @ torch.randn(5, 1)
+    batch_size, target_batch_size = 4, 32
+    with swarm(1) as (dht,):
+        opt = Optimizer(
+            dht=dht,
+            run_id="one_peer",
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size,
+            params=model.parameters(),
+            optimizer=partial(torch.optim.SGD, lr=0.1),
+            scheduler=partial(torch.optim.lr_scheduler.StepLR, gamma=0.5, step_size=1),
+            matchmaking_time=1.0,
+            averaging_timeout=5.0,
+            use_local_updates=use_local_updates,
+            delay_state_averaging=delay_state_averaging,
+            delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging,
+            reuse_grad_buffers=reuse_grad_buffers,
+            averager_opts=FAST,
+            tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.1},
+        )
+        assert (opt.grad_averager is None) == use_local_updates
+        total = 0
+        for step in range(200):
+            if opt.local_epoch == 3:
+                break
+            x = features[(step * batch_size) % 96 :][:batch_size]
+            y = targets[(step * batch_size) % 96 :][:batch_size]
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            total += batch_size
+            if not reuse_grad_buffers:
+                opt.zero_grad()
+        assert opt.local_epoch == opt.tracker.global_epoch == 3
+        assert 3 * target_batch_size <= total <= 3 * target_batch_size * 1.2
+        # the schedule is by epoch: lr(3) = 0.1 * 0.5**3
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+        assert opt.scheduled_grads is None or opt.scheduled_grads.done()
+        opt.shutdown()
+        opt.shutdown()  # idempotent
+        assert not opt.is_alive()
+        with pytest.raises(RuntimeError, match="shut down"):
+            opt.step(batch_size=1)
+
+
+def test_argument_errors_name_the_argument() -> None:
+    model = torch.nn.Linear(2, 1)
+    with swarm(1) as (dht,):
+        common: dict[str, Any] = {"dht": dht, "run_id": "args", "target_batch_size": 8}
+        with pytest.raises(ValueError, match="delay_grad_averaging"):
+            Optimizer(
+                **common,
+                optimizer=torch.optim.SGD,
+                params=model.parameters(),
+                delay_grad_averaging=True,
+                delay_optimizer_step=False,
+            )
+        with pytest.raises(ValueError, match="optimizer factory"):
+            Optimizer(
+                **common, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), offload_optimizer=True
+            )
+        with pytest.raises(ValueError, match="scheduler must be a factory"):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            Optimizer(
+                **common,
+                optimizer=torch.optim.SGD,
+                params=model.parameters(),
+                scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
+            )
+        with pytest.raises(ValueError, match="optimizer must be"):
+            Optimizer(**common, optimizer=42)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="target_batch_size"):
+            Optimizer(**{**common, "target_batch_size": 0}, optimizer=torch.optim.SGD(model.parameters(), lr=1))
+        with pytest.raises(ValueError, match="reuse_grad_buffers"):
+            Optimizer(
+                **common,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1),
+                use_local_updates=True,
+                reuse_grad_buffers=True,
+            )
+        with pytest.raises(TypeError, match="matchmaking_time"):
+            Optimizer(**common, optimizer=torch.optim.SGD(model.parameters(), lr=1), matchmaking_time="5")  # type: ignore[arg-type]
+
+
+def test_torch_hooks_and_public_names() -> None:
+    assert swarmavg.Optimizer is Optimizer
+    assert issubclass(Optimizer, torch.optim.Optimizer)
+    model = torch.nn.Linear(3, 1)
+    calls: list[str] = []
+    with swarm(1) as (dht,):
+        with Optimizer(
+            dht=dht,
+            run_id="hooks",
+            target_batch_size=4,
+            batch_size_per_step=2,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+            matchmaking_time=1.0,
+            averager_opts=FAST,
+        ) as opt:
+            opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+            opt.register_step_post_hook(lambda *_: calls.append("post"))
+            assert opt.defaults["lr"] == 0.5 and opt.defaults["momentum"] == 0.9
+            assert opt.param_groups[0]["params"] == list(model.parameters())
+            with pytest.raises(ValueError, match="add_param_group"):
+                opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            assert calls == ["pre", "post"]
+            state = opt.state_dict()
+            assert state["state"]["local_epoch"] == opt.local_epoch
+
+
+# -- several peers -------------------------------------------------------------------------------
+
+
+def _peer_data(peer: int, count: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + peer)
+    x = torch.randn(count, dim, generator=generator)
+    w = torch.arange(1.0, dim + 1).unsqueeze(1) / dim
+    return x, x @ w + 0.5
+
+
+@pytest.mark.parametrize("batch_sizes", [(4, 4, 4, 4), (1, 3, 5, 7)])
+def test_peers_average_gradients_exactly_by_samples(batch_sizes: tuple[int, ...]) -> None:
+    """Four peers; every epoch's step equals one SGD step on the mean gradient of all samples
+    the peers contributed to it (exact sample weighting, also with uneven batch sizes), and all
+    peers hold the same parameters after every epoch."""
+    dim, epochs, lr = 6, 3, 0.05
+    count = len(batch_sizes)
+    torch.manual_seed(3)
+    initial = torch.nn.Linear(dim, 1)
+    used: list[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(count)]
+    snapshots: list[dict[int, torch.Tensor]] = [{} for _ in range(count)]
+
+    def train(peer: int, dht: DHT) -> None:
+        model = torch.nn.Linear(dim, 1)
+        model.load_state_dict(initial.state_dict())
+        x_all, y_all = _peer_data(peer, 400, dim)
+        b = batch_sizes[peer]
+        with Optimizer(
+            dht=dht,
+            run_id="exact",
+            target_batch_size=48,
+            optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+            matchmaking_time=2.0,
+            averaging_timeout=20.0,
+            delay_state_averaging=False,
+            averager_opts=FAST,
+            tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.2},
+        ) as opt:
+            for step in range(400 // b):
+                epoch = opt.local_epoch
+                if epoch >= epochs:
+                    break
+                x, y = x_all[step * b : (step + 1) * b], y_all[step * b : (step + 1) * b]
+                F.mse_loss(model(x), y).backward()
+                opt.step(batch_size=b)
+                opt.zero_grad()
+                used[peer].setdefault(epoch, []).append((x, y))
+                if opt.local_epoch != epoch:
+                    snapshots[peer][opt.local_epoch] = torch.cat(
+                        [p.detach().flatten() for p in model.parameters()]
+                    )
+            # stay until every peer finished its last round
+            assert opt.local_epoch >= epochs, f"peer {peer} stopped at epoch {opt.local_epoch}"
+
+    with swarm(count) as dhts:
+        run_threads([partial(train, i, dht) for i, dht in enumerate(dhts)])
+
+    reference = torch.nn.Linear(dim, 1)
+    reference.load_state_dict(initial.state_dict())
+    for epoch in range(epochs):
+        batches = [batch for peer in used for batch in peer.get(epoch, [])]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        reference.zero_grad()
+        F.mse_loss(reference(x), y).backward()  # the mean over every sample of the epoch
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= lr * p.grad  # type: ignore[operator]
+        expected = torch.cat([p.detach().flatten() for p in reference.parameters()])
+        for peer in range(count):
+            torch.testing.assert_close(snapshots[peer][epoch + 1], expected, atol=1e-6, rtol=0)
+
+
+def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dim = 4
+    torch.manual_seed(5)
+    results: dict[str, Any] = {}
+    first_done = threading.Event()
+
+    def make(dht: DHT, model: torch.nn.Module) -> Optimizer:
+        return Optimizer(
+            dht=dht,
+            run_id="late",
+            target_batch_size=16,
+            batch_size_per_step=4,
+            optimizer=partial(torch.optim.SGD, lr=0.1),
+            params=model.parameters(),
+            scheduler=partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda t: 1 / (1 + t)),
+            matchmaking_time=1.0,
+            averaging_timeout=10.0,
+            averager_opts=FAST,
+            tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.2},
+        )
+
+    def early(dht: DHT) -> None:
+        model = torch.nn.Linear(dim, 1)
+        x_all, y_all = _peer_data(0, 4000, dim)
+        with make(dht, model) as opt:
+            step = 0
+            while opt.local_epoch < 3:
+                F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+            first_done.set()
+            while opt.local_epoch < 6:
+                F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+            results["early"] = torch.cat([p.detach().flatten() for p in model.parameters()])
+            results["early_epoch"] = opt.local_epoch
+
+    def late(dht: DHT) -> None:
+        assert first_done.wait(60)
+        model = torch.nn.Linear(dim, 1)  # other initial weights
+        x_all, y_all = _peer_data(1, 4000, dim)
+        with make(dht, model) as opt:
+            assert opt.local_epoch == 0
+            step = 0
+            while opt.local_epoch < 6:
+                F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+                if "joined_at" not in results and opt.local_epoch >= 3:
+                    results["joined_at"] = opt.local_epoch
+                    results["lr_after_load"] = opt.param_groups[0]["lr"]
+            results["late"] = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    with caplog.at_level(logging.INFO, logger="swarmavg.optim"), swarm(2) as dhts:
+        run_threads([partial(early, dhts[0]), partial(late, dhts[1])])
+    assert results["joined_at"] >= 3
+    epoch = results["joined_at"]
+    assert results["lr_after_load"] == pytest.approx(0.1 / (1 + epoch))
+    # in lockstep since: the same averaged gradients, the same parameters
+    torch.testing.assert_close(results["late"], results["early"], atol=1e-6, rtol=0)
+    assert any("loaded the swarm's state" in r.getMessage() for r in caplog.records)
