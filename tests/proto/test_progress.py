@@ -127,7 +127,7 @@ _fields = st.sampled_from(
         "client_mode",
         "hyperparameters",
         "other",
-    ]  # fmt: skip
+    ]
 )
 
 
