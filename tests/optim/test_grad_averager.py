@@ -92,6 +92,8 @@ def test_grad_averager() -> None:
             averager2.step(control=control2, wait=False)
             for control in (control1, control2):
                 assert control.result(timeout=30).group_size == 2
+            for averager in (averager1, averager2):  # (the round averaged the buffers in place)
+                assert averager._averager._last_in_place is not None
 
             expected = torch.full(shape, 8 / 26 * (-2 / 25) + 18 / 26 * (2 / 25))
             torch.testing.assert_close(expected, torch.full(shape, 2 / 65))
