@@ -184,8 +184,10 @@ class GradientAverager(DecentralizedAverager):
     :param accumulate_grads_on: the device of the accumulators (default: each parameter's);
         ignored, with a warning, with ``reuse_grad_buffers``.
     :param client_mode: see :class:`swarmavg.DecentralizedAverager` (default: the DHT's).
-    :param warn: log a WARNING (once per kind) when averaged gradients were not used before the
-        next step, or accumulators were not reset after one.
+    :param warn: log a WARNING (once per kind, DEBUG after) when averaged gradients were not
+        used before the next step, accumulators were not reset after one, or (with
+        ``reuse_grad_buffers``) a micro-batch was weighted with another size than its own or a
+        ``.grad`` was dropped; ``False``: all at DEBUG.
     :param averaged_grads: the CPU buffers to average in, one per parameter with its shape,
         used as they are (the Optimizer passes the offloaded optimizer's ``.grad``); default:
         views of one flat CPU tensor per dtype, made here.
