@@ -36,7 +36,9 @@ def _lambda_lr(factor: Callable[[int], float]) -> Callable[[torch.optim.Optimize
 
 def _dhts(stack: ExitStack, count: int) -> list[DHT]:
     first = stack.enter_context(DHT())
-    return [first] + [stack.enter_context(DHT(first.get_visible_maddrs())) for _ in range(count - 1)]
+    return [first] + [
+        stack.enter_context(DHT(first.get_visible_maddrs())) for _ in range(count - 1)
+    ]
 
 
 def _wait_declared(dht: DHT, prefix: str, *peers: Any) -> None:
@@ -61,8 +63,13 @@ def _until(condition: Callable[[], bool]) -> None:
 
 @pytest.mark.parametrize(
     ("offload_optimizer", "reuse_tensors", "sync_epoch_when_averaging"),
-    [(False, False, False), (True, True, False), (True, False, False), (False, True, True),
-     (True, False, True)],  # fmt: skip
+    [
+        (False, False, False),
+        (True, True, False),
+        (True, False, False),
+        (False, True, True),
+        (True, False, True),
+    ],
 )
 def test_state_averager(
     offload_optimizer: bool, reuse_tensors: bool, sync_epoch_when_averaging: bool
@@ -110,8 +117,10 @@ def test_state_averager(
                 delay_averaging=False,
             )
 
-        assert model1.weight.grad is None and model2.weight.grad is None, "zero_grad did not run"
-        assert model1(x).mean() > 0.5 and model2(x).mean() < -0.5, "the models did not train"
+        assert model1.weight.grad is None, "zero_grad did not run"
+        assert model2.weight.grad is None
+        assert model1(x).mean() > 0.5, "the models did not train"
+        assert model2(x).mean() < -0.5
         assert torch.allclose(extras1[0], extras2[0]), "the extra tensors were not averaged"
         assert torch.allclose(extras1[1], extras2[1])
         stats1 = avgr1.optimizer.state_dict()["state"][0]["exp_avg_sq"].clone()
@@ -196,8 +205,10 @@ def test_loading_with_offloading_writes_the_offloaded_parameters_too() -> None:
 
         assert receiver.load_state_from_peers(timeout=20)
         offloaded = receiver.optimizer.param_groups[0]["params"]
-        assert torch.all(receiver_model.weight == 42) and torch.all(offloaded[0] == 42)
-        assert torch.all(receiver_model.bias == -1) and torch.all(offloaded[1] == -1)
+        assert torch.all(receiver_model.weight == 42)
+        assert torch.all(offloaded[0] == 42)
+        assert torch.all(receiver_model.bias == -1)
+        assert torch.all(offloaded[1] == -1)
         for param in receiver_model.parameters():
             param.grad = torch.zeros_like(param)
         receiver.step(optimizer_step=True)
@@ -247,7 +258,8 @@ def test_a_peer_refuses_an_older_state_or_one_that_does_not_fit(
             refusals = [r for r in caplog.records if r.levelno == logging.WARNING]
             assert any(reason in r.getMessage() for r in refusals), refusals
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept, strict=True))
-        assert receivers[0].local_epoch == 5 and receivers[1].local_epoch == 0
+        assert receivers[0].local_epoch == 5
+        assert receivers[1].local_epoch == 0
 
 
 def test_the_delta_rule_keeps_local_steps_taken_during_the_round() -> None:
@@ -386,7 +398,8 @@ def test_the_state_is_shared_without_pickle(monkeypatch: pytest.MonkeyPatch) -> 
         for mine, theirs in zip(receiver_model.parameters(), donor_model.parameters(), strict=True):
             assert torch.equal(mine, theirs)
             assert torch.equal(
-                receiver.optimizer.state[mine]["exp_avg_sq"], donor.optimizer.state[theirs]["exp_avg_sq"]
+                receiver.optimizer.state[mine]["exp_avg_sq"],
+                donor.optimizer.state[theirs]["exp_avg_sq"],
             )
             assert float(receiver.optimizer.state[mine]["step"]) == 3
         assert receiver.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
@@ -448,16 +461,19 @@ def test_arguments_are_checked_and_shutdown_is_idempotent() -> None:
         sgd = partial(torch.optim.SGD, lr=0.1)
         make = partial(TrainingStateAverager, dht=dht, prefix="args")
         with pytest.raises(ValueError, match="mutually exclusive"):
-            make(optimizer=sgd, params=model.parameters(), reuse_tensors=True,
-                 delta_rule_averaging=True)  # fmt: skip
+            make(
+                optimizer=sgd,
+                params=model.parameters(),
+                reuse_tensors=True,
+                delta_rule_averaging=True,
+            )
         with pytest.raises(ValueError, match="offload_optimizer=True needs an optimizer factory"):
             make(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), offload_optimizer=True)
         with pytest.raises(ValueError, match="params is required"):
             make(optimizer=sgd)
+        bound = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
         with pytest.raises(ValueError, match="scheduler must be one too"):
-            instance = torch.optim.SGD(model.parameters(), lr=0.1)
-            make(optimizer=sgd, params=model.parameters(),
-                 scheduler=torch.optim.lr_scheduler.StepLR(instance, 1))  # fmt: skip
+            make(optimizer=sgd, params=model.parameters(), scheduler=bound)
         with pytest.raises(ValueError, match="no such tensor"):
             make(optimizer=sgd, params=model.parameters(), average_opt_statistics=("exp_avg",))
         with pytest.raises(TypeError, match="tensor_infos"):
@@ -478,3 +494,107 @@ def test_arguments_are_checked_and_shutdown_is_idempotent() -> None:
         averager.shutdown()
         with pytest.raises(RuntimeError, match="shut down"):
             averager.step(optimizer_step=True)
+
+
+class _Scaler:
+    """A GradScaler's protocol as the averager uses it (hivemind's adds running_global_step)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.running = False
+
+    def running_global_step(self) -> Any:
+        scaler = self
+
+        class Running:
+            def __enter__(self) -> None:
+                scaler.running = True
+
+            def __exit__(self, *exc: object) -> None:
+                scaler.running = False
+
+        return Running()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls.append(f"step running={self.running}")
+        optimizer.step()
+
+    def update(self) -> None:
+        self.calls.append("update")
+
+
+def test_offloaded_delayed_and_triggered_steps(caplog: pytest.LogCaptureFixture) -> None:
+    """With offloading and custom gradients, the step waits for ``wait_for_trigger`` (which
+    fills the offloaded gradients), may run in the background (``delay_optimizer_step``: the
+    model gets the result at a later call) and goes through a grad scaler; a trigger that
+    raises cancels the step."""
+    param = torch.zeros(3, requires_grad=True)
+    with ExitStack() as stack:
+        (dht,) = _dhts(stack, 1)
+        averager = stack.enter_context(
+            TrainingStateAverager(
+                dht=dht,
+                optimizer=partial(torch.optim.SGD, lr=1.0),
+                params=[param],
+                offload_optimizer=True,
+                custom_gradients=True,
+                prefix="trigger",
+            )
+        )
+        (offloaded,) = averager.optimizer.param_groups[0]["params"]
+        assert offloaded is not param
+        assert offloaded.grad is not None
+        buffer = offloaded.grad
+
+        def fill() -> None:
+            buffer.fill_(2.0)
+
+        scaler = _Scaler()
+        averager.step(optimizer_step=True, wait_for_trigger=fill, grad_scaler=scaler)
+        assert torch.equal(param.detach(), torch.full((3,), -2.0))
+        assert scaler.calls == ["step running=True"]
+
+        averager.step(
+            optimizer_step=True, zero_grad=True, delay_optimizer_step=True, delay_averaging=True
+        )
+        averager.step(wait_for_delayed_updates=True)
+        assert torch.equal(param.detach(), torch.full((3,), -4.0))
+        assert offloaded.grad is buffer
+        assert torch.equal(buffer, torch.zeros(3))
+
+        def fail() -> None:
+            raise OSError("no gradients today")
+
+        buffer.fill_(1.0)
+        with caplog.at_level(logging.WARNING, logger="swarmavg.optim.state_averager"):
+            averager.step(optimizer_step=True, wait_for_trigger=fail)
+        assert "no gradients today" in caplog.text
+        assert torch.equal(param.detach(), torch.full((3,), -4.0))
+
+
+def test_a_pre_scheduled_round_is_used() -> None:
+    tensors = [torch.zeros(2, requires_grad=True), torch.full((2,), 4.0, requires_grad=True)]
+    with ExitStack() as stack:
+        dhts = _dhts(stack, 2)
+        averagers = [
+            stack.enter_context(
+                TrainingStateAverager(
+                    dht=dht,
+                    optimizer=partial(torch.optim.SGD, lr=0.1),
+                    params=[tensor],
+                    prefix="scheduled",
+                    target_group_size=2,
+                )
+            )
+            for dht, tensor in zip(dhts, tensors, strict=True)
+        ]
+        control = averagers[0].schedule_step(gather=7, timeout=30)
+        assert control.require_trigger
+        averagers[0].step(averaging_round=True, averaging_control=control, delay_averaging=True)
+        result = averagers[1].step(averaging_round=True)
+        averagers[0].step(wait_for_delayed_updates=True)
+        assert control.done()
+        assert control.result().group_size == 2
+        assert result is not None
+        assert sorted(result.values()) == [0, 7]
+        assert all(torch.equal(t.detach(), torch.full((2,), 2.0)) for t in tensors)
