@@ -457,10 +457,11 @@ class TrainingStateAverager(DecentralizedAverager):
         """Copy the local tensors into the averaged ones (unless they are the same) and, with
         the delta rule, remember them. (Under ``lock_optimizer``: a local step in the other
         thread does not tear the copy.)"""
+        if self.reuse_tensors:
+            return  # (they are the same tensors; reuse_tensors excludes the delta rule)
         with self.lock_optimizer, self.get_tensors() as averaged:
-            if not self.reuse_tensors:
-                for target, source in zip(averaged, self._local_tensors(), strict=True):
-                    target.copy_(source, non_blocking=True)
+            for target, source in zip(averaged, self._local_tensors(), strict=True):
+                target.copy_(source, non_blocking=True)
             if self.delta_rule_averaging:
                 job.old_tensors = [tensor.detach().clone() for tensor in averaged]
 
