@@ -14,7 +14,8 @@ def loop_threads() -> list[threading.Thread]:
 
 @pytest.fixture(autouse=True)
 def _fresh_loop() -> Iterator[None]:
-    """Every test starts without a loop thread and leaves none behind (as tests/sync/)."""
+    """Every test starts without a loop thread and leaves no thread behind (the event loop's,
+    a TrainingStateAverager's background threads, ...)."""
     swarmavg.sync.shutdown_loop(timeout=10)
     before = set(threading.enumerate())
     yield
