@@ -1,0 +1,374 @@
+"""One training process of ``benchmarks/optimizer.py``: the workload of
+``swarmavg/testing/workload.py`` trained with ``swarmavg.Optimizer``, ``hivemind.Optimizer``, or
+alone.
+
+    python benchmarks/_optimizer_peer.py --system swarmavg|hivemind|local [options]
+
+``--system swarmavg`` runs under the project's Python (``swarmavg.DHT`` + ``swarmavg.Optimizer``),
+``--system hivemind`` under a Python with hivemind 1.1.12 (``hivemind.DHT`` +
+``hivemind.Optimizer``), ``--system local`` under either (plain torch, no DHT). Both swarm systems
+get the same keyword arguments: ``dht``, ``run_id``, ``target_batch_size``,
+``batch_size_per_step``, ``optimizer`` (a factory: Adam at ``--lr``), ``params``, ``scheduler``
+(a factory: ``LambdaLR`` with a linear warmup over ``--warmup-epochs`` epochs, then constant),
+``matchmaking_time``, ``averaging_timeout``, the ``delay_*`` flags that are given (the others keep
+the library's default) and ``verbose``. ``--system local`` accumulates the gradients of its
+batches of ``--batch-size`` until ``--target-batch-size`` samples, then steps Adam and the
+scheduler: exactly one process training with batch T (the epoch is one optimizer step there).
+
+The workload module is loaded by file path (it imports torch and numpy only), so this script
+needs nothing of swarmavg under hivemind's Python. Each peer draws its own stream of batches
+(``workload.batches(seed=--data-seed, peer=--peer, num_peers=--num-peers)``); the model starts
+from ``--model-seed`` on every peer. ``torch.set_num_threads(1)``.
+
+Protocol: JSON lines on stdout (logs go to stderr), one object per line:
+
+- ``{"event": "ready", "peer", "maddrs", "setup_s", "corpus"}`` once the DHT and the optimizer
+  exist (``maddrs``: the DHT's visible addresses, for the others' ``--initial-peers``).
+- With ``--wait-go``, the peer then reads one line from stdin, ``{"go": T}``, and starts training
+  at ``time.monotonic() == T`` (one clock for every process on Linux); without it, at once.
+- ``{"event": "epoch", "peer", "epoch", "t", "samples", "steps", "val_loss"?}`` each time the
+  local epoch changes (``t``: seconds since the start; ``samples``, ``steps``: what this peer fed
+  to ``step()`` while the previous epoch was current; ``val_loss``: with ``--eval-every k``,
+  every k-th epoch, and the last one). Epoch 0 is reported at the start (its ``val_loss``, with
+  ``--eval-every``, is that of the initial model).
+- ``{"event": "done", "peer", "epoch", "t", "samples", "steps", "timed_out", "val_loss"?,
+  "train_s"}`` when the local epoch reached ``--epochs`` (or ``--max-samples`` were fed, or
+  ``--deadline`` seconds passed: ``timed_out``). ``val_loss``: with ``--final-eval``.
+- Then, with ``--wait-go``, the peer keeps its DHT and optimizer up (so that peers still
+  finishing can average with it or load its state) until a line ``stop`` or EOF on stdin (at
+  most ``--linger`` seconds), shuts down and prints ``{"event": "exit", "shutdown_s"}``. With
+  ``--keep-stepping`` it goes on training meanwhile (those steps are not counted), as a peer of
+  a longer run would: a peer that is done and stops stepping leaves a straggler alone in its
+  last epoch (hivemind's then waits ``averaging_timeout`` for a group).
+- ``{"event": "error", "error"}`` and exit status 3 when the system cannot run (e.g.
+  ``swarmavg.Optimizer`` is missing); other failures raise (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import select
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+WORKLOAD_PATH = Path(__file__).resolve().parents[1] / "swarmavg" / "testing" / "workload.py"
+
+
+def load_workload() -> ModuleType:
+    """``swarmavg/testing/workload.py`` as a module of its own (no swarmavg import)."""
+    spec = importlib.util.spec_from_file_location("_swarmavg_workload", WORKLOAD_PATH)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def emit(**record: Any) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def warmup_lambda(warmup_epochs: int) -> Any:
+    """The learning-rate factor per epoch: linear warmup over ``warmup_epochs``, then 1."""
+
+    def factor(epoch: int) -> float:
+        return min(1.0, (epoch + 1) / warmup_epochs) if warmup_epochs > 0 else 1.0
+
+    return factor
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--system", choices=("swarmavg", "hivemind", "local"), required=True)
+    p.add_argument("--peer", type=int, default=0)
+    p.add_argument("--num-peers", type=int, default=1)
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--run-id", default="bench")
+    p.add_argument("--target-batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16, help="samples per step()")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--max-samples", type=int, default=0, help="stop after feeding this many")
+    p.add_argument("--deadline", type=float, default=600.0, help="seconds of training at most")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-epochs", type=int, default=5)
+    p.add_argument("--matchmaking-time", type=float, default=5.0)
+    p.add_argument("--averaging-timeout", type=float, default=30.0)
+    for flag in ("delay-optimizer-step", "delay-grad-averaging", "delay-state-averaging"):
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--eval-every", type=int, default=0, help="epochs; 0: never during training")
+    p.add_argument("--final-eval", action="store_true")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--model-seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--stdlib", default=None, help="the corpus root (default: this Python's)")
+    p.add_argument("--wait-go", action="store_true")
+    p.add_argument("--linger", type=float, default=60.0)
+    p.add_argument(
+        "--keep-stepping",
+        action="store_true",
+        help="after done, go on training (uncounted) until told to stop, as in a longer run",
+    )
+    p.add_argument("--startup-timeout", type=float, default=120.0)
+    return p.parse_args(argv)
+
+
+# -- the systems ----------------------------------------------------------------------------------
+
+
+class _Local:
+    """Training alone: accumulate ``batch_size`` batches until ``target`` samples, then step."""
+
+    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+        self.opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, warmup_lambda(args.warmup_epochs)
+        )
+        self.target = args.target_batch_size
+        self.accumulated = 0
+        self.local_epoch = 0
+
+    def backward(self, loss: torch.Tensor, batch: int) -> None:
+        (loss * (batch / self.target)).backward()
+
+    def step(self, batch: int) -> None:
+        self.accumulated += batch
+        if self.accumulated >= self.target:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.accumulated = 0
+            self.local_epoch += 1
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Swarm:
+    """``swarmavg.Optimizer`` or ``hivemind.Optimizer`` over a DHT of the same system."""
+
+    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+        if args.system == "hivemind":
+            import hivemind
+
+            self.dht = hivemind.DHT(
+                initial_peers=args.initial_peers or None,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                start=True,
+                await_ready=False,
+            )
+            self.dht.wait_until_ready(args.startup_timeout)
+            optimizer_class: Any = hivemind.Optimizer
+        else:
+            import swarmavg
+
+            optimizer_class = _swarmavg_optimizer()
+            self.dht = swarmavg.DHT(
+                initial_peers=args.initial_peers,
+                host="127.0.0.1",
+                port=0,
+                startup_timeout=args.startup_timeout,
+            )
+        lr, warmup = args.lr, args.warmup_epochs
+        delays = {
+            name: getattr(args, name)
+            for name in ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
+            if getattr(args, name) is not None
+        }
+        try:
+            self.opt = optimizer_class(
+                dht=self.dht,
+                run_id=args.run_id,
+                target_batch_size=args.target_batch_size,
+                batch_size_per_step=args.batch_size,
+                optimizer=lambda params: torch.optim.Adam(params, lr=lr),
+                params=model.parameters(),
+                scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda(warmup)),
+                matchmaking_time=args.matchmaking_time,
+                averaging_timeout=args.averaging_timeout,
+                verbose=args.verbose,
+                **delays,
+            )
+        except BaseException:
+            self.dht.shutdown()
+            raise
+
+    @property
+    def local_epoch(self) -> int:
+        return int(self.opt.local_epoch)
+
+    def backward(self, loss: torch.Tensor, batch: int) -> None:
+        loss.backward()
+
+    def step(self, batch: int) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def maddrs(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def shutdown(self) -> None:
+        try:
+            self.opt.shutdown()
+        finally:
+            self.dht.shutdown()
+
+
+class SystemUnavailable(RuntimeError):
+    pass
+
+
+def _swarmavg_optimizer() -> Any:
+    try:
+        import swarmavg
+    except ImportError as exc:
+        raise SystemUnavailable(f"swarmavg cannot be imported here: {exc}") from exc
+    for owner, name in ((swarmavg, "Optimizer"), (None, "swarmavg.optim")):
+        try:
+            module = owner if owner is not None else importlib.import_module(name)
+            return module.Optimizer
+        except (ImportError, AttributeError):
+            continue
+    raise SystemUnavailable(
+        "swarmavg.Optimizer is not available in this checkout yet (swarmavg/optim/optimizer.py)"
+    )
+
+
+# -- the loop -------------------------------------------------------------------------------------
+
+
+def _stdin_line(timeout: float) -> str | None:
+    """One line of stdin within ``timeout`` seconds; ``""`` at EOF, ``None`` on timeout."""
+    ready, _, _ = select.select([sys.stdin], [], [], max(0.0, timeout))
+    if not ready:
+        return None
+    return sys.stdin.readline()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    began = time.perf_counter()
+    workload = load_workload()
+    corpus = workload.load_corpus(root=args.stdlib)
+    model = workload.make_model(args.model_seed)
+    try:
+        system: Any = _Swarm(model, args) if args.system != "local" else _Local(model, args)
+    except SystemUnavailable as exc:
+        emit(event="error", peer=args.peer, error=str(exc))
+        return 3
+    try:
+        return _train(args, workload, corpus, model, system, began)
+    finally:
+        shutdown_began = time.perf_counter()
+        system.shutdown()
+        emit(event="exit", peer=args.peer, shutdown_s=time.perf_counter() - shutdown_began)
+
+
+def _train(
+    args: argparse.Namespace,
+    workload: ModuleType,
+    corpus: Any,
+    model: torch.nn.Module,
+    system: Any,
+    began: float,
+) -> int:
+    maddrs = system.maddrs() if isinstance(system, _Swarm) else []
+    emit(
+        event="ready",
+        peer=args.peer,
+        maddrs=maddrs,
+        setup_s=time.perf_counter() - began,
+        corpus=corpus.fingerprint,
+    )
+    if args.wait_go:
+        line = _stdin_line(args.startup_timeout + 600)
+        if not line:
+            raise SystemExit("no go from the driver")
+        go = float(json.loads(line)["go"])
+        time.sleep(max(0.0, go - time.monotonic()))
+    start = time.monotonic()
+
+    def evaluate() -> float:
+        return float(workload.evaluate(model, corpus, num_batches=args.eval_batches))
+
+    first: dict[str, Any] = {}
+    if args.eval_every:
+        first["val_loss"] = evaluate()
+    emit(
+        event="epoch", peer=args.peer, epoch=system.local_epoch, t=0.0, samples=0, steps=0, **first
+    )
+    stream = workload.batches(
+        corpus, args.batch_size, seed=args.data_seed, peer=args.peer, num_peers=args.num_peers
+    )
+    samples = steps = epoch_samples = epoch_steps = 0
+    epoch = system.local_epoch
+    timed_out = False
+    while epoch < args.epochs and not (args.max_samples and samples >= args.max_samples):
+        if time.monotonic() - start > args.deadline:
+            timed_out = True
+            break
+        x, y = next(stream)
+        loss = workload.loss_fn(model, x, y)
+        system.backward(loss, args.batch_size)
+        system.step(args.batch_size)
+        samples += args.batch_size
+        steps += 1
+        epoch_samples += args.batch_size
+        epoch_steps += 1
+        now_epoch = system.local_epoch
+        if now_epoch != epoch:
+            epoch = now_epoch
+            record: dict[str, Any] = {}
+            if args.eval_every and (epoch % args.eval_every == 0 or epoch >= args.epochs):
+                record["val_loss"] = evaluate()
+            emit(
+                event="epoch",
+                peer=args.peer,
+                epoch=epoch,
+                t=time.monotonic() - start,
+                samples=epoch_samples,
+                steps=epoch_steps,
+                **record,
+            )
+            epoch_samples = epoch_steps = 0
+    train_s = time.monotonic() - start
+    final: dict[str, Any] = {}
+    if args.final_eval:
+        final["val_loss"] = evaluate()
+    emit(
+        event="done",
+        peer=args.peer,
+        epoch=epoch,
+        t=train_s,
+        samples=samples,
+        steps=steps,
+        timed_out=timed_out,
+        train_s=train_s,
+        **final,
+    )
+    if args.wait_go:
+        deadline = time.monotonic() + args.linger
+        while (left := deadline - time.monotonic()) > 0:
+            line = _stdin_line(0.0 if args.keep_stepping else left)
+            if line is not None and (line == "" or line.strip() == "stop"):
+                break
+            if args.keep_stepping:  # as a peer of a run that goes on would (not counted)
+                x, y = next(stream)
+                system.backward(workload.loss_fn(model, x, y), args.batch_size)
+                system.step(args.batch_size)
+            elif line is None:
+                break
+    return 0 if not timed_out else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

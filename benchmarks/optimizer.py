@@ -1,0 +1,821 @@
+"""Collaborative-training benchmarks (issue 23's figures): ``swarmavg.Optimizer`` beside
+``hivemind.Optimizer`` 1.1.12 and beside training alone, on the workload of
+``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard library's source).
+
+    python benchmarks/optimizer.py [--quick] [--parts convergence,speed,overhead]
+                                   [--systems swarmavg,hivemind] [--peers 4]
+                                   [--target-batch-size 256] [--batch-size 16]
+                                   [--convergence-epochs 100] [--speed-epochs 20]
+                                   [--overhead-epochs 20]
+                                   [--matchmaking-times 1,2,5] [--hivemind-python PATH]
+                                   [--plot optimizer-convergence.png] [--out results.jsonl]
+
+hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
+``--hivemind-python`` for another); without one its rows say why they are empty. Without
+``swarmavg.Optimizer`` in this checkout our rows say so likewise.
+
+Every training process is ``benchmarks/_optimizer_peer.py`` (its docstring has the protocol):
+``--system swarmavg`` under this Python, ``--system hivemind`` under hivemind's, ``--system
+local`` (plain torch, no DHT) under this one. Each is a process of its own on loopback, started
+in a session of its own (hivemind's p2pd daemons and averager processes die with it),
+``torch.set_num_threads(1)``, the same corpus (``--stdlib`` of this Python, its fingerprint
+checked), the same model seed, Adam at ``--lr`` with a linear warmup over ``--warmup-epochs``
+epochs stepped by epoch, ``batch_size_per_step = --batch-size`` (16) and ``target_batch_size =
+--target-batch-size`` (T, 256). Each peer draws its own batches (seed 0, stream = its index).
+A swarm run: peer 0 starts its DHT, the others join it, every peer makes its optimizer and
+says ready; then all start at one instant (``time.monotonic()``, one clock on Linux) and train
+until their local epoch reaches E; a peer that is done goes on training (uncounted) until all
+are, as the peers of a longer run would (a straggler can still average with it or load its
+state; without that hivemind's last straggler waits ``averaging_timeout`` alone), then all shut
+down. Per run: the wall-clock from the start until the last peer reached E, the samples every
+peer fed to ``step()`` until then (their sum per epoch is the swarm's samples per epoch), and
+peer 0's validation loss (``workload.evaluate``: 8 batches of 64 x 64 fixed validation
+windows) every ``--eval-every`` epochs.
+
+Parts (``--parts``, default all three):
+
+- **convergence**: for each system in ``--convergence-systems`` (default swarmavg), ``--peers``
+  (4) peers for ``--convergence-epochs`` (E, 100; ``--quick`` 20) epochs, evaluated every
+  ``--eval-every`` (5) epochs; then one process training alone with batch T (``--system
+  local``: it accumulates its batches of 16 to T samples, then steps: the same optimizer and
+  schedule), for as many epochs as cover the swarm's samples. Reported: the swarm's validation
+  loss after E epochs, the alone process's at the same total samples (linear interpolation of
+  its curve) and at the same epoch, the ratio swarm / alone at equal samples (goal: <= 1.02)
+  and the swarm's samples per epoch over T (what the tracker overshot). Both curves go to a PNG
+  (``--plot``; needs matplotlib, else a message says it was skipped).
+- **speed**: for each system in ``--systems`` and each ``matchmaking_time`` in
+  ``--matchmaking-times`` (1, 2, 5 s), the wall-clock for the peers to finish
+  ``--speed-epochs`` (20; ``--quick`` 5) epochs, no evaluation during the run. Reported: the
+  wall-clock, the median epoch (peer 0's time between epochs after the first), samples/s, and
+  ours over hivemind's best (goal: <= 1/3, i.e. at least 3x faster).
+- **overhead**: the swarm of each system in ``--overhead-systems`` (default ``--systems``;
+  ``--quick``: ours) for ``--overhead-epochs`` (E, 20; ``--quick`` 10) epochs at
+  ``--overhead-matchmaking-time`` (1 s), once with the library's defaults and once with
+  ``--delay-optimizer-step --delay-grad-averaging`` (hivemind's ``delay_state_averaging`` is
+  on by default); then the same ``--peers`` processes training alone (``--system local``, no
+  DHT, no averaging), each for the samples a swarm peer fed on average (at least E x T /
+  peers). Reported: samples/s of each (all samples over the wall-clock) and the overhead
+  1 - swarm / alone (goal: <= 20% with the delays). Identical configurations (a speed run at
+  the same matchmaking time and epochs) are run once and reused.
+
+What it prints: one table per part (markdown), then notes (the machine's CPUs and load, the
+corpus, the runs that failed and why). ``--out FILE`` writes JSON lines (replacing FILE): a
+``meta`` record, one ``row`` per table row and one ``raw`` per run (every event of every
+peer). ``--logs DIR`` keeps each peer's stderr (default: a new temporary directory, named in
+the notes).
+
+``--quick`` (~2-3 min): E=20 for convergence, 5 for speed, 10 for overhead, matchmaking time
+1 s only, and the overhead part with our system only. A full run takes ~10-15 min on 2 CPUs,
+most of it hivemind's (its epochs take at least its matchmaking time). Every wait has a
+timeout; every process is killed (its whole session) on the way out, also on Ctrl+C and
+SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _averaging_common import hivemind_sockets, machine_busy_seconds, remove_stale_sockets
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEER_SCRIPT = HERE / "_optimizer_peer.py"
+HIVEMIND_PYTHON = Path("/tmp/hm-venv/bin/python")
+READY_TIMEOUT = 180.0  # every peer up: imports, DHT, optimizer (2 CPUs, 4 imports at once)
+GO_DELAY = 1.0  # the peers start this long after the driver sends the start time
+#: the peers gone after they were told to stop, before their sessions are killed (a peer in a
+#: step that waits for a group cannot answer before its averaging_timeout)
+EXIT_TIMEOUT = 15.0
+#: goals (issue 23)
+GOAL_CONVERGENCE = 1.02
+GOAL_SPEEDUP = 3.0
+GOAL_OVERHEAD = 0.20
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class RunFailed(RuntimeError):
+    """A run could not complete; the message says why (shown in its row)."""
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+class _Peer:
+    """One ``_optimizer_peer.py`` process: its events arrive on a shared queue."""
+
+    def __init__(
+        self,
+        python: str,
+        index: int,
+        argv: list[str],
+        events: queue.Queue[tuple[int, dict[str, Any]]],
+        log: Path,
+        env: dict[str, str],
+    ) -> None:
+        self.index = index
+        self.log = log
+        self._log_file: IO[str] = log.open("w")
+        self.proc = subprocess.Popen(
+            [python, str(PEER_SCRIPT), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, args=(events,), daemon=True)
+        self._reader.start()
+
+    def _read(self, events: queue.Queue[tuple[int, dict[str, Any]]]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    events.put((self.index, json.loads(line)))
+        events.put((self.index, {"event": "eof", "returncode": self.proc.wait()}))
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+
+    def request_stop(self) -> None:
+        """Tell it to shut down (a line ``stop``, then EOF)."""
+        self.send("stop")
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+
+    def finish(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic()``) for it to exit, then kill its
+        session (what is left of it: hivemind's daemons and averager processes)."""
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _progress(f"  peer {self.index} had not exited when told to stop: killed")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._reader.join(timeout=10)
+        self._log_file.close()
+
+    def log_tail(self, chars: int = 600) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
+
+
+def _python_for(system: str, args: argparse.Namespace) -> str:
+    if system == "hivemind":
+        python = Path(args.hivemind_python)
+        if not python.exists():
+            raise RunFailed(f"skipped: {python} not found (a venv with hivemind==1.1.12)")
+        return str(python)
+    return sys.executable
+
+
+def _env_for(system: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if system == "hivemind":
+        env.pop("PYTHONPATH", None)
+    else:  # this checkout's swarmavg first
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _common_argv(args: argparse.Namespace, config: dict[str, Any]) -> list[str]:
+    argv = [
+        f"--system={config['system']}",
+        f"--target-batch-size={config['target']}",
+        f"--batch-size={args.batch_size}",
+        f"--epochs={config.get('epochs', 1 << 30)}",
+        f"--lr={args.lr}",
+        f"--warmup-epochs={args.warmup_epochs}",
+        f"--stdlib={args.stdlib}",
+        f"--num-peers={config['peers']}",
+        f"--deadline={args.run_timeout}",
+        f"--eval-every={config.get('eval_every', 0)}",
+        "--wait-go",
+        f"--linger={args.run_timeout}",
+        f"--startup-timeout={READY_TIMEOUT}",
+    ]
+    if config["system"] != "local":
+        argv += [
+            f"--run-id={config['run_id']}",
+            f"--matchmaking-time={config['matchmaking_time']}",
+            f"--averaging-timeout={args.averaging_timeout}",
+        ]
+        argv.append("--keep-stepping")
+        if args.verbose:
+            argv.append("--verbose")
+    for flag in config.get("delays", ()):
+        argv.append(f"--{flag}")
+    if config.get("max_samples"):
+        argv.append(f"--max-samples={config['max_samples']}")
+    return argv
+
+
+def run_config(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """Runs ``config['peers']`` processes of ``config['system']`` to the end; returns every
+    event of every peer (``events[i]``) and the run's figures. Raises :class:`RunFailed`."""
+    system, n = config["system"], config["peers"]
+    python = _python_for(system, args)
+    env = _env_for(system)
+    events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+    name = config["name"]
+    peers: list[_Peer] = []
+    log_dir = Path(args.logs)
+    per_peer: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    sockets_before = hivemind_sockets()
+    busy0 = machine_busy_seconds()
+    wall0 = time.monotonic()
+
+    def spawn(i: int, initial: list[str]) -> None:
+        argv = [*_common_argv(args, config), f"--peer={i}"]
+        if initial:
+            argv += ["--initial-peers", *initial]
+        peers.append(_Peer(python, i, argv, events, log_dir / f"{name}-peer{i}.log", env))
+
+    def wait_for(kind: str, who: set[int], timeout: float) -> dict[int, dict[str, Any]]:
+        got: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while set(got) != who:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(who - set(got))
+                raise RunFailed(f"no {kind!r} from peers {missing} within {timeout:.0f} s")
+            try:
+                i, event = events.get(timeout=left)
+            except queue.Empty:
+                continue
+            per_peer[i].append(event)
+            if event["event"] == "error":
+                raise RunFailed(f"peer {i}: {event['error']}")
+            if event["event"] == "eof" and kind != "exit":
+                raise RunFailed(
+                    f"peer {i} exited (status {event['returncode']}) before {kind!r}: "
+                    f"{peers[i].log_tail()}"
+                )
+            if event["event"] == kind:
+                got[i] = event
+        return got
+
+    try:
+        spawn(0, [])
+        if system == "local":
+            for i in range(1, n):
+                spawn(i, [])
+            ready = wait_for("ready", set(range(n)), READY_TIMEOUT)
+        else:
+            first = wait_for("ready", {0}, READY_TIMEOUT)
+            for i in range(1, n):
+                spawn(i, first[0]["maddrs"])
+            ready = first | wait_for("ready", set(range(1, n)), READY_TIMEOUT)
+        corpora = {event["corpus"] for event in ready.values()}
+        if len(corpora) != 1:
+            raise RunFailed(f"the peers loaded different corpora: {sorted(corpora)}")
+        go = time.monotonic() + GO_DELAY
+        for peer in peers:
+            peer.send(json.dumps({"go": go}))
+        busy_go = machine_busy_seconds()
+        done = wait_for("done", set(range(n)), args.run_timeout + 60)
+        busy_end = machine_busy_seconds()
+        end = time.monotonic()
+    finally:
+        for peer in peers:
+            peer.request_stop()
+        stop_deadline = time.monotonic() + EXIT_TIMEOUT
+        for peer in peers:
+            peer.finish(stop_deadline)
+        while True:  # what arrived meanwhile (exit records)
+            try:
+                i, event = events.get_nowait()
+            except queue.Empty:
+                break
+            per_peer[i].append(event)
+        remove_stale_sockets(sockets_before)
+    result = _summarize(config, per_peer, done, ready)
+    result["session_s"] = end - wall0
+    if busy_go is not None and busy_end is not None and end > go:
+        result["machine_busy_cpus"] = (busy_end - busy_go) / (end - go)
+    result["busy_before_go"] = None if busy0 is None or busy_go is None else busy_go - busy0
+    return result
+
+
+def _summarize(
+    config: dict[str, Any],
+    per_peer: list[list[dict[str, Any]]],
+    done: dict[int, dict[str, Any]],
+    ready: dict[int, dict[str, Any]],
+) -> dict[str, Any]:
+    n = config["peers"]
+    wall = max(float(done[i]["t"]) for i in range(n))
+    samples = sum(int(done[i]["samples"]) for i in range(n))
+    by_epoch: dict[int, int] = {}
+    for events in per_peer:
+        for event in events:
+            if event["event"] == "epoch" and event["epoch"] > 0:
+                by_epoch[event["epoch"]] = by_epoch.get(event["epoch"], 0) + event["samples"]
+    curve: list[dict[str, float]] = []
+    cumulative = 0
+    epoch_times: list[float] = []
+    last_t = None
+    for event in per_peer[0]:
+        if event["event"] != "epoch":
+            continue
+        epoch = int(event["epoch"])
+        if epoch > 0:
+            cumulative = sum(s for e, s in by_epoch.items() if e <= epoch)
+            if last_t is not None:
+                epoch_times.append(float(event["t"]) - last_t)
+        last_t = float(event["t"])
+        if "val_loss" in event:
+            curve.append({"epoch": epoch, "samples": cumulative, "val_loss": event["val_loss"]})
+    epoch_times = epoch_times[1:]  # the first epoch includes the first matchmaking
+    return {
+        "config": config,
+        "wall_s": wall,
+        "samples": samples,
+        "samples_per_s": samples / wall if wall > 0 else None,
+        "epochs_reached": min(int(done[i]["epoch"]) for i in range(n)),
+        "timed_out": any(done[i].get("timed_out") for i in range(n)),
+        "samples_per_epoch": [by_epoch[e] for e in sorted(by_epoch)],
+        "median_epoch_s": _median(epoch_times),
+        "curve": curve,
+        "setup_s": max(float(ready[i]["setup_s"]) for i in range(n)),
+        "events": per_peer,
+    }
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+class Runner:
+    """Runs configurations once each (identical ones are reused) and keeps every result."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def run(self, **config: Any) -> dict[str, Any]:
+        key = json.dumps(config, sort_keys=True)
+        if key in self.results:
+            return self.results[key]
+        label = " ".join(f"{k}={v}" for k, v in config.items())
+        _progress(f"running {label} ...")
+        full = dict(config, name=f"run{len(self.results)}", run_id=f"bench-{uuid.uuid4().hex[:8]}")
+        began = time.monotonic()
+        try:
+            result = run_config(self.args, full)
+        except RunFailed as exc:
+            result = {"config": full, "error": str(exc)}
+        except Exception as exc:
+            result = {"config": full, "error": _error(exc)}
+        result["run_s"] = time.monotonic() - began
+        if "error" in result:
+            _progress(f"  failed: {result['error']}")
+        else:
+            _progress(
+                f"  {result['wall_s']:.1f} s, {result['samples_per_s']:.0f} samples/s, "
+                f"epochs {result['epochs_reached']}"
+            )
+        self.results[key] = result
+        return result
+
+
+# -- the parts ------------------------------------------------------------------------------------
+
+
+def _interpolate(curve: list[dict[str, float]], samples: float) -> float | None:
+    points = sorted((p["samples"], p["val_loss"]) for p in curve)
+    for (s0, l0), (s1, l1) in itertools.pairwise(points):
+        if s0 <= samples <= s1:
+            return l0 if s1 == s0 else l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
+    return None
+
+
+def part_convergence(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    T, E = args.target_batch_size, args.convergence_epochs
+    swarms: dict[str, dict[str, Any]] = {}
+    for system in args.convergence_systems:
+        swarms[system] = runner.run(
+            part="convergence",
+            system=system,
+            peers=args.peers,
+            target=T,
+            epochs=E,
+            eval_every=args.eval_every,
+            matchmaking_time=args.convergence_matchmaking_time,
+        )
+    done = [r for r in swarms.values() if "error" not in r]
+    if not done:
+        return [
+            {"part": "convergence", "system": system, "error": swarm["error"]}
+            for system, swarm in swarms.items()
+        ]
+    most = max(r["samples"] for r in done)
+    alone_epochs = max(E, math.ceil(most / T)) + args.eval_every
+    alone_epochs = math.ceil(alone_epochs / args.eval_every) * args.eval_every
+    alone = runner.run(
+        part="convergence",
+        system="local",
+        peers=1,
+        target=T,
+        epochs=alone_epochs,
+        eval_every=args.eval_every,
+    )
+    for system, swarm in swarms.items():
+        row: dict[str, Any] = {"part": "convergence", "system": system, "peers": args.peers}
+        row |= {"target_batch_size": T, "epochs": E}
+        if "error" in swarm or "error" in alone:
+            row["error"] = swarm.get("error") or f"alone: {alone.get('error')}"
+            rows.append(row)
+            continue
+        final = swarm["curve"][-1] if swarm["curve"] else None
+        if final is None or final["epoch"] < E:
+            row["error"] = f"the swarm reached epoch {swarm['epochs_reached']} of {E}"
+            rows.append(row)
+            continue
+        at_samples = _interpolate(alone["curve"], final["samples"])
+        at_epoch = next((p["val_loss"] for p in alone["curve"] if p["epoch"] == E), None)
+        row |= {
+            "swarm_samples": final["samples"],
+            "swarm_val_loss": final["val_loss"],
+            "alone_val_loss_same_samples": at_samples,
+            "alone_val_loss_same_epoch": at_epoch,
+            "ratio_same_samples": None if at_samples is None else final["val_loss"] / at_samples,
+            "ratio_same_epoch": None if at_epoch is None else final["val_loss"] / at_epoch,
+            "samples_per_epoch_over_T": final["samples"] / (E * T),
+            "swarm_wall_s": swarm["wall_s"],
+            "alone_wall_s": alone["wall_s"],
+        }
+        rows.append(row)
+    if args.plot:
+        _plot(args.plot, swarms, alone, T)
+    return rows
+
+
+def _plot(path: Path, swarms: dict[str, dict[str, Any]], alone: dict[str, Any], T: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _progress(f"matplotlib is not installed: no plot ({path})")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, swarm in swarms.items():
+        if swarm.get("curve"):
+            xs = [p["samples"] for p in swarm["curve"]]
+            ax.plot(xs, [p["val_loss"] for p in swarm["curve"]], marker=".", label=system)
+    if alone.get("curve"):
+        xs = [p["samples"] for p in alone["curve"]]
+        ax.plot(xs, [p["val_loss"] for p in alone["curve"]], "k--", label=f"alone, batch {T}")
+    ax.set_xlabel("samples (windows of 64 bytes)")
+    ax.set_ylabel("validation cross-entropy (nats/byte)")
+    n = next((s["config"]["peers"] for s in swarms.values()), "?")
+    ax.set_title(f"{n} peers, target_batch_size {T} vs one process with batch {T}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    _progress(f"plot written to {path}")
+
+
+def part_speed(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for mm in args.matchmaking_times:
+        for system in args.systems:
+            result = runner.run(
+                part="swarm",
+                system=system,
+                peers=args.peers,
+                target=args.target_batch_size,
+                epochs=args.speed_epochs,
+                matchmaking_time=mm,
+            )
+            rows.append(_speed_row(system, mm, args, result))
+    best = {}
+    for row in rows:
+        if "error" not in row and not row.get("timed_out"):
+            s = row["system"]
+            best[s] = min(best.get(s, math.inf), row["wall_s"])
+    for row in rows:
+        if row["system"] == "swarmavg" and "hivemind" in best and "wall_s" in row:
+            row["speedup_vs_hivemind_best"] = best["hivemind"] / row["wall_s"]
+    return rows
+
+
+def _speed_row(
+    system: str, mm: float, args: argparse.Namespace, result: dict[str, Any]
+) -> dict[str, Any]:
+    T = args.target_batch_size
+    row: dict[str, Any] = {"part": "speed", "system": system, "matchmaking_time": mm}
+    row |= {"peers": args.peers, "epochs": args.speed_epochs}
+    if "error" in result:
+        row["error"] = result["error"]
+        return row
+    row |= {
+        "wall_s": result["wall_s"],
+        "median_epoch_s": result["median_epoch_s"],
+        "samples_per_s": result["samples_per_s"],
+        "epochs_reached": result["epochs_reached"],
+        "timed_out": result["timed_out"],
+        "samples_per_epoch_over_T": result["samples"] / (args.speed_epochs * T),
+    }
+    return row
+
+
+def part_overhead(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    T, E, n = args.target_batch_size, args.overhead_epochs, args.peers
+    swarms: list[tuple[str, str, dict[str, Any]]] = []
+    for system in args.overhead_systems:
+        for delays in ((), ("delay-optimizer-step", "delay-grad-averaging")):
+            config: dict[str, Any] = dict(
+                part="swarm",
+                system=system,
+                peers=n,
+                target=T,
+                epochs=E,
+                matchmaking_time=args.overhead_matchmaking_time,
+            )
+            if delays:
+                config["delays"] = list(delays)
+            label = "+".join(d.removeprefix("delay-") for d in delays) or "defaults"
+            swarms.append((system, label, runner.run(**config)))
+    # alone: each process feeds what a swarm peer fed on average (at least E x T / n samples)
+    fed = [r["samples"] / n for _, _, r in swarms if "error" not in r]
+    per_process = max([E * T / n, *fed])
+    alone = runner.run(
+        part="alone",
+        system="local",
+        peers=n,
+        target=T,
+        max_samples=math.ceil(per_process / args.batch_size) * args.batch_size,
+    )
+    alone_sps = alone.get("samples_per_s")
+    rows: list[dict[str, Any]] = [
+        {
+            "part": "overhead",
+            "system": "alone",
+            "delays": "-",
+            "peers": n,
+            "samples_per_s": alone_sps,
+            **({"error": alone["error"]} if "error" in alone else {}),
+        }
+    ]
+    for system, label, result in swarms:
+        row: dict[str, Any] = {"part": "overhead", "system": system, "peers": n, "delays": label}
+        if "error" in result:
+            row["error"] = result["error"]
+        else:
+            row["samples_per_s"] = result["samples_per_s"]
+            row["epochs_reached"] = result["epochs_reached"]
+            if alone_sps:
+                row["overhead"] = 1 - result["samples_per_s"] / alone_sps
+        rows.append(row)
+    return rows
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def _table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(head for head, _ in columns) + " | note |")
+    print("|" + "---|" * (len(columns) + 1))
+    for row in rows:
+        cells = [_fmt(row.get(key)) for _, key in columns]
+        print("| " + " | ".join(cells) + f" | {row.get('error', '')[:160]} |")
+
+
+def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    conv = [r for r in rows if r["part"] == "convergence"]
+    if conv:
+        _table(
+            f"Convergence: {args.peers} peers, T={args.target_batch_size}, "
+            f"E={args.convergence_epochs} vs alone with batch T (goal: ratio <= "
+            f"{GOAL_CONVERGENCE})",
+            conv,
+            [
+                ("system", "system"),
+                ("swarm samples", "swarm_samples"),
+                ("samples/epoch / T", "samples_per_epoch_over_T"),
+                ("swarm val loss", "swarm_val_loss"),
+                ("alone, same samples", "alone_val_loss_same_samples"),
+                ("ratio", "ratio_same_samples"),
+                ("alone, same epoch", "alone_val_loss_same_epoch"),
+                ("ratio (epoch)", "ratio_same_epoch"),
+                ("swarm s", "swarm_wall_s"),
+                ("alone s", "alone_wall_s"),
+            ],
+        )
+    speed = [r for r in rows if r["part"] == "speed"]
+    if speed:
+        _table(
+            f"Speed: {args.peers} peers, {args.speed_epochs} epochs of T="
+            f"{args.target_batch_size} (goal: ours >= {GOAL_SPEEDUP}x faster than hivemind's "
+            "best)",
+            speed,
+            [
+                ("system", "system"),
+                ("matchmaking_time", "matchmaking_time"),
+                ("wall s", "wall_s"),
+                ("median epoch s", "median_epoch_s"),
+                ("samples/s", "samples_per_s"),
+                ("samples/epoch / T", "samples_per_epoch_over_T"),
+                ("epochs", "epochs_reached"),
+                ("speedup vs hivemind best", "speedup_vs_hivemind_best"),
+            ],
+        )
+    overhead = [r for r in rows if r["part"] == "overhead"]
+    if overhead:
+        _table(
+            f"Overhead: samples/s of {args.peers} peers in a swarm ({args.overhead_epochs} "
+            "epochs) vs the same processes alone (matchmaking_time "
+            f"{args.overhead_matchmaking_time} s; goal: <= {GOAL_OVERHEAD:.0%} with the delays)",
+            overhead,
+            [
+                ("system", "system"),
+                ("delays", "delays"),
+                ("samples/s", "samples_per_s"),
+                ("overhead", "overhead"),
+            ],
+        )
+
+
+def _parse_list(kind: type, choices: tuple[str, ...] = ()) -> Any:
+    def parse(text: str) -> list[Any]:
+        items = [kind(x) for x in text.split(",") if x.strip()]
+        if choices and any(x not in choices for x in items):
+            raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(choices)}")
+        if not items:
+            raise argparse.ArgumentTypeError("an empty list")
+        return items
+
+    return parse
+
+
+PARTS = ("convergence", "speed", "overhead")
+SYSTEMS = ("swarmavg", "hivemind")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~2-3 min: fewer epochs and runs")
+    parser.add_argument("--parts", type=_parse_list(str, PARTS), default=list(PARTS))
+    parser.add_argument("--systems", type=_parse_list(str, SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--convergence-systems", type=_parse_list(str, SYSTEMS))
+    parser.add_argument("--overhead-systems", type=_parse_list(str, SYSTEMS))
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--target-batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per step()")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup-epochs", type=int, default=5)
+    parser.add_argument("--convergence-epochs", type=int, help="default 100 (--quick 20)")
+    parser.add_argument("--eval-every", type=int, default=5, help="epochs (convergence)")
+    parser.add_argument("--convergence-matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--speed-epochs", type=int, help="default 20 (--quick 5)")
+    parser.add_argument(
+        "--matchmaking-times", type=_parse_list(float), help="default 1,2,5 (--quick 1)"
+    )
+    parser.add_argument("--overhead-epochs", type=int, help="default 20 (--quick 10)")
+    parser.add_argument("--overhead-matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--averaging-timeout", type=float, default=30.0)
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="s of training per run")
+    parser.add_argument("--hivemind-python", default=str(HIVEMIND_PYTHON))
+    parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="corpus root")
+    parser.add_argument("--plot", type=Path, default=Path("optimizer-convergence.png"))
+    parser.add_argument("--no-plot", dest="plot", action="store_const", const=None)
+    parser.add_argument("--out", type=Path, help="JSON lines: meta, rows, raw runs")
+    parser.add_argument("--logs", type=Path, help="the peers' stderr (default: a new tmp dir)")
+    parser.add_argument("--verbose", action="store_true", help="the optimizers log at INFO")
+    args = parser.parse_args(argv)
+    if args.convergence_epochs is None:
+        args.convergence_epochs = 20 if args.quick else 100
+    if args.speed_epochs is None:
+        args.speed_epochs = 5 if args.quick else 20
+    if args.overhead_epochs is None:
+        args.overhead_epochs = 10 if args.quick else 20
+    if args.matchmaking_times is None:
+        args.matchmaking_times = [1.0] if args.quick else [1.0, 2.0, 5.0]
+    if args.convergence_systems is None:
+        args.convergence_systems = [s for s in args.systems if s == "swarmavg"] or args.systems
+    if args.overhead_systems is None:
+        quick_one = [s for s in args.systems if s == "swarmavg"] or args.systems[:1]
+        args.overhead_systems = quick_one if args.quick else args.systems
+    if args.peers < 2 or args.target_batch_size < 1 or args.batch_size < 1:
+        parser.error("--peers must be >= 2, --target-batch-size and --batch-size >= 1")
+    if min(args.eval_every, args.convergence_epochs, args.speed_epochs, args.overhead_epochs) < 1:
+        parser.error("--eval-every and the --*-epochs must be >= 1")
+    if args.logs is None:
+        args.logs = Path(tempfile.mkdtemp(prefix="swarmavg-optimizer-bench-"))
+    args.logs.mkdir(parents=True, exist_ok=True)
+
+    def on_term(signum: int, frame: object) -> None:  # let `finally` stop the processes
+        raise SystemExit(f"signal {signum}")
+
+    previous_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _main(args: argparse.Namespace) -> int:
+    started = time.time()
+    runner = Runner(args)
+    rows: list[dict[str, Any]] = []
+    try:
+        if "convergence" in args.parts:
+            rows += part_convergence(runner, args)
+        if "speed" in args.parts:
+            rows += part_speed(runner, args)
+        if "overhead" in args.parts:
+            rows += part_overhead(runner, args)
+    except KeyboardInterrupt:  # every process was stopped on the way out
+        _progress("interrupted")
+        return 130
+    print_tables(rows, args)
+    notes = [
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, peers' stderr in {args.logs}",
+        f"batch_size_per_step {args.batch_size}, Adam lr {args.lr}, warmup "
+        f"{args.warmup_epochs} epochs, averaging_timeout {args.averaging_timeout} s",
+    ]
+    busy = [r["machine_busy_cpus"] for r in runner.results.values() if "machine_busy_cpus" in r]
+    if busy:
+        notes.append(
+            f"machine-wide busy CPUs during the runs: {min(busy):.2f}-{max(busy):.2f} "
+            "(all processes, this benchmark's included)"
+        )
+    failed = [r for r in runner.results.values() if "error" in r]
+    for r in failed:
+        notes.append(f"run {r['config']['name']} ({r['config']['system']}) failed: {r['error']}")
+    notes.append(f"the whole run took {time.time() - started:.0f} s")
+    print()
+    for note in notes:
+        print(f"- {note}")
+    if args.out:
+        meta = {
+            "kind": "meta",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "notes": notes,
+        }
+        lines = [meta, *({"kind": "row", **row} for row in rows)]
+        lines += [{"kind": "raw", **result} for result in runner.results.values()]
+        args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

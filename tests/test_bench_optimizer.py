@@ -1,0 +1,113 @@
+"""``benchmarks/optimizer.py`` and its peer script: a process training alone reports its epochs
+and learns; two ``swarmavg.Optimizer`` peers finish their epochs (skipped until
+``swarmavg.Optimizer`` exists); the convergence figure's interpolation."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+PEER = Path(__file__).parents[1] / "benchmarks" / "_optimizer_peer.py"
+
+
+def _records(stdout: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(120)
+def test_local_peer_reports_epochs_and_learns() -> None:
+    """``--system local`` accumulates batches of 16 to T=32 samples per epoch."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(PEER),
+            "--system=local",
+            "--target-batch-size=32",
+            "--batch-size=16",
+            "--epochs=6",
+            "--eval-every=3",
+            "--eval-batches=2",
+            "--final-eval",
+            "--lr=3e-3",
+            "--warmup-epochs=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=True,
+    )
+    records = _records(out.stdout)
+    assert [r["event"] for r in records] == ["ready"] + ["epoch"] * 7 + ["done", "exit"]
+    epochs = [r for r in records if r["event"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == list(range(7))
+    assert [r["samples"] for r in epochs] == [0] + [32] * 6
+    assert [r["steps"] for r in epochs] == [0] + [2] * 6
+    losses = [r["val_loss"] for r in epochs if "val_loss" in r]
+    assert len(losses) == 3  # epochs 0, 3, 6
+    assert losses[0] > 5.4
+    assert losses[2] < losses[0] - 0.5  # 6 Adam steps at batch 32 already help
+    done = records[-2]
+    assert done["samples"] == 6 * 32
+    assert done["val_loss"] == losses[2]
+    assert done["timed_out"] is False
+    assert len({r.get("corpus") for r in records if r["event"] == "ready"}) == 1
+
+
+def _swarmavg_optimizer_missing() -> bool:
+    return importlib.util.find_spec("swarmavg.optim.optimizer") is None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(_swarmavg_optimizer_missing(), reason="swarmavg.Optimizer is not written yet")
+def test_two_swarmavg_peers_finish_their_epochs(
+    load_benchmark: Callable[[str], ModuleType], tmp_path: Path
+) -> None:
+    bench = load_benchmark("optimizer.py")
+    args = argparse.Namespace(
+        batch_size=16,
+        lr=2e-3,
+        warmup_epochs=1,
+        stdlib=sysconfig.get_paths()["stdlib"],
+        run_timeout=120.0,
+        averaging_timeout=20.0,
+        verbose=False,
+        hivemind_python="/nonexistent",
+        logs=tmp_path,
+    )
+    config = {
+        "name": "t",
+        "run_id": "test-bench-optimizer",
+        "system": "swarmavg",
+        "peers": 2,
+        "target": 64,
+        "epochs": 3,
+        "eval_every": 3,
+        "matchmaking_time": 1.0,
+    }
+    result = bench.run_config(args, config)
+    assert result["epochs_reached"] == 3
+    assert not result["timed_out"]
+    assert result["samples"] >= 3 * 64
+    assert [p["epoch"] for p in result["curve"]] == [0, 3]
+    assert result["curve"][1]["val_loss"] < result["curve"][0]["val_loss"]
+
+
+def test_interpolate(load_benchmark: Callable[[str], ModuleType]) -> None:
+    bench = load_benchmark("optimizer.py")
+    curve = [
+        {"epoch": 0, "samples": 0, "val_loss": 5.0},
+        {"epoch": 5, "samples": 100, "val_loss": 3.0},
+        {"epoch": 10, "samples": 200, "val_loss": 2.0},
+    ]
+    assert bench._interpolate(curve, 150) == pytest.approx(2.5)
+    assert bench._interpolate(curve, 100) == pytest.approx(3.0)
+    assert bench._interpolate(curve, 250) is None
