@@ -1,4 +1,4 @@
-"""Collaborative training: hivemind-style optimizers on top of :class:`swarmavg.DecentralizedAverager`.
+"""Collaborative training: hivemind-style optimizers over :class:`swarmavg.DecentralizedAverager`.
 
 * :class:`Optimizer` — hivemind's ``hivemind.Optimizer``: peers accumulate one large global batch
   together, average gradients when it is full, step in lockstep (epochs), average parameters and
@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from swarmavg.optim.grad_averager import GradientAverager
-    from swarmavg.optim.grad_scaler import GradScaler
     from swarmavg.optim.optimizer import Optimizer
     from swarmavg.optim.progress_tracker import ProgressTracker
     from swarmavg.optim.state_averager import TrainingStateAverager
 
 __all__ = [
-    "GradScaler",
     "GradientAverager",
     "Optimizer",
     "ProgressTracker",
@@ -34,7 +32,6 @@ __all__ = [
 ]
 
 _WHERE = {
-    "GradScaler": "swarmavg.optim.grad_scaler",
     "GradientAverager": "swarmavg.optim.grad_averager",
     "Optimizer": "swarmavg.optim.optimizer",
     "ProgressTracker": "swarmavg.optim.progress_tracker",

@@ -31,8 +31,7 @@ from swarmavg.compression import AdaptiveCompression, CompressionBase, NoCompres
 from swarmavg.errors import LoadStateFailed
 from swarmavg.optim.grad_averager import GradientAverager
 from swarmavg.optim.progress_tracker import ProgressTracker
-from swarmavg.optim.state_averager import TrainingStateAverager
-from swarmavg.proto.progress import PerformanceEMA
+from swarmavg.optim.state_averager import TrainingStateAverager, _SecondsEMA
 
 if TYPE_CHECKING:
     from swarmavg.averager import StepHandle
@@ -218,15 +217,15 @@ class Optimizer(torch.optim.Optimizer):
             ("verbose", verbose),
         ):
             _check_flag(name, flag)
-        for name, flag in (
+        for name, maybe in (
             ("offload_optimizer", offload_optimizer),
             ("delay_optimizer_step", delay_optimizer_step),
             ("client_mode", client_mode),
         ):
-            _check_flag(name, flag, optional=True)
+            _check_flag(name, maybe, optional=True)
 
         # R-A1: resolve the defaults (client_mode the right way round, as upstream meant it).
-        client_mode = dht.client_mode if client_mode is None else client_mode
+        client_mode = bool(dht.client_mode if client_mode is None else client_mode)
         if delay_optimizer_step is None:
             delay_optimizer_step = delay_grad_averaging
         if offload_optimizer is None:
@@ -241,7 +240,8 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError("auxiliary=True: an auxiliary peer takes no batch_size_per_step")
         if callable(optimizer) and not _is_optimizer_like(optimizer) and params is not None:
             if scheduler is not None and (
-                not callable(scheduler) or isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+                not callable(scheduler)
+                or isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
             ):
                 raise ValueError(
                     "with an optimizer factory, scheduler must be a factory too: "
@@ -266,9 +266,13 @@ class Optimizer(torch.optim.Optimizer):
             )
         if use_local_updates:
             if reuse_grad_buffers:
-                raise ValueError("use_local_updates=True accumulates no gradients: reuse_grad_buffers")
+                raise ValueError(
+                    "use_local_updates=True accumulates no gradients: reuse_grad_buffers"
+                )
             if delay_grad_averaging:
-                raise ValueError("use_local_updates=True averages no gradients: delay_grad_averaging")
+                raise ValueError(
+                    "use_local_updates=True averages no gradients: delay_grad_averaging"
+                )
             if grad_averager_factory is not None:
                 raise ValueError(
                     "use_local_updates=True averages no gradients: grad_averager_factory"
@@ -295,7 +299,7 @@ class Optimizer(torch.optim.Optimizer):
         self._averager_opts = dict(averager_opts or {})
 
         self.tracker: ProgressTracker | None = None
-        self.state_averager: TrainingStateAverager | None = None  # type: ignore[assignment]
+        self.state_averager: TrainingStateAverager | None = None
         self.grad_averager: GradientAverager | None = None
         try:
             self.state_averager = self._make_state_averager(
@@ -327,7 +331,7 @@ class Optimizer(torch.optim.Optimizer):
         self._should_check_synchronization_on_update = True
         self._schema_hash = self._compute_schema_hash()
         # time from the start of an epoch's transition to its state averaging round
-        self.delay_before_state_averaging = PerformanceEMA(alpha=performance_ema_alpha)
+        self.delay_before_state_averaging = _SecondsEMA(performance_ema_alpha)
         self._resync_failures = 0
         self._resync_not_before = 0.0
         self._step_supports_amp_scaling = reuse_grad_buffers
@@ -428,7 +432,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- what torch.optim.Optimizer's machinery sets during __init__ ----------------------------
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups, with ``"params"`` the model's (main) parameters."""
         if self.state_averager is None:
@@ -452,7 +456,9 @@ class Optimizer(torch.optim.Optimizer):
         """The inner optimizer's state, plus ``local_epoch``."""
         if self.state_averager is None:
             return {}
-        return dict(self.state_averager.optimizer.state, local_epoch=self.local_epoch)
+        state: dict[Any, Any] = dict(self.state_averager.optimizer.state)
+        state["local_epoch"] = self.local_epoch
+        return state
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -517,22 +523,20 @@ class Optimizer(torch.optim.Optimizer):
         :param closure: re-evaluates the model and returns the loss (run under
             ``torch.enable_grad()``).
         :param batch_size: samples of this step (default ``batch_size_per_step``).
-        :param grad_scaler: a :class:`swarmavg.optim.GradScaler` when training with AMP.
+        :param grad_scaler: reserved for AMP (hivemind's ``GradScaler``); not supported yet.
         :returns: the closure's loss, or ``None``.
         :raises ValueError: no batch size, or an auxiliary peer given a batch, closure or scaler.
         :raises RuntimeError: the optimizer was shut down.
         """
         if self._closed:
             raise RuntimeError("this swarmavg.Optimizer was shut down")
-        assert self.state_averager is not None and self.tracker is not None
+        assert self.state_averager is not None
+        assert self.tracker is not None
         if grad_scaler is not None:
-            from swarmavg.optim.grad_scaler import GradScaler
-
-            if not isinstance(grad_scaler, GradScaler):
-                raise ValueError(
-                    "grad_scaler must be a swarmavg.optim.GradScaler (torch's does not know "
-                    "that the optimizer steps only at the end of an epoch)"
-                )
+            raise ValueError(
+                "grad_scaler: AMP with swarmavg.Optimizer is not supported yet; train in float32 "
+                "or bfloat16 autocast (which needs no scaler)"
+            )
         if self.auxiliary:
             if closure is not None or batch_size is not None or grad_scaler is not None:
                 raise ValueError(
@@ -569,9 +573,6 @@ class Optimizer(torch.optim.Optimizer):
             self._maybe_schedule_gradient_averaging()
             self._maybe_schedule_state_averaging()
         elif not self.auxiliary:
-            if grad_scaler is not None:
-                with grad_scaler.running_global_step():
-                    grad_scaler.unscale_(self)
             samples = self.tracker.local_progress.samples_accumulated + batch
             self.tracker.report_local_progress(self.local_epoch, samples)
             self._maybe_schedule_state_averaging()
@@ -587,7 +588,8 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Any) -> bool:
-        assert self.grad_averager is not None and self.tracker is not None
+        assert self.grad_averager is not None
+        assert self.tracker is not None
         if grad_scaler is not None and not grad_scaler.are_grads_finite(self):
             logger.log(
                 self.status_loglevel,
@@ -606,7 +608,8 @@ class Optimizer(torch.optim.Optimizer):
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         """The end of an epoch: average gradients and take the optimizer step, average the
         state, move to the next epoch (R-A5)."""
-        assert self.state_averager is not None and self.tracker is not None
+        assert self.state_averager is not None
+        assert self.tracker is not None
         if self._schema_hash != self._compute_schema_hash():
             raise RuntimeError(
                 "the parameters or their gradient buffers changed since swarmavg.Optimizer was made"
@@ -705,7 +708,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """Start the gradient round (R-A5); whether it started."""
-        assert self.grad_averager is not None and self.tracker is not None
+        assert self.grad_averager is not None
+        assert self.tracker is not None
         if grad_scaler is not None:
             with grad_scaler.running_global_step():
                 grad_scaler.unscale_(self)
@@ -788,7 +792,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Find the gradient round's group while the last batches are computed (R-A6)."""
-        assert self.grad_averager is not None and self.tracker is not None
+        assert self.grad_averager is not None
+        assert self.tracker is not None
         from swarmavg._time import get_dht_time
 
         eta = self.tracker.estimated_next_update_time - get_dht_time()
@@ -808,7 +813,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Find the state round's group ahead of time (R-A6)."""
-        assert self.state_averager is not None and self.tracker is not None
+        assert self.state_averager is not None
+        assert self.tracker is not None
         from swarmavg._time import get_dht_time
 
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
@@ -887,7 +893,8 @@ class Optimizer(torch.optim.Optimizer):
         """
         if self._closed:
             raise RuntimeError("this swarmavg.Optimizer was shut down")
-        assert self.state_averager is not None and self.tracker is not None
+        assert self.state_averager is not None
+        assert self.tracker is not None
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
@@ -1022,4 +1029,3 @@ class Optimizer(torch.optim.Optimizer):
         if getattr(self, "_parent_pid", None) == os.getpid() and not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.shutdown()
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -42,7 +43,7 @@ def run_threads(targets: list[Callable[[], None]], timeout: float = 90) -> None:
     def guarded(target: Callable[[], None]) -> None:
         try:
             target()
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the test's thread)
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
@@ -59,8 +60,13 @@ def run_threads(targets: list[Callable[[], None]], timeout: float = 90) -> None:
 
 
 @pytest.mark.parametrize(
-    ("use_local_updates", "delay_state_averaging", "delay_optimizer_step", "delay_grad_averaging",
-     "reuse_grad_buffers"),
+    (
+        "use_local_updates",
+        "delay_state_averaging",
+        "delay_optimizer_step",
+        "delay_grad_averaging",
+        "reuse_grad_buffers",
+    ),
     [
         (False, False, False, False, False),
         (False, True, False, False, False),
@@ -141,10 +147,12 @@ def test_argument_errors_name_the_argument() -> None:
             )
         with pytest.raises(ValueError, match="optimizer factory"):
             Optimizer(
-                **common, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), offload_optimizer=True
+                **common,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                offload_optimizer=True,
             )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with pytest.raises(ValueError, match="scheduler must be a factory"):
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
             Optimizer(
                 **common,
                 optimizer=torch.optim.SGD,
@@ -154,7 +162,10 @@ def test_argument_errors_name_the_argument() -> None:
         with pytest.raises(ValueError, match="optimizer must be"):
             Optimizer(**common, optimizer=42)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="target_batch_size"):
-            Optimizer(**{**common, "target_batch_size": 0}, optimizer=torch.optim.SGD(model.parameters(), lr=1))
+            Optimizer(
+                **{**common, "target_batch_size": 0},
+                optimizer=torch.optim.SGD(model.parameters(), lr=1),
+            )
         with pytest.raises(ValueError, match="reuse_grad_buffers"):
             Optimizer(
                 **common,
@@ -163,7 +174,9 @@ def test_argument_errors_name_the_argument() -> None:
                 reuse_grad_buffers=True,
             )
         with pytest.raises(TypeError, match="matchmaking_time"):
-            Optimizer(**common, optimizer=torch.optim.SGD(model.parameters(), lr=1), matchmaking_time="5")  # type: ignore[arg-type]
+            Optimizer(
+                **common, optimizer=torch.optim.SGD(model.parameters(), lr=1), matchmaking_time="5"
+            )  # type: ignore[arg-type]
 
 
 def test_torch_hooks_and_public_names() -> None:
@@ -171,8 +184,9 @@ def test_torch_hooks_and_public_names() -> None:
     assert issubclass(Optimizer, torch.optim.Optimizer)
     model = torch.nn.Linear(3, 1)
     calls: list[str] = []
-    with swarm(1) as (dht,):
-        with Optimizer(
+    with (
+        swarm(1) as (dht,),
+        Optimizer(
             dht=dht,
             run_id="hooks",
             target_batch_size=4,
@@ -180,18 +194,20 @@ def test_torch_hooks_and_public_names() -> None:
             optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
             matchmaking_time=1.0,
             averager_opts=FAST,
-        ) as opt:
-            opt.register_step_pre_hook(lambda *_: calls.append("pre"))
-            opt.register_step_post_hook(lambda *_: calls.append("post"))
-            assert opt.defaults["lr"] == 0.5 and opt.defaults["momentum"] == 0.9
-            assert opt.param_groups[0]["params"] == list(model.parameters())
-            with pytest.raises(ValueError, match="add_param_group"):
-                opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
-            model(torch.ones(2, 3)).sum().backward()
-            opt.step()
-            assert calls == ["pre", "post"]
-            state = opt.state_dict()
-            assert state["state"]["local_epoch"] == opt.local_epoch
+        ) as opt,
+    ):
+        opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+        opt.register_step_post_hook(lambda *_: calls.append("post"))
+        assert opt.defaults["lr"] == 0.5
+        assert opt.defaults["momentum"] == 0.9
+        assert opt.param_groups[0]["params"] == list(model.parameters())
+        with pytest.raises(ValueError, match="add_param_group"):
+            opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        assert calls == ["pre", "post"]
+        state = opt.state_dict()
+        assert state["state"]["local_epoch"] == opt.local_epoch
 
 
 # -- several peers -------------------------------------------------------------------------------
@@ -215,6 +231,7 @@ def test_peers_average_gradients_exactly_by_samples(batch_sizes: tuple[int, ...]
     initial = torch.nn.Linear(dim, 1)
     used: list[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(count)]
     snapshots: list[dict[int, torch.Tensor]] = [{} for _ in range(count)]
+    ready = threading.Barrier(count)
 
     def train(peer: int, dht: DHT) -> None:
         model = torch.nn.Linear(dim, 1)
@@ -224,7 +241,7 @@ def test_peers_average_gradients_exactly_by_samples(batch_sizes: tuple[int, ...]
         with Optimizer(
             dht=dht,
             run_id="exact",
-            target_batch_size=48,
+            target_batch_size=96,
             optimizer=torch.optim.SGD(model.parameters(), lr=lr),
             matchmaking_time=2.0,
             averaging_timeout=20.0,
@@ -232,7 +249,9 @@ def test_peers_average_gradients_exactly_by_samples(batch_sizes: tuple[int, ...]
             averager_opts=FAST,
             tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.2},
         ) as opt:
+            ready.wait(30)
             for step in range(400 // b):
+                time.sleep(0.01 * b)  # the compute of a batch: 10 ms per sample
                 epoch = opt.local_epoch
                 if epoch >= epochs:
                     break
@@ -296,12 +315,14 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
         with make(dht, model) as opt:
             step = 0
             while opt.local_epoch < 3:
+                time.sleep(0.02)
                 F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
                 opt.step()
                 opt.zero_grad()
                 step += 1
             first_done.set()
             while opt.local_epoch < 6:
+                time.sleep(0.02)
                 F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
                 opt.step()
                 opt.zero_grad()
@@ -317,6 +338,7 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
             assert opt.local_epoch == 0
             step = 0
             while opt.local_epoch < 6:
+                time.sleep(0.02)
                 F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
                 opt.step()
                 opt.zero_grad()
