@@ -668,9 +668,12 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_control=self.scheduled_state if average_state else None,
                 averaging_opts={"timeout": self.averaging_timeout} if average_state else None,
             )
-            if not average_state and self.scheduled_state is not None:
-                if not self.scheduled_state.done():
-                    self.scheduled_state.cancel()
+            if (
+                not average_state
+                and self.scheduled_state is not None
+                and not self.scheduled_state.done()
+            ):
+                self.scheduled_state.cancel()
             self.scheduled_state = None
 
             self.tracker.update_epoch(self.state_averager.local_epoch)
