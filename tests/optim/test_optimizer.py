@@ -356,3 +356,79 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
     # in lockstep since: the same averaged gradients, the same parameters
     torch.testing.assert_close(results["late"], results["early"], atol=1e-6, rtol=0)
     assert any("loaded the swarm's state" in r.getMessage() for r in caplog.records)
+
+
+def test_client_and_auxiliary_peers_take_part() -> None:
+    """Two full peers, a client-mode peer (no incoming connections) and an auxiliary peer (no
+    samples): the trainers stay identical epoch after epoch, the auxiliary follows the epochs
+    and changes no result."""
+    dim, epochs = 5, 3
+    torch.manual_seed(7)
+    initial = torch.nn.Linear(dim, 1)
+    finals: dict[str, torch.Tensor] = {}
+    aux_epochs: list[int] = []
+    ready = threading.Barrier(4)
+
+    def options(dht: DHT) -> dict[str, Any]:
+        return {
+            "dht": dht,
+            "run_id": "roles",
+            "target_batch_size": 48,
+            "matchmaking_time": 2.0,
+            "averaging_timeout": 20.0,
+            "delay_state_averaging": False,
+            "averager_opts": FAST,
+            "tracker_opts": {"min_refresh_period": 0.05, "default_refresh_period": 0.2},
+        }
+
+    def trainer(name: str, peer: int, dht: DHT) -> None:
+        model = torch.nn.Linear(dim, 1)
+        model.load_state_dict(initial.state_dict())
+        x_all, y_all = _peer_data(peer, 800, dim)
+        with Optimizer(
+            **options(dht), optimizer=torch.optim.SGD(model.parameters(), lr=0.05)
+        ) as opt:
+            assert opt.client_mode == (name == "client")
+            ready.wait(30)
+            step = 0
+            while opt.local_epoch < epochs:
+                time.sleep(0.04)
+                F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
+                opt.step(batch_size=4)
+                opt.zero_grad()
+                step += 1
+            finals[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def auxiliary(dht: DHT) -> None:
+        model = torch.nn.Linear(dim, 1)
+        model.load_state_dict(initial.state_dict())
+        with Optimizer(
+            **options(dht),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+            auxiliary=True,
+        ) as opt:
+            ready.wait(30)
+            while opt.local_epoch < epochs - 1 and len(finals) < 3:
+                time.sleep(0.05)
+                opt.step()
+                aux_epochs.append(opt.local_epoch)
+            with pytest.raises(ValueError, match="auxiliary"):
+                opt.step(batch_size=4)
+
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        maddrs = first.get_visible_maddrs()
+        second = stack.enter_context(DHT(maddrs))
+        client = stack.enter_context(DHT(maddrs, client_mode=True))
+        helper = stack.enter_context(DHT(maddrs))
+        run_threads(
+            [
+                partial(trainer, "full0", 0, first),
+                partial(trainer, "full1", 1, second),
+                partial(trainer, "client", 2, client),
+                partial(auxiliary, helper),
+            ]
+        )
+    torch.testing.assert_close(finals["full1"], finals["full0"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(finals["client"], finals["full0"], atol=1e-6, rtol=0)
+    assert max(aux_epochs) >= 1
