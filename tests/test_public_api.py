@@ -19,6 +19,7 @@ from swarmavg.testing import MemoryTransport
         "swarmavg.testing",
         "swarmavg.proto",
         "swarmavg.sync",
+        "swarmavg.optim",
         "swarmavg_tcp",
     ],
 )

@@ -573,6 +573,11 @@ class ProgressAccounting:
                 samples_accumulated=0,
                 eta_next_epoch=math.inf,
             )
+        # Look at the swarm at once: until then the new epoch has no ETA, and peers that train
+        # faster than the refresh period would overshoot the target by up to a whole period.
+        self.global_progress = dataclasses.replace(
+            self.global_progress, next_fetch_time=min(self.global_progress.next_fetch_time, now)
+        )
         self.report_local_progress(new_epoch, 0, now)
         return new_epoch
 
