@@ -840,15 +840,15 @@ class Optimizer(torch.optim.Optimizer):
                     timeout=self.averaging_timeout,
                 )
 
-    def _tag_along_with_zero_weight(self, handle: StepHandle) -> None:
+    def _tag_along_with_zero_weight(self, handle: StepHandle, timeout: float | None = None) -> None:
         """Stay in a round this peer joined, contributing nothing (R-A6 [keep]: a peer never
-        deserts a group it joined)."""
+        deserts a group it joined), for ``timeout`` seconds at most (``averaging_timeout``)."""
         if not handle.triggered:
             handle.weight = 0.0
             handle.allow_allreduce()
         if not handle.done():
             try:
-                handle.result(self.averaging_timeout)
+                handle.result(self.averaging_timeout if timeout is None else timeout)
             except Exception as exc:
                 logger.log(self.status_loglevel, "%s: tag-along round failed: %s", self.run_id, exc)
                 handle.cancel()
@@ -995,7 +995,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def shutdown(self) -> None:
         """Leave the run: tell the swarm, finish or leave pending rounds, stop the averagers.
-        Idempotent."""
+        Takes about ``shutdown_timeout`` seconds at most (a round this peer already began is
+        finished with weight 0 if it ends by then, as hivemind's; one still looking for a
+        group is left at once, and the groupmates are told). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -1003,16 +1005,16 @@ class Optimizer(torch.optim.Optimizer):
         try:
             if self.tracker is not None:
                 self.tracker.shutdown(self.shutdown_timeout)
-            if self.state_averager is not None:
-                with contextlib.suppress(Exception):
-                    self.state_averager.step(wait_for_delayed_updates=True)
             for handle in (self.scheduled_grads, self.scheduled_state):
                 if handle is None or handle.done():
                     continue
                 if handle.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
                     handle.cancel()
                 else:
-                    self._tag_along_with_zero_weight(handle)
+                    self._tag_along_with_zero_weight(handle, self.shutdown_timeout)
+            if self.state_averager is not None:
+                # a delayed optimizer step or round still running: give it shutdown_timeout
+                self.state_averager._wait_for_pending(self.shutdown_timeout)
         finally:
             self._close_parts()
 

@@ -432,3 +432,66 @@ def test_client_and_auxiliary_peers_take_part() -> None:
     torch.testing.assert_close(finals["full1"], finals["full0"], atol=1e-6, rtol=0)
     torch.testing.assert_close(finals["client"], finals["full0"], atol=1e-6, rtol=0)
     assert max(aux_epochs) >= 1
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"delay_optimizer_step": True, "delay_grad_averaging": True},
+        {"delay_optimizer_step": True},
+        {"reuse_grad_buffers": True, "delay_state_averaging": False},
+        {"use_local_updates": True},
+        {"use_local_updates": True, "delay_state_averaging": False, "average_state_every": 2},
+    ],
+    ids=["dpu", "delayed-step", "reuse-grad-buffers", "local-updates", "local-updates-every-2"],
+)
+def test_modes_converge_with_two_peers(mode: dict[str, Any]) -> None:
+    """Two peers in each mode fit a linear map: the loss falls well below where it began, and
+    the peers end close to each other (exactly equal is not promised with delays or local
+    updates)."""
+    dim, epochs = 4, 8
+    torch.manual_seed(11)
+    initial = torch.nn.Linear(dim, 1)
+    finals: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
+    losses: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+    ready = threading.Barrier(2)
+    x_eval, y_eval = _peer_data(9, 256, dim)
+
+    def train(peer: int, dht: DHT) -> None:
+        model = torch.nn.Linear(dim, 1)
+        model.load_state_dict(initial.state_dict())
+        x_all, y_all = _peer_data(peer, 4000, dim)
+        with torch.no_grad():
+            first = F.mse_loss(model(x_eval), y_eval).item()
+        with Optimizer(
+            dht=dht,
+            run_id="modes",
+            target_batch_size=32,
+            batch_size_per_step=4,
+            params=model.parameters(),
+            optimizer=partial(torch.optim.SGD, lr=0.2 if mode.get("use_local_updates") else 0.3),
+            matchmaking_time=1.0,
+            averaging_timeout=10.0,
+            averager_opts=FAST,
+            tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.2},
+            **mode,
+        ) as opt:
+            ready.wait(30)
+            step = 0
+            while opt.local_epoch < epochs and step < 900:
+                time.sleep(0.01)
+                F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
+                opt.step()
+                if not mode.get("reuse_grad_buffers"):
+                    opt.zero_grad()
+                step += 1
+            assert opt.local_epoch >= epochs
+        with torch.no_grad():
+            losses[peer] = (first, F.mse_loss(model(x_eval), y_eval).item())
+        finals[peer] = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    with swarm(2) as dhts:
+        run_threads([partial(train, i, dht) for i, dht in enumerate(dhts)])
+    for first, last in losses:
+        assert last < 0.2 * first, losses
+    torch.testing.assert_close(finals[0], finals[1], atol=0.05, rtol=0)
