@@ -114,6 +114,7 @@ def test_one_peer_runs_three_epochs(
         for step in range(200):
             if opt.local_epoch == 3:
                 break
+            time.sleep(0.02)  # the compute of a batch
             x = features[(step * batch_size) % 96 :][:batch_size]
             y = targets[(step * batch_size) % 96 :][:batch_size]
             F.mse_loss(model(x), y).backward()
@@ -293,6 +294,7 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
     torch.manual_seed(5)
     results: dict[str, Any] = {}
     first_done = threading.Event()
+    late_done = threading.Event()
 
     def make(dht: DHT, model: torch.nn.Module) -> Optimizer:
         return Optimizer(
@@ -321,14 +323,19 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
                 opt.zero_grad()
                 step += 1
             first_done.set()
-            while opt.local_epoch < 6:
+            snapshots: dict[int, torch.Tensor] = {}
+            while not late_done.is_set() and step < 3000:  # until the late peer is done
+                epoch = opt.local_epoch
                 time.sleep(0.02)
                 F.mse_loss(model(x_all[step * 4 :][:4]), y_all[step * 4 :][:4]).backward()
                 opt.step()
                 opt.zero_grad()
                 step += 1
-            results["early"] = torch.cat([p.detach().flatten() for p in model.parameters()])
-            results["early_epoch"] = opt.local_epoch
+                if opt.local_epoch != epoch:
+                    snapshots[opt.local_epoch] = torch.cat(
+                        [p.detach().flatten() for p in model.parameters()]
+                    )
+            results["early"] = snapshots
 
     def late(dht: DHT) -> None:
         assert first_done.wait(60)
@@ -347,6 +354,8 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
                     results["joined_at"] = opt.local_epoch
                     results["lr_after_load"] = opt.param_groups[0]["lr"]
             results["late"] = torch.cat([p.detach().flatten() for p in model.parameters()])
+            results["late_epoch"] = opt.local_epoch
+            late_done.set()
 
     with caplog.at_level(logging.INFO, logger="swarmavg.optim"), swarm(2) as dhts:
         run_threads([partial(early, dhts[0]), partial(late, dhts[1])])
@@ -354,7 +363,9 @@ def test_a_late_joiner_downloads_the_state_and_trains_in_lockstep(
     epoch = results["joined_at"]
     assert results["lr_after_load"] == pytest.approx(0.1 / (1 + epoch))
     # in lockstep since: the same averaged gradients, the same parameters
-    torch.testing.assert_close(results["late"], results["early"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        results["late"], results["early"][results["late_epoch"]], atol=1e-6, rtol=0
+    )
     assert any("loaded the swarm's state" in r.getMessage() for r in caplog.records)
 
 
