@@ -82,3 +82,19 @@ def _fail_on_error_logs(request: pytest.FixtureRequest) -> Iterator[None]:
             f"(mark it allow_error_log if that is the behaviour under test):\n{listed}",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def fresh_loop() -> Iterator[None]:
+    """The test starts without swarmavg's event-loop thread and leaves no thread behind (the
+    loop's, an averager's background threads, ...). Directories of sync tests make it autouse."""
+    import threading
+
+    import swarmavg.sync
+
+    swarmavg.sync.shutdown_loop(timeout=10)
+    before = set(threading.enumerate())
+    yield
+    swarmavg.sync.shutdown_loop(timeout=10)
+    leftover = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert leftover == [], f"threads left behind: {leftover}"

@@ -5,7 +5,6 @@ and learns; two ``swarmavg.Optimizer`` peers finish their epochs (skipped until
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -62,12 +61,7 @@ def test_local_peer_reports_epochs_and_learns() -> None:
     assert len({r.get("corpus") for r in records if r["event"] == "ready"}) == 1
 
 
-def _swarmavg_optimizer_missing() -> bool:
-    return importlib.util.find_spec("swarmavg.optim.optimizer") is None
-
-
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(_swarmavg_optimizer_missing(), reason="swarmavg.Optimizer is not written yet")
 def test_two_swarmavg_peers_finish_their_epochs(
     load_benchmark: Callable[[str], ModuleType], tmp_path: Path
 ) -> None:
