@@ -255,6 +255,12 @@ def _stdin_line(timeout: float) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.verbose:  # (the optimizers' status lines, on stderr: the benchmark keeps it)
+        import logging
+
+        logging.basicConfig(
+            level=logging.INFO, format="%(relativeCreated)8.0f %(name)s %(message)s"
+        )
     torch.set_num_threads(1)
     began = time.perf_counter()
     workload = load_workload()

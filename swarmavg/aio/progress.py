@@ -140,6 +140,11 @@ class ProgressTracker:
         (:func:`swarmavg.proto.progress.hyperparameters_digest`) to publish, or ``None``; a
         peer that publishes another one gets a WARNING (once).
     :param status_loglevel: the level of the status lines (each fetch's summary).
+    :param end_at_nearest_step: the estimated end of an epoch counts as come at our step
+        nearest to it, not the first one after it
+        (:meth:`swarmavg.proto.progress.ProgressAccounting.ready_to_update_epoch`): for a
+        peer whose decision ends only its own share of the epoch, as
+        :class:`swarmavg.Optimizer`'s does.
     :param clock: DHT time (default :func:`swarmavg.get_dht_time`).
     :raises TypeError: an argument has the wrong type (named).
     :raises ValueError: an argument is out of range (named).
@@ -161,6 +166,7 @@ class ProgressTracker:
         metadata_expiration: float = 60.0,
         hyperparameters: str | None = None,
         status_loglevel: int = logging.DEBUG,
+        end_at_nearest_step: bool = False,
         clock: Callable[[], float] = get_dht_time,
     ) -> None:
         if not isinstance(dht, DHT):
@@ -173,6 +179,9 @@ class ProgressTracker:
             raise TypeError(
                 f"status_loglevel must be a logging level (int), not {status_loglevel!r}"
             )
+        if not isinstance(end_at_nearest_step, bool):
+            raise TypeError(f"end_at_nearest_step must be a bool, not {end_at_nearest_step!r:.40}")
+        self.end_at_nearest_step = end_at_nearest_step
         self.metadata_expiration = _check_seconds("metadata_expiration", metadata_expiration)
         settings = ProgressSettings(
             target_batch_size,
@@ -248,15 +257,21 @@ class ProgressTracker:
     @property
     def ready_to_update_epoch(self) -> bool:
         """Whether we may end our epoch now: the global epoch is ahead of ours, or the swarm
-        reported ``target_batch_size`` samples, or the estimated end of the epoch has come."""
+        reported ``target_batch_size`` samples, or the estimated end of the epoch has come
+        (measured in our training, see
+        :meth:`swarmavg.proto.progress.ProgressAccounting.ready_to_update_epoch`)."""
         with self._lock:
-            return self._state.ready_to_update_epoch(self._clock())
+            return self._state.ready_to_update_epoch(
+                self._clock(), nearest_step=self.end_at_nearest_step
+            )
 
     @property
     def estimated_next_update_time(self) -> float:
         """When we expect to end our epoch (absolute DHT time; now if ready)."""
         with self._lock:
-            return self._state.estimated_next_update_time(self._clock())
+            return self._state.estimated_next_update_time(
+                self._clock(), nearest_step=self.end_at_nearest_step
+            )
 
     # -- what the training loop calls ------------------------------------------------------------
 
@@ -270,11 +285,15 @@ class ProgressTracker:
         :raises TypeError, ValueError: an argument is not an int ≥ 0.
         """
         with self._lock:
+            due = self._state.global_progress.next_fetch_time
             self._state.report_local_progress(
                 local_epoch, samples_accumulated, self._clock(), update_global_samples
             )
+            sooner = self._state.global_progress.next_fetch_time < due
         if self._report_wakeup is not None:
             self._report_wakeup.set()
+        if sooner and self._fetch_wakeup is not None:
+            self._fetch_wakeup.set()
 
     @contextlib.contextmanager
     def pause_updates(self) -> Iterator[None]:

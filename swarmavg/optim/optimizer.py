@@ -395,6 +395,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         kwargs.setdefault("hyperparameters", self._hyperparameter_digest(target_batch_size))
+        # our decision ends only our share of the epoch (we wait for the others in the round)
+        kwargs.setdefault("end_at_nearest_step", True)
         return ProgressTracker(
             self.dht,
             self.run_id,

@@ -75,6 +75,10 @@ class ProgressTracker:
         (:func:`swarmavg.proto.progress.hyperparameters_digest` of the optimizer's class,
         learning-rate schedule and ``target_batch_size``), published with our progress; a
         peer that publishes another digest is named in one WARNING. ``None``: no check.
+    :param end_at_nearest_step: the estimated end of an epoch counts as come at this peer's
+        step nearest to it rather than the first one after it; right where a peer's decision
+        ends only its own share of the epoch (:class:`swarmavg.Optimizer` sets it), wrong
+        where the first peer to move on ends the epoch for all (the default).
     :raises TypeError: an argument has the wrong type (named), or ``private_key`` is given.
     :raises ValueError: an argument is out of range (named).
     :raises RuntimeError: ``start`` and the DHT is not running.
@@ -99,6 +103,7 @@ class ProgressTracker:
         daemon: bool = True,
         start: bool = True,
         hyperparameters: str | None = None,
+        end_at_nearest_step: bool = False,
     ) -> None:
         from swarmavg.dht import DHT
 
@@ -133,6 +138,7 @@ class ProgressTracker:
                 metadata_expiration=metadata_expiration,
                 hyperparameters=hyperparameters,
                 status_loglevel=status_loglevel,
+                end_at_nearest_step=end_at_nearest_step,
             )
 
         self._tracker = run_sync(create)

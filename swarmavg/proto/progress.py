@@ -13,12 +13,14 @@ reads every peer's record and folds them, with its own, into a :class:`GlobalTra
   behind NAT, counts in ``num_peers`` and ``num_clients`` but never raises the epoch);
 * the samples towards the next epoch are the sums over peers **at** the global epoch, and the
   estimate of where they are now extrapolates each one's count with its samples/s since its
-  report;
+  report, by at most its latest step (a peer publishes after each step: one whose record
+  grows old is not training);
 * the ETA of the epoch's end divides what is missing by the samples/s of **all** peers (a peer
   one epoch behind will soon catch up and contribute);
 * the next read is due after a fraction of the ETA, so that peers joining or leaving (the
   expected drift) do not make us miss the end, clipped to ``[min_refresh_period,
-  max_refresh_period]``; with no record at all, our own numbers and ``default_refresh_period``.
+  max_refresh_period]`` (``min_refresh_period`` while a peer at the epoch has no speed yet);
+  with no record at all, our own numbers and ``default_refresh_period``.
 
 :class:`ProgressAccounting` is the state of one peer: its local record, the global progress it
 last computed, its samples/s EMA, and the rules that change them: ``report_local_progress``
@@ -67,6 +69,11 @@ _MAX_FIELDS: Final = 32
 _MAX_PEER_ID_LENGTH: Final = 64
 #: Added to a sum of samples/s so that an ETA is never a division by zero (hivemind's eps).
 EPS: Final = 1e-20
+#: A record's samples/s at most this means "not measured yet" (a peer's first step).
+_UNKNOWN_SPEED: Final = 1e-9
+#: One interval of :meth:`PerformanceEMA.update` counts as at most this many times what the
+#: estimate predicts for its task.
+MAX_INTERVAL_RATIO: Final = 4.0
 
 
 def progress_key(prefix: str) -> str:
@@ -116,6 +123,9 @@ class LocalTrainingProgress:
     :ivar client_mode: whether it is a client (a client's epoch never raises the global one).
     :ivar hyperparameters: a digest of its optimizer's hyperparameters
         (:func:`hyperparameters_digest`), or ``None``.
+    :ivar step_samples: the samples of its latest step (≥ 0; 0: unknown). A peer publishes
+        after each step, so the others extrapolate its count by at most one step: one that
+        stopped reporting (evaluating, checkpointing, stalled) is not counted as training.
     """
 
     peer_id: bytes
@@ -125,6 +135,7 @@ class LocalTrainingProgress:
     time: float
     client_mode: bool
     hyperparameters: str | None = None
+    step_samples: int = 0
 
     def __post_init__(self) -> None:
         problem = _record_problem(dataclasses.asdict(self))
@@ -143,6 +154,8 @@ class LocalTrainingProgress:
         }
         if self.hyperparameters is not None:
             wire["hyperparameters"] = self.hyperparameters
+        if self.step_samples:
+            wire["step_samples"] = self.step_samples
         return wire
 
     @classmethod
@@ -168,8 +181,11 @@ class LocalTrainingProgress:
                 "time",
                 "client_mode",
                 "hyperparameters",
+                "step_samples",
             )
         }
+        if fields["step_samples"] is None:
+            fields["step_samples"] = 0
         for name, field in fields.items():
             if field is None and name != "hyperparameters":
                 raise RemoteProtocolError(f"a progress record without {name}")
@@ -184,7 +200,7 @@ def _record_problem(fields: Mapping[str, Any]) -> str | None:
     peer_id = fields["peer_id"]
     if not isinstance(peer_id, bytes) or not 0 < len(peer_id) <= _MAX_PEER_ID_LENGTH:
         return f"peer_id must be 1..{_MAX_PEER_ID_LENGTH} bytes"
-    for name in ("epoch", "samples_accumulated"):
+    for name in ("epoch", "samples_accumulated", "step_samples"):
         if not _is_int(fields[name]) or fields[name] < 0:
             return f"{name} must be an int ≥ 0, not {fields[name]!r:.40}"
     speed = fields["samples_per_second"]
@@ -236,7 +252,9 @@ class PerformanceEMA:
     The time of an update is the interval since the previous update (or :meth:`reset_timer`,
     or construction). While paused (:meth:`pause`, :meth:`resume`; pauses nest) that time does
     not count: an update without an explicit ``interval`` changes nothing, and resuming resets
-    the timer.
+    the timer. After the first update, an interval counts as at most :data:`MAX_INTERVAL_RATIO`
+    times what the estimate predicts for its task (hivemind counts it whole): a pause in
+    training such as an evaluation would otherwise read as a slowdown for dozens of updates.
 
     :param alpha: smoothing factor in (0, 1]: the weight of the newest interval.
     :param eps: the speed before any update, and the floor of seconds per sample.
@@ -281,6 +299,12 @@ class PerformanceEMA:
             self.timestamp = now
         elif not interval >= 0:
             raise ValueError(f"interval must be ≥ 0, not {interval!r:.40}")
+        if self.num_updates > 0:
+            # A pause in training (an evaluation, a checkpoint) is not a slowdown: one interval
+            # counts as at most MAX_INTERVAL_RATIO times the time the estimate predicts; a real
+            # slowdown still shows, over a few updates.
+            predicted = task_size / self.samples_per_second
+            interval = min(interval, MAX_INTERVAL_RATIO * predicted)
         self.ema_seconds_per_sample = (
             self.alpha * interval / task_size + (1 - self.alpha) * self.ema_seconds_per_sample
         )
@@ -364,6 +388,14 @@ class ProgressSettings:
             )
 
 
+def _since_report(record: LocalTrainingProgress, now: float) -> float:
+    """The samples a peer accumulated since its ``record``, as estimated at ``now``: its speed
+    times the time since, at most its latest step (it reports each step: at most one is in
+    progress)."""
+    since = max(0.0, now - record.time) * record.samples_per_second
+    return min(since, record.step_samples) if record.step_samples else since
+
+
 def aggregate_progress(
     records: Iterable[LocalTrainingProgress],
     local: LocalTrainingProgress,
@@ -408,9 +440,7 @@ def aggregate_progress(
         total_speed += peer.samples_per_second
         if peer.epoch == epoch:  # (peers behind catch up soon: their speed counts, not samples)
             samples += peer.samples_accumulated
-            estimated += (
-                peer.samples_accumulated + max(0.0, now - peer.time) * peer.samples_per_second
-            )
+            estimated += peer.samples_accumulated + _since_report(peer, now)
     eta = max(0.0, settings.target_batch_size - estimated) / total_speed
     expected_max_peers = max(
         num_peers + settings.expected_drift_peers, num_peers * (1 + settings.expected_drift_rate)
@@ -419,6 +449,8 @@ def aggregate_progress(
         max(eta * num_peers / expected_max_peers, settings.min_refresh_period),
         settings.max_refresh_period,
     )
+    if any(p.epoch == epoch and p.samples_per_second <= _UNKNOWN_SPEED for p in peers.values()):
+        refresh = settings.min_refresh_period  # (a peer just began: the ETA is no estimate yet)
     return GlobalTrainingProgress(
         epoch=epoch,
         samples_accumulated=samples,
@@ -467,6 +499,8 @@ class ProgressAccounting:
         self.client_mode = client_mode
         self.hyperparameters = hyperparameters
         self.performance_ema = PerformanceEMA(performance_ema_alpha, now=now)
+        #: Our samples in our last report that added some (our step's size).
+        self._step_samples = 0
         #: Our latest record.
         self.local_progress = self._local(0, 0, now)
         #: The global progress as last computed (or adjusted by our reports).
@@ -476,6 +510,13 @@ class ProgressAccounting:
         #: Counts pauses begun: a fetch that started before the latest one is stale.
         self.generation = 0
         self._last_report_epoch = -math.inf
+        #: When the global progress was last read (DHT time), and our epoch and samples then.
+        self._fetched_at: float | None = None
+        self._epoch_at_fetch = 0
+        self._samples_at_fetch = 0.0
+        #: Whether our first report with samples has set the EMA's timer (the time before it,
+        #: from construction on, is set-up, not training).
+        self._timer_started = False
 
     def _local(self, epoch: int, samples: int, now: float) -> LocalTrainingProgress:
         return LocalTrainingProgress(
@@ -486,6 +527,7 @@ class ProgressAccounting:
             time=float(now),
             client_mode=self.client_mode,
             hyperparameters=self.hyperparameters,
+            step_samples=self._step_samples,
         )
 
     # -- the training loop's side ------------------------------------------------------------------
@@ -522,10 +564,22 @@ class ProgressAccounting:
                 self.global_progress,
                 samples_accumulated=self.global_progress.samples_accumulated + extra,
             )
-        if extra > 0:
+        if extra > 0 and self._timer_started:
             self.performance_ema.update(extra, now)
+            self._step_samples = extra
         else:
             self.performance_ema.reset_timer(now)
+            if extra > 0:
+                # we begin to train: the records read before are likely stale, read them soon
+                self._timer_started = True
+                self._step_samples = extra
+                self.global_progress = dataclasses.replace(
+                    self.global_progress,
+                    next_fetch_time=min(
+                        self.global_progress.next_fetch_time,
+                        now + self.settings.min_refresh_period,
+                    ),
+                )
         self.local_progress = self._local(local_epoch, samples_accumulated, now)
         return self.local_progress
 
@@ -581,22 +635,61 @@ class ProgressAccounting:
         self.report_local_progress(new_epoch, 0, now)
         return new_epoch
 
-    def ready_to_update_epoch(self, now: float) -> bool:
+    def _training_seconds_left(self, nearest_step: bool) -> float | None:
+        """Seconds of our own training until the swarm's estimated end (less half our step if
+        ``nearest_step``); ``None`` if we do not train (no speed yet) or have not read the
+        records."""
+        ema = self.performance_ema
+        if self._fetched_at is None or ema.num_updates == 0:
+            return None
+        eta_seconds = self.global_progress.eta_next_epoch - self._fetched_at
+        local = self.local_progress
+        since_fetch = local.samples_accumulated - (
+            self._samples_at_fetch if local.epoch == self._epoch_at_fetch else 0
+        )
+        half_step = self._step_samples / 2 if nearest_step else 0
+        return eta_seconds - (since_fetch + half_step) / ema.samples_per_second
+
+    def ready_to_update_epoch(self, now: float, *, nearest_step: bool = False) -> bool:
         """Whether we may end our epoch now: the swarm is ahead of us, or has the target's
-        samples, or its estimated end has come (this last clause lets an epoch end on the
-        estimate before the reports reach the target, as hivemind's does)."""
+        samples, or its estimated end has come.
+
+        The estimate (the ETA of the last read of the records) lets an epoch end before the
+        reports reach the target, as hivemind's does. A peer that trains measures it in its own
+        training, not in wall-clock time: the swarm is assumed to have progressed, since the
+        read, as much as our samples since then at our speed say (the others' share by their
+        speeds). So a pause that the whole swarm takes (an evaluation, a checkpoint) does not
+        end an epoch early. A peer that does not train (an auxiliary one) compares ``now`` with
+        the ETA.
+
+        With ``nearest_step``, the estimated end counts as come at our step nearest to it
+        rather than the first one after it: a peer whose decision ends only its own share of
+        the epoch (:class:`swarmavg.Optimizer`'s, which waits in the averaging round for the
+        others) then does not overshoot the target by up to a step. Where the first peer to
+        move on ends the epoch for everyone (peers that follow the global epoch), keep the
+        default: the peer with the longest step would otherwise end it for all, early.
+        """
         progress = self.global_progress
-        return (
+        if (
             progress.epoch > self.local_progress.epoch
             or progress.samples_accumulated >= self.settings.target_batch_size
-            or now >= progress.eta_next_epoch
-        )
+        ):
+            return True
+        left = self._training_seconds_left(nearest_step)
+        if left is None:
+            return now >= progress.eta_next_epoch
+        return left <= 0
 
-    def estimated_next_update_time(self, now: float) -> float:
-        """When we expect to end our epoch (DHT time): ``now`` if ready, else the ETA."""
-        if self.ready_to_update_epoch(now):
+    def estimated_next_update_time(self, now: float, *, nearest_step: bool = False) -> float:
+        """When we expect to end our epoch (DHT time): ``now`` if ready, else the ETA (for a
+        peer that trains: now plus its training time left, see
+        :meth:`ready_to_update_epoch`)."""
+        if self.ready_to_update_epoch(now, nearest_step=nearest_step):
             return now
-        return self.global_progress.eta_next_epoch
+        left = self._training_seconds_left(nearest_step)
+        if left is None:
+            return self.global_progress.eta_next_epoch
+        return now + left
 
     # -- the background side -----------------------------------------------------------------------
 
@@ -620,4 +713,10 @@ class ProgressAccounting:
         if self.paused or generation != self.generation:
             return None
         self.global_progress = aggregate_progress(records, self.local_progress, self.settings, now)
+        self._fetched_at = now
+        self._epoch_at_fetch = self.local_progress.epoch
+        # (the estimate counts the part of our step in progress: so do our samples then)
+        self._samples_at_fetch = self.local_progress.samples_accumulated + _since_report(
+            self.local_progress, now
+        )
         return self.global_progress

@@ -3,6 +3,7 @@ progress, the epoch boundary."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from swarmavg.errors import RemoteProtocolError
 from swarmavg.proto.progress import (
+    MAX_INTERVAL_RATIO,
     GlobalTrainingProgress,
     LocalTrainingProgress,
     PerformanceEMA,
@@ -59,6 +61,12 @@ def test_a_record_round_trips_through_msgpack_with_hiveminds_field_names() -> No
     assert LocalTrainingProgress.from_wire(plain.to_wire()) == plain
     # unknown fields (a newer version's) are ignored
     assert LocalTrainingProgress.from_wire({**plain.to_wire(), "future": [1, 2]}) == plain
+    stepped = dataclasses.replace(plain, step_samples=16)
+    assert stepped.to_wire()["step_samples"] == 16
+    assert LocalTrainingProgress.from_wire(stepped.to_wire()) == stepped
+    for bad in (-1, 1.5, True, "16"):
+        with pytest.raises(RemoteProtocolError, match="step_samples"):
+            LocalTrainingProgress.from_wire({**plain.to_wire(), "step_samples": bad})
 
 
 @pytest.mark.parametrize(
@@ -185,9 +193,23 @@ def test_paused_time_does_not_count_and_resuming_restarts_the_timer() -> None:
     assert ema.update(10, now=101.0) == pytest.approx(10.0)  # the 100 s paused did not count
     ema.reset_timer(200.0)
     assert ema.update(20, now=201.0) == pytest.approx(20.0)
-    assert ema.update(4, now=201.0, interval=2.0) == pytest.approx(2.0)
+    assert ema.update(4, now=201.0, interval=0.4) == pytest.approx(10.0)
     with pytest.raises(RuntimeError):
         ema.resume(now=0.0)
+
+
+def test_one_long_interval_counts_as_at_most_four_predicted_ones() -> None:
+    """An evaluation between two steps is not a slowdown: after the first update an interval
+    counts as at most MAX_INTERVAL_RATIO times what the estimate predicts (hivemind's EMA would
+    read 100 s here and believe the peer 10x slower for dozens of steps)."""
+    assert MAX_INTERVAL_RATIO == 4.0
+    ema = PerformanceEMA(alpha=0.5, now=0.0)
+    assert ema.update(10, now=1.0) == pytest.approx(10.0)  # (the first: taken whole)
+    ema.update(10, now=101.0)  # counts as 4 s: 0.4 s/sample, weighted 0.5 (0.1 weighted 0.25)
+    assert ema.samples_per_second == pytest.approx(1 / ((0.5 * 0.4 + 0.25 * 0.1) / 0.75))
+    for step in range(20):  # a real slowdown shows within a few updates
+        ema.update(10, now=200.0 + 10 * step)
+    assert ema.samples_per_second == pytest.approx(1.0, rel=1e-3)
 
 
 def test_the_ema_refuses_bad_arguments() -> None:
@@ -291,7 +313,8 @@ def test_a_report_at_the_global_epoch_adds_its_difference_at_once() -> None:
     assert acc.global_progress.samples_accumulated == 30
     acc.report_local_progress(0, 10, T0 + 4, update_global_samples=False)
     assert acc.global_progress.samples_accumulated == 30
-    assert acc.local_progress == _record(ME, 0, 10, acc.performance_ema.samples_per_second, T0 + 4)
+    expected = _record(ME, 0, 10, acc.performance_ema.samples_per_second, T0 + 4)
+    assert acc.local_progress == dataclasses.replace(expected, step_samples=10)
 
 
 def test_a_report_at_another_epoch_than_the_global_one_adds_nothing() -> None:
@@ -310,12 +333,14 @@ def test_reports_update_the_ema_or_restart_its_timer() -> None:
     acc = ProgressAccounting(
         ProgressSettings(100), ME, client_mode=False, now=T0, performance_ema_alpha=1.0
     )
-    acc.report_local_progress(0, 10, T0 + 2)
+    acc.report_local_progress(0, 10, T0 + 100)  # the first: starts the timer (set-up before)
+    assert acc.performance_ema.num_updates == 0
+    acc.report_local_progress(0, 20, T0 + 102)
     assert acc.performance_ema.samples_per_second == pytest.approx(5.0)
     assert acc.local_progress.samples_per_second == pytest.approx(5.0)
-    acc.report_local_progress(0, 0, T0 + 10)  # reset: the timer restarts, the speed stays
+    acc.report_local_progress(0, 0, T0 + 110)  # reset: the timer restarts, the speed stays
     assert acc.performance_ema.samples_per_second == pytest.approx(5.0)
-    acc.report_local_progress(0, 20, T0 + 11)
+    acc.report_local_progress(0, 20, T0 + 111)
     assert acc.performance_ema.samples_per_second == pytest.approx(20.0)
 
 
@@ -357,6 +382,96 @@ def test_ready_to_update_epoch_has_three_clauses_including_the_eta() -> None:
     behind = _accounting(100)
     behind.apply_fetch([_record(b"a", 1, 0, 1.0)], T0, behind.generation)
     assert behind.ready_to_update_epoch(T0)  # the swarm is ahead
+
+
+def _trained(target: int, *, speed: float = 10.0, step: int = 10) -> ProgressAccounting:
+    """An accounting that trained two steps of ``step`` samples at ``speed`` (samples/s) in
+    epoch 0, then entered epoch 1 and read the records: itself and a peer "a" as fast."""
+    acc = ProgressAccounting(
+        ProgressSettings(target), ME, client_mode=False, now=T0, performance_ema_alpha=1.0
+    )
+    acc.report_local_progress(0, step, T0)
+    acc.report_local_progress(0, 2 * step, T0 + step / speed)
+    assert acc.performance_ema.samples_per_second == pytest.approx(speed)
+    acc.pause()
+    acc.update_epoch(1, T0 + 1)
+    acc.resume(T0 + 1)
+    acc.apply_fetch(
+        [_record(b"a", 1, 0, speed, T0 + 1), _record(ME, 1, 0, speed, T0 + 1)],
+        T0 + 1,
+        acc.generation,
+    )
+    return acc
+
+
+def test_a_training_peer_measures_the_eta_in_its_own_training_not_wall_time() -> None:
+    """Two peers at 10 samples/s, target 100: the epoch ends after 50 samples of ours, however
+    long we paused (the whole swarm evaluates at the same time); at the first step at or after
+    the estimate by default, at the nearest one with ``nearest_step``."""
+    acc = _trained(100)
+    assert acc.global_progress.eta_next_epoch == pytest.approx(T0 + 6.0)
+    assert not acc.ready_to_update_epoch(T0 + 1000)  # a long pause: no samples, not ready
+    for samples in (10, 20, 30, 40):
+        acc.report_local_progress(1, samples, T0 + 1000 + samples / 10)
+        assert not acc.ready_to_update_epoch(T0 + 1000 + samples / 10)
+    assert acc.estimated_next_update_time(T0 + 1004) == pytest.approx(T0 + 1005)
+    acc.report_local_progress(1, 50, T0 + 1005)
+    assert acc.ready_to_update_epoch(T0 + 1005)  # 50 of ours + (as the estimate has it) 50
+
+
+def test_nearest_step_ends_the_epoch_at_the_step_nearest_to_the_estimate() -> None:
+    """Two peers as fast, target 100: the estimated end is at 50 samples of ours. With steps
+    of 40, the step at 40 is nearer to it than the one at 80: only ``nearest_step`` ends
+    there. With steps of 30, 30 is farther than 60: neither ends at 30."""
+    forty = _trained(100, step=40, speed=40.0)
+    forty.report_local_progress(1, 40, T0 + 2)
+    assert forty.ready_to_update_epoch(T0 + 2, nearest_step=True)
+    assert not forty.ready_to_update_epoch(T0 + 2)
+    assert forty.estimated_next_update_time(T0 + 2) == pytest.approx(T0 + 2 + 10 / 40)
+    forty.report_local_progress(1, 80, T0 + 3)
+    assert forty.ready_to_update_epoch(T0 + 3)
+    thirty = _trained(100, step=30, speed=30.0)
+    thirty.report_local_progress(1, 30, T0 + 2)
+    assert not thirty.ready_to_update_epoch(T0 + 2, nearest_step=True)
+    assert thirty.estimated_next_update_time(T0 + 2, nearest_step=True) == pytest.approx(
+        T0 + 2 + 5 / 30
+    )
+    thirty.report_local_progress(1, 60, T0 + 3)
+    assert thirty.ready_to_update_epoch(T0 + 3, nearest_step=True)
+
+
+def test_a_peer_is_extrapolated_by_at_most_its_latest_step() -> None:
+    """Peer "a" reported 40 samples 10 s ago at 10 samples/s: without its step size it counts
+    as 140 now (hivemind's estimate); with steps of 8, as 48 (it publishes after each step:
+    a record that old means it is not training, e.g. it evaluates)."""
+    settings = ProgressSettings(1000)
+    me = _record(ME, 0, 0, 10.0, T0 + 10)
+    old = _record(b"a", 0, 40, 10.0, T0)
+    uncapped = aggregate_progress([old, me], me, settings, T0 + 10)
+    assert uncapped.eta_next_epoch == pytest.approx(T0 + 10 + (1000 - 140) / 20)
+    capped = aggregate_progress(
+        [dataclasses.replace(old, step_samples=8), me], me, settings, T0 + 10
+    )
+    assert capped.eta_next_epoch == pytest.approx(T0 + 10 + (1000 - 48) / 20)
+    assert capped.samples_accumulated == uncapped.samples_accumulated == 40
+
+
+def test_a_peer_without_a_speed_yet_makes_us_read_again_soon() -> None:
+    settings = ProgressSettings(1000, min_refresh_period=0.5, max_refresh_period=10.0)
+    me = _record(ME, 0, 16, 10.0, T0)
+    known = aggregate_progress([_record(b"a", 0, 16, 10.0)], me, settings, T0)
+    assert known.next_fetch_time == T0 + 10.0  # (the ETA is far: the longest period)
+    new = aggregate_progress([_record(b"a", 0, 16, 0.0)], me, settings, T0)
+    assert new.next_fetch_time == T0 + 0.5
+
+
+def test_our_first_step_makes_us_read_the_records_soon() -> None:
+    """The records read before we trained (at start-up) are likely stale."""
+    acc = _accounting(100)
+    assert acc.global_progress.next_fetch_time == T0 + 3.0  # (no record: the default period)
+    acc.report_local_progress(0, 16, T0 + 1)
+    assert acc.global_progress.next_fetch_time == T0 + 1.5
+    assert acc.performance_ema.num_updates == 0  # (set-up time is not training time)
 
 
 def test_a_peer_that_never_accumulates_never_publishes() -> None:
