@@ -47,6 +47,9 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 #: How long a peer that failed to download the state waits before it tries again on its own
 #: (``step()`` retries; an explicit :meth:`Optimizer.load_state_from_peers` raises at once).
 _RESYNC_BACKOFF = (1.0, 60.0)
+#: Downloads of the state in a row (no epoch between) after which a peer still behind the
+#: swarm trains on from there instead.
+_MAX_RESYNCS_IN_A_ROW = 3
 
 
 def _is_optimizer_like(obj: object) -> bool:
@@ -334,6 +337,9 @@ class Optimizer(torch.optim.Optimizer):
         self.delay_before_state_averaging = _SecondsEMA(performance_ema_alpha)
         self._resync_failures = 0
         self._resync_not_before = 0.0
+        #: Downloads since our last epoch that ended in a round: each is checked against the
+        #: next read of the swarm's progress (the donor may have moved on meanwhile).
+        self._resyncs_in_a_row = 0
         self._step_supports_amp_scaling = reuse_grad_buffers
         #: what the last epoch's rounds did (see :meth:`_log_epoch`)
         self.last_epoch_info: dict[str, Any] = {}
@@ -680,6 +686,7 @@ class Optimizer(torch.optim.Optimizer):
 
             self.tracker.update_epoch(self.state_averager.local_epoch)
             self._should_check_synchronization_on_update = True
+            self._resyncs_in_a_row = 0
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
             if self.grad_averager is not None and not self.auxiliary:
@@ -867,6 +874,8 @@ class Optimizer(torch.optim.Optimizer):
             and self.tracker.fetched_global_progress_this_epoch.is_set()
         ):
             self._should_check_synchronization_on_update = False
+            if self._resyncs_in_a_row >= _MAX_RESYNCS_IN_A_ROW:
+                return False  # (epochs shorter than a download: train on, a step behind)
             return self.local_epoch != self.tracker.global_epoch
         return self.local_epoch < self.tracker.global_epoch - 1
 
@@ -910,6 +919,7 @@ class Optimizer(torch.optim.Optimizer):
             attempts = 0
             errors: list[str] = []
             loaded = False
+            got_some = False  # (a state behind the swarm's epoch: better than none)
             while not loaded:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or attempts >= 3:
@@ -923,8 +933,20 @@ class Optimizer(torch.optim.Optimizer):
                         errors.append("no peer served a usable state")
                 except Exception as exc:
                     errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                if loaded and self.local_epoch < self.tracker.global_epoch and attempts < 3:
+                    # the donor's epoch ended while it served us: its next state is the one
+                    logger.log(
+                        self.status_loglevel,
+                        "%s: downloaded the state of epoch %d, the swarm is at %d: again",
+                        self.run_id,
+                        self.local_epoch,
+                        self.tracker.global_epoch,
+                    )
+                    loaded, got_some = False, True
+                    continue
                 if not loaded and time.monotonic() < deadline:
                     time.sleep(min(0.5 * attempts, max(0.0, deadline - time.monotonic())))
+            loaded = loaded or got_some
             if not loaded:
                 raise LoadStateFailed(
                     f"could not download the state of run {self.run_id!r} "
@@ -940,6 +962,12 @@ class Optimizer(torch.optim.Optimizer):
                 )
                 self.state_averager.local_epoch = self.tracker.global_epoch
             self.tracker.report_local_progress(self.local_epoch, 0)
+            # The donor may have ended its epoch while we downloaded: the next read of the
+            # swarm's progress tells, and then we download again (at most a few times in a row)
+            # rather than train a step behind the others.
+            self._resyncs_in_a_row += 1
+            self._should_check_synchronization_on_update = True
+            self.tracker.fetched_global_progress_this_epoch.clear()
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
             if self.grad_averager is not None:

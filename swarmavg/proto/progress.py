@@ -406,8 +406,9 @@ def aggregate_progress(
     global progress at ``now`` (DHT time). See the module docstring for the rules.
 
     A record of ours among ``records`` (same ``peer_id``) is replaced by ``local``, which is at
-    least as fresh; ``local`` is not counted as a peer otherwise (a peer that does not publish,
-    e.g. an auxiliary one, is not a peer of the swarm's count). With no record at all, the
+    least as fresh; otherwise ``local`` is counted as a peer only if it has samples (a peer that
+    does not publish, e.g. an auxiliary one, is not a peer of the swarm's count; one that just
+    began to publish is). With no record at all, the
     progress is ours alone: our epoch and samples, the ETA from our speed, ``num_peers == 0``.
     """
     peers: dict[bytes, LocalTrainingProgress] = {}
@@ -417,6 +418,10 @@ def aggregate_progress(
         known = peers.get(record.peer_id)
         if known is None or record.time > known.time:
             peers[record.peer_id] = record
+    if peers and local.samples_accumulated > 0:
+        # we train and publish now, though our record was not read yet (we just joined): a
+        # peer that counted only the others would believe itself alone with one other peer
+        peers.setdefault(local.peer_id, local)
 
     if not peers:
         remaining = max(0, settings.target_batch_size - local.samples_accumulated)

@@ -295,7 +295,12 @@ def test_our_own_record_is_replaced_by_the_fresher_local_one() -> None:
     assert progress.num_peers == 2
     # two records of one peer: the newest counts once
     dup = [_record(b"a", 1, 5, 1.0, T0 - 1), _record(b"a", 1, 7, 1.0, T0)]
-    assert aggregate_progress(dup, local, settings, T0).samples_accumulated == 7
+    idle = _record(ME, 1, 0, 0.0, T0)
+    assert aggregate_progress(dup, idle, settings, T0).samples_accumulated == 7
+    # our record not read yet (we just joined), but we train: we count, as a peer too
+    joined = aggregate_progress(dup, local, settings, T0)
+    assert (joined.samples_accumulated, joined.num_peers) == (67, 2)
+    assert aggregate_progress(dup, idle, settings, T0).num_peers == 1
 
 
 # -- the accounting --------------------------------------------------------------------------------
