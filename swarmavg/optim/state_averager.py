@@ -39,6 +39,7 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainingStateAverager"]
 
+#: Scheduler steps beyond which the scheduler jumps to the epoch (:meth:`_update_scheduler`).
+_MAX_SCHEDULER_STEPS = 10_000
 logger = logging.getLogger(__name__)
 
 Parameters: TypeAlias = Iterable[torch.Tensor]
@@ -775,6 +778,22 @@ class TrainingStateAverager(DecentralizedAverager):
         the learning rate is ``lr(e)``). The caller holds ``lock_optimizer``."""
         scheduler = self.scheduler
         if scheduler is None:
+            return
+        if self.local_epoch - scheduler._step_count > _MAX_SCHEDULER_STEPS:
+            # An epoch far ahead (a state downloaded from a peer says so): step by step would
+            # take as long as the epoch is large. Jump instead, with torch's closed form (the
+            # deprecated step(epoch)); exact for the closed-form schedulers (LambdaLR, StepLR,
+            # ExponentialLR, CosineAnnealingLR, ...), an approximation for the others.
+            logger.warning(
+                "the learning-rate scheduler jumps from step %d to epoch %d",
+                scheduler._step_count,
+                self.local_epoch,
+            )
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scheduler.step(self.local_epoch)  # type: ignore[arg-type]
+            scheduler._step_count = self.local_epoch + 1
             return
         while scheduler._step_count <= self.local_epoch:
             if scheduler._step_count == 1:

@@ -143,6 +143,48 @@ def test_state_averager(
             assert avgr2.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 2)
 
 
+@pytest.mark.parametrize(
+    ("scheduler", "expected"),
+    [
+        (_lambda_lr(lambda t: 1.0 / (1 + t)), lambda epoch: 0.1 / (1 + epoch)),
+        (
+            partial(torch.optim.lr_scheduler.StepLR, step_size=10**8, gamma=0.5),
+            lambda epoch: 0.1 * 0.5 ** (epoch // 10**8),
+        ),
+    ],
+)
+def test_an_epoch_far_ahead_makes_the_scheduler_jump_not_loop(
+    scheduler: Any, expected: Callable[[int], float], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A downloaded state may say epoch 10**9 (a peer's word): stepping the scheduler there one
+    epoch at a time would take hours; it jumps (torch's closed form), with a WARNING."""
+    model = nn.Linear(2, 3)
+    with ExitStack() as stack:
+        (dht,) = _dhts(stack, 1)
+        averager = stack.enter_context(
+            TrainingStateAverager(
+                dht=dht,
+                params=model.parameters(),
+                optimizer=partial(torch.optim.SGD, lr=0.1),
+                scheduler=scheduler,
+                target_group_size=2,
+                prefix="far",
+            )
+        )
+        epoch = 10**9 + 7
+        averager.local_epoch = epoch
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING), averager.lock_optimizer:
+            averager._update_scheduler()
+        assert time.monotonic() - started < 5  # (step by step: hours)
+        assert averager.optimizer.param_groups[0]["lr"] == pytest.approx(expected(epoch))
+        assert any("jumps" in r.getMessage() for r in caplog.records)
+        with averager.lock_optimizer:  # and from there, one step per epoch again
+            averager.local_epoch = epoch + 1
+            averager._update_scheduler()
+        assert averager.optimizer.param_groups[0]["lr"] == pytest.approx(expected(epoch + 1))
+
+
 def test_load_state_from_peers() -> None:
     model1, model2 = nn.Linear(2, 3), nn.Linear(2, 3)
     common: dict[str, Any] = {
