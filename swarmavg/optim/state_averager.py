@@ -792,7 +792,7 @@ class TrainingStateAverager(DecentralizedAverager):
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                scheduler.step(self.local_epoch)  # type: ignore[arg-type]
+                scheduler.step(self.local_epoch)
             scheduler._step_count = self.local_epoch + 1
             return
         while scheduler._step_count <= self.local_epoch:
