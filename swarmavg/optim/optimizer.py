@@ -727,7 +727,9 @@ class Optimizer(torch.optim.Optimizer):
                 self.scheduled_grads,
             )
             self.scheduled_grads = None
-        elif self.tracker.global_progress.num_peers > 1:
+        # (not elif, as hivemind's: a used handle left from the last epoch, when no round was
+        # scheduled ahead this time, must not make this peer step alone)
+        if self.tracker.global_progress.num_peers > 1:
             try:
                 self.scheduled_grads = self.grad_averager.step(
                     control=self.scheduled_grads, reset_accumulators=True, wait=False
