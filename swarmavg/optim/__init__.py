@@ -8,6 +8,7 @@
 * :class:`GradientAverager` — accumulates gradients and averages them, weighted by samples.
 * :class:`TrainingStateAverager` — averages parameters, optimizer statistics and extra tensors,
   runs (delayed) optimizer steps, shares and loads the training state.
+* :class:`GradScaler` — ``torch.amp.GradScaler`` for float16 AMP with :class:`Optimizer`.
 
 This package imports torch; ``import swarmavg`` does not (``swarmavg.Optimizer`` is resolved on
 first use). Names are imported lazily, on first access.
@@ -20,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from swarmavg.optim.grad_averager import GradientAverager
+    from swarmavg.optim.grad_scaler import GradScaler
     from swarmavg.optim.optimizer import Optimizer
     from swarmavg.optim.progress_tracker import ProgressTracker
     from swarmavg.optim.state_averager import TrainingStateAverager
 
 __all__ = [
+    "GradScaler",
     "GradientAverager",
     "Optimizer",
     "ProgressTracker",
@@ -32,6 +35,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "GradScaler": "swarmavg.optim.grad_scaler",
     "GradientAverager": "swarmavg.optim.grad_averager",
     "Optimizer": "swarmavg.optim.optimizer",
     "ProgressTracker": "swarmavg.optim.progress_tracker",

@@ -30,6 +30,7 @@ from swarmavg.aio.averager import AveragingStage
 from swarmavg.compression import AdaptiveCompression, CompressionBase, NoCompression
 from swarmavg.errors import LoadStateFailed
 from swarmavg.optim.grad_averager import GradientAverager
+from swarmavg.optim.grad_scaler import GradScaler
 from swarmavg.optim.progress_tracker import ProgressTracker
 from swarmavg.optim.state_averager import TrainingStateAverager, _SecondsEMA
 
@@ -340,7 +341,9 @@ class Optimizer(torch.optim.Optimizer):
         #: Downloads since our last epoch that ended in a round: each is checked against the
         #: next read of the swarm's progress (the donor may have moved on meanwhile).
         self._resyncs_in_a_row = 0
-        self._step_supports_amp_scaling = reuse_grad_buffers
+        # torch's GradScaler.step() then passes itself to step(), which rejects it (R-A3): it
+        # cannot know how this optimizer accumulates; swarmavg.optim.GradScaler can
+        self._step_supports_amp_scaling = True
         #: what the last epoch's rounds did (see :meth:`_log_epoch`)
         self.last_epoch_info: dict[str, Any] = {}
         self._epoch_started = time.perf_counter()
@@ -531,19 +534,26 @@ class Optimizer(torch.optim.Optimizer):
         :param closure: re-evaluates the model and returns the loss (run under
             ``torch.enable_grad()``).
         :param batch_size: samples of this step (default ``batch_size_per_step``).
-        :param grad_scaler: reserved for AMP (hivemind's ``GradScaler``); not supported yet.
+        :param grad_scaler: a :class:`swarmavg.optim.GradScaler` for float16 AMP (or call
+            ``grad_scaler.step(opt, ...)``, the same): the gradients are unscaled and checked;
+            a batch with inf/NaN gradients is skipped (with ``reuse_grad_buffers``, the whole
+            accumulation is reset); see ``docs/training.md``.
         :returns: the closure's loss, or ``None``.
-        :raises ValueError: no batch size, or an auxiliary peer given a batch, closure or scaler.
-        :raises RuntimeError: the optimizer was shut down.
+        :raises ValueError: no batch size, an auxiliary peer given a batch, closure or scaler,
+            a ``grad_scaler`` that is not a :class:`swarmavg.optim.GradScaler`, or a closure
+            with a scaler.
+        :raises RuntimeError: the optimizer was shut down, or ``step`` with the same scaler
+            twice before ``grad_scaler.update()``.
         """
         if self._closed:
             raise RuntimeError("this swarmavg.Optimizer was shut down")
         assert self.state_averager is not None
         assert self.tracker is not None
-        if grad_scaler is not None:
+        if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
             raise ValueError(
-                "grad_scaler: AMP with swarmavg.Optimizer is not supported yet; train in float32 "
-                "or bfloat16 autocast (which needs no scaler)"
+                f"grad_scaler must be a swarmavg.optim.GradScaler, not "
+                f"{type(grad_scaler).__module__}.{type(grad_scaler).__qualname__} (torch's "
+                "cannot see the gradients this optimizer accumulates across steps)"
             )
         if self.auxiliary:
             if closure is not None or batch_size is not None or grad_scaler is not None:
@@ -561,6 +571,16 @@ class Optimizer(torch.optim.Optimizer):
         ):
             raise ValueError(f"batch_size must be a positive int, not {batch_size!r}")
         batch = batch_size if batch_size is not None else (self.batch_size_per_step or 0)
+        if grad_scaler is not None:
+            if closure is not None:
+                raise ValueError(
+                    "closure: not with a grad_scaler (as torch's GradScaler): compute the loss, "
+                    "scale it and call backward() before step()"
+                )
+            if grad_scaler.is_enabled():
+                grad_scaler._begin_optimizer_step(self)
+            else:
+                grad_scaler = None
 
         # apply a delayed optimizer step or averaging round that finished meanwhile
         self.state_averager.step(apply_delayed_updates=True)
@@ -573,6 +593,8 @@ class Optimizer(torch.optim.Optimizer):
         if not self.auxiliary and self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "%s: out of sync with the swarm", self.run_id)
             if self._resync():
+                if grad_scaler is not None:
+                    grad_scaler._skip_local_step(self)
                 return loss  # these gradients came from parameters that are out of date
 
         if self.grad_averager is not None:
@@ -581,6 +603,15 @@ class Optimizer(torch.optim.Optimizer):
             self._maybe_schedule_gradient_averaging()
             self._maybe_schedule_state_averaging()
         elif not self.auxiliary:
+            if grad_scaler is not None and not grad_scaler._check_local_gradients(
+                self, unscale=True
+            ):
+                logger.log(
+                    self.status_loglevel,
+                    "%s: non-finite gradients under AMP: no local step on this batch",
+                    self.run_id,
+                )
+                return loss
             samples = self.tracker.local_progress.samples_accumulated + batch
             self.tracker.report_local_progress(self.local_epoch, samples)
             self._maybe_schedule_state_averaging()
@@ -588,24 +619,40 @@ class Optimizer(torch.optim.Optimizer):
                 increment_epoch=False,
                 optimizer_step=True,
                 delay_optimizer_step=self.delay_optimizer_step,
-                grad_scaler=grad_scaler,
             )
 
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(grad_scaler)
         return loss
 
-    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Any) -> bool:
+    def _check_and_accumulate_gradients(
+        self, batch_size: int, grad_scaler: GradScaler | None
+    ) -> bool:
+        """Accumulate this batch's gradients and report the samples; with a scaler, first
+        unscale (own accumulators) or only check (``reuse_grad_buffers``) them: non-finite
+        gradients skip the batch, or with ``reuse_grad_buffers`` reset the accumulation (the
+        sum of scaled gradients in ``.grad`` is lost) and report 0 samples. Whether the batch
+        was accumulated."""
         assert self.grad_averager is not None
         assert self.tracker is not None
-        if grad_scaler is not None and not grad_scaler.are_grads_finite(self):
-            logger.log(
-                self.status_loglevel,
-                "%s: non-finite gradients under AMP, local gradients reset",
-                self.run_id,
-            )
-            self.tracker.report_local_progress(self.local_epoch, 0)
-            self.grad_averager.reset_accumulated_grads_()
+        reuse = self.grad_averager.reuse_grad_buffers
+        if grad_scaler is not None and not grad_scaler._check_local_gradients(
+            self, unscale=not reuse
+        ):
+            if reuse:
+                logger.log(
+                    self.status_loglevel,
+                    "%s: non-finite gradients under AMP: the accumulated gradients are reset",
+                    self.run_id,
+                )
+                self.grad_averager.reset_accumulated_grads_()
+                self.tracker.report_local_progress(self.local_epoch, 0)
+            else:
+                logger.log(
+                    self.status_loglevel,
+                    "%s: non-finite gradients under AMP: this batch is skipped",
+                    self.run_id,
+                )
             return False
         self.grad_averager.accumulate_grads_(batch_size)
         self.tracker.report_local_progress(
@@ -670,7 +717,7 @@ class Optimizer(torch.optim.Optimizer):
                 wait_for_trigger=wait_for_trigger,
                 optimizer_step=optimizer_step,
                 delay_optimizer_step=self.delay_optimizer_step and optimizer_step,
-                grad_scaler=grad_scaler,
+                grad_scaler=None,  # the averaged gradients are unscaled
                 averaging_round=average_state,
                 delay_averaging=self.delay_state_averaging and not self.auxiliary,
                 averaging_control=self.scheduled_state if average_state else None,
@@ -718,13 +765,14 @@ class Optimizer(torch.optim.Optimizer):
             how,
         )
 
-    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
-        """Start the gradient round (R-A5); whether it started."""
+    def _begin_averaging_gradients(self, grad_scaler: GradScaler | None) -> bool:
+        """Start the gradient round (R-A5); whether it started. With a scaler and
+        ``reuse_grad_buffers``, the accumulated ``.grad`` is unscaled first (own accumulators
+        hold unscaled gradients already)."""
         assert self.grad_averager is not None
         assert self.tracker is not None
-        if grad_scaler is not None:
-            with grad_scaler.running_global_step():
-                grad_scaler.unscale_(self)
+        if grad_scaler is not None and self.grad_averager.reuse_grad_buffers:
+            grad_scaler._unscale_accumulated(self)
         began = False
         if self.scheduled_grads is not None and (
             self.scheduled_grads.triggered or self.scheduled_grads.done()
@@ -736,7 +784,9 @@ class Optimizer(torch.optim.Optimizer):
                 self.scheduled_grads,
             )
             self.scheduled_grads = None
-        elif self.tracker.global_progress.num_peers > 1:
+        # (not elif, as hivemind's: a used handle left from the last epoch, when no round was
+        # scheduled ahead this time, must not make this peer step alone)
+        if self.tracker.global_progress.num_peers > 1:
             try:
                 self.scheduled_grads = self.grad_averager.step(
                     control=self.scheduled_grads, reset_accumulators=True, wait=False

@@ -534,7 +534,8 @@ class TrainingStateAverager(DecentralizedAverager):
            local tensors) and steps (offloaded parameters into the model);
         3. ``increment_epoch``: ``local_epoch += 1`` at once (the scheduler follows after this
            call's optimizer step, or at once if there is none);
-        4. ``optimizer_step`` (``grad_scaler.step(optimizer)`` with a scaler), ``zero_grad``
+        4. ``optimizer_step`` (``grad_scaler.step(optimizer)`` with a scaler, e.g. torch's
+           ``GradScaler`` for standalone use: the caller calls ``update()``), ``zero_grad``
            (``set_to_none``), then the scheduler, in the background thread: after
            ``wait_for_trigger()`` if given; waited for unless ``delay_optimizer_step``;
         5. ``averaging_round``: average the parameters, ``average_opt_statistics`` and
@@ -552,7 +553,8 @@ class TrainingStateAverager(DecentralizedAverager):
             ``delay_averaging`` or ``offload_optimizer``; ``averaging_round`` without waiting
             for and applying the previous one; ``averaging_control`` without
             ``averaging_round``; ``wait_for_trigger`` with nothing to trigger or without
-            ``reuse_tensors``/``custom_gradients``; unknown ``averaging_opts``.
+            ``reuse_tensors``/``custom_gradients``; unknown ``averaging_opts``; a
+            ``grad_scaler`` with ``delay_optimizer_step``.
         :raises RuntimeError: the averager was shut down.
         :raises Exception: what the optimizer step, ``zero_grad`` or the scheduler raised, when
             this call waited for them (a delayed one is logged instead).
@@ -608,8 +610,12 @@ class TrainingStateAverager(DecentralizedAverager):
                     "wait_for_trigger needs reuse_tensors or custom_gradients: the caller must "
                     "fill the optimizer's gradients itself before the trigger returns"
                 )
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "step", None)):
-            raise TypeError("grad_scaler must have a step(optimizer) method (a GradScaler)")
+        if grad_scaler is not None:
+            if not callable(getattr(grad_scaler, "step", None)):
+                raise TypeError("grad_scaler must have a step(optimizer) method (a GradScaler)")
+            if delay_optimizer_step:
+                # the caller's grad_scaler.update() would race the step in the background thread
+                raise ValueError("grad_scaler needs delay_optimizer_step=False")
 
         if wait_for_delayed_updates:
             self._wait_for_pending(opts.get("timeout"))
@@ -740,9 +746,7 @@ class TrainingStateAverager(DecentralizedAverager):
             if grad_scaler is None:
                 self.optimizer.step()
                 return
-            running = getattr(grad_scaler, "running_global_step", None)
-            with running() if callable(running) else contextlib.nullcontext():
-                grad_scaler.step(self.optimizer)
+            grad_scaler.step(self.optimizer)
 
     @torch.no_grad()
     def _zero_grad(self, set_to_none: bool) -> None:
