@@ -129,6 +129,24 @@ class DecentralizedAverager:
     def set_group_bits(self, bits: str) -> None:
         self._averager.set_group_bits(bits)
 
+    @property
+    def expected_group_size(self) -> int | None:
+        """How many peers (this one included) are expected to look for each group, or ``None``
+        (unknown): the DHT matchmaker then does not assemble a group early while fewer are in
+        (see :class:`swarmavg.proto.group_search.GroupSearch`); a training loop sets it from
+        its progress records. Settable; read at the start of each search."""
+        return getattr(self._averager.matchmaker, "expected_group_size", None)
+
+    @expected_group_size.setter
+    def expected_group_size(self, value: int | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"expected_group_size must be None or an int >= 1, not {value!r}")
+        matchmaker = self._averager.matchmaker
+        if hasattr(matchmaker, "expected_group_size"):
+            matchmaker.expected_group_size = value  # (an int: one store, any thread)
+
     # -- state sharing ---------------------------------------------------------------------------
 
     @property

@@ -195,6 +195,9 @@ class DHTMatchmaker(Matchmaker):
         #: the key of our last search and the members of the group it formed (if it did): when
         #: we look under that key again, they are expected back (see GroupSearch's regulars)
         self._previous: tuple[str, frozenset[PeerID] | tuple[()]] = ("", ())
+        #: how many peers (us included) are expected to look for each group; see GroupSearch's
+        #: ``expected_group_size`` (a training loop sets it from its progress records)
+        self.expected_group_size: int | None = None
         #: peers whose last connection to us ended, and when (DHT time), oldest first
         self._lost: OrderedDict[PeerID, float] = OrderedDict()
         registry = _matchmakers.get(dht.node)
@@ -279,6 +282,7 @@ class DHTMatchmaker(Matchmaker):
             lost=self._lately_lost(),
             regulars=self._previous[1] if self._previous[0] == key else (),
             declared_before=self._records.get(key, -math.inf),
+            expected_group_size=self.expected_group_size,
         )
         running = self._running = _Running(search)
         try:

@@ -712,6 +712,8 @@ class Optimizer(torch.optim.Optimizer):
                 self.delay_before_state_averaging.update(
                     task_size=1, interval=time.perf_counter() - started
                 )
+            if average_state:
+                self._expect_peers(self.state_averager)
             self.state_averager.step(
                 increment_epoch=True,
                 wait_for_trigger=wait_for_trigger,
@@ -788,6 +790,7 @@ class Optimizer(torch.optim.Optimizer):
         # scheduled ahead this time, must not make this peer step alone)
         if self.tracker.global_progress.num_peers > 1:
             try:
+                self._expect_peers(self.grad_averager)
                 self.scheduled_grads = self.grad_averager.step(
                     control=self.scheduled_grads, reset_accumulators=True, wait=False
                 )
@@ -852,6 +855,13 @@ class Optimizer(torch.optim.Optimizer):
                         param.grad.copy_(grad, non_blocking=True)
         self.grad_averager.notify_used_averaged_gradients()
 
+    def _expect_peers(self, averager: Any) -> None:
+        """Tell ``averager``'s matchmaking how many peers the progress records show: a group
+        is not assembled early among the first few to look (the others look soon: a swarm
+        that split so would average in two halves, round after round)."""
+        assert self.tracker is not None
+        averager.expected_group_size = max(1, self.tracker.global_progress.num_peers)
+
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Find the gradient round's group while the last batches are computed (R-A6)."""
         assert self.grad_averager is not None
@@ -868,6 +878,7 @@ class Optimizer(torch.optim.Optimizer):
                     self.run_id,
                     max(eta, 0.0),
                 )
+                self._expect_peers(self.grad_averager)
                 self.scheduled_grads = self.grad_averager.schedule_step(
                     scheduled_time=get_dht_time() + max(eta, self.matchmaking_time),
                     timeout=self.averaging_timeout,
@@ -893,6 +904,7 @@ class Optimizer(torch.optim.Optimizer):
         if eta <= self.matchmaking_time:
             handle = self.scheduled_state
             if handle is None or handle.triggered or handle.done():
+                self._expect_peers(self.state_averager)
                 self.scheduled_state = self.state_averager.schedule_step(
                     scheduled_time=get_dht_time() + max(eta, self.matchmaking_time),
                     gather=next_epoch,

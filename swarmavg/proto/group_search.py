@@ -312,6 +312,13 @@ class GroupSearch:
         lost) and assembles once they and every peer looking have joined, after one read; it
         pings one that has not joined at once. One that a read shows looking and then no
         longer looking is in another group: it is not waited for.
+    :param expected_group_size: how many peers (us included) the caller expects to look here
+        for this round, e.g. a training run's peers, from their progress records: rule 2
+        (waiting cannot make it bigger) then holds only once that many are in, because peers
+        that will look soon are not looking *yet*. Without it (``None``), the first peers of a
+        training swarm to look assemble among themselves, and with regulars the split repeats
+        every round. Rules 1 and 3 are unchanged, so a peer that was expected and never
+        comes costs the wait until ``begin_at``.
     """
 
     def __init__(
@@ -332,9 +339,19 @@ class GroupSearch:
         lost: Iterable[PeerID] = (),
         regulars: Iterable[PeerID] = (),
         declared_before: float = -math.inf,
+        expected_group_size: int | None = None,
     ) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
+        if expected_group_size is not None and (
+            isinstance(expected_group_size, bool)
+            or not isinstance(expected_group_size, int)
+            or expected_group_size < 1
+        ):
+            raise ValueError(
+                f"expected_group_size must be None or an int >= 1, not {expected_group_size!r}"
+            )
+        self.expected = min(expected_group_size or 1, target_group_size)
         self.me = me
         self.peer = me.peer_id
         self.key = key
@@ -607,6 +624,7 @@ class GroupSearch:
             looking <= joined
             and self._regulars - self._lost - self._excluded_seen.keys() <= joined
             and 1 + len(joined) >= self.minimum
+            and 1 + len(joined) >= self.expected
             and len(joined) >= 1
         )
 

@@ -77,8 +77,10 @@ class Sim:
         clients: frozenset[int] = frozenset(),
         admission: list[Admission] | None = None,
         regulars: list[int] = (),  # type: ignore[assignment]
+        expected: int | None = None,
     ) -> None:
         self.now = 0.0
+        self.expected = expected
         self.regulars = [_IDS[i] for i in regulars]
         self.peers = [_Peer(_IDS[i]) for i in range(n)]
         self.by_id = {p.peer: p for p in self.peers}
@@ -134,6 +136,7 @@ class Sim:
                 new_group_id=lambda: next(self._group_ids).to_bytes(4, "big"),
                 admission=self.admission[index] if self.admission else None,
                 regulars=self.regulars,
+                expected_group_size=self.expected,
             )
             self._pump(peer)
 
@@ -663,6 +666,56 @@ def test_without_regulars_a_late_peer_misses_the_group() -> None:
     sim.start(3, 0.3, wait=2)
     sim.run()
     assert sorted(_sizes(sim)) == [3]
+
+
+@pytest.mark.parametrize("regulars", [[], [0, 1], [0, 1, 2, 3]])
+def test_the_expected_group_size_holds_early_assembly_until_everyone_is_in(
+    regulars: list[int],
+) -> None:
+    """A training swarm of four: two peers look first, the other two 0.3 s later (their last
+    batch took longer). Told to expect four, the first two do not assemble on their own (two
+    agreeing reads, or their regulars, would let them), so the swarm is not split in halves;
+    and the group still assembles at once when the fourth joins, long before begin_at."""
+    sim = Sim(4, target=8, regulars=regulars, expected=4)
+    for i in range(2):
+        sim.start(i, 0.0, wait=15)
+    for i in range(2, 4):
+        sim.start(i, 0.3, wait=15)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [4]
+    assert max(p.ended_at for p in sim.peers) < 1.5  # (begin_at: 15 s)
+    split = Sim(4, target=8, regulars=[0, 1])  # (without the hint: the split)
+    for i in range(2):
+        split.start(i, 0.0, wait=15)
+    for i in range(2, 4):
+        split.start(i, 0.3, wait=15)
+    split.run()
+    assert sorted(_sizes(split)) == [2, 2]
+
+
+def test_an_expected_peer_that_never_comes_costs_the_wait_until_begin_at() -> None:
+    sim = Sim(3, target=8, expected=4)
+    for i in range(3):
+        sim.start(i, 0.0, wait=2.0)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [3]
+    assert min(p.ended_at for p in sim.peers) >= 2.0
+    with pytest.raises(ValueError, match="expected_group_size"):
+        GroupSearch(
+            MemberInfo(_IDS[0], ["x"], -1.0, "node", b""),
+            key=KEY,
+            schema=SCHEMA,
+            begin_at=1.0,
+            now=0.0,
+            target_group_size=4,
+            min_group_size=2,
+            request_timeout=1.0,
+            declaration_ttl=1.0,
+            new_group_id=lambda: b"g",
+            expected_group_size=0,
+        )
 
 
 @pytest.mark.parametrize("how", ["dead", "stalled", "left"])

@@ -136,3 +136,20 @@ def test_shutdown_right_after_a_cancelled_step_is_prompt() -> None:
         averager.shutdown()
         took = time.monotonic() - started
     assert took < 1.0, took
+
+
+def test_the_expected_group_size_reaches_the_matchmaker_and_is_checked() -> None:
+    with ExitStack() as stack:
+        dht = stack.enter_context(DHT(host="127.0.0.1"))
+        averager = stack.enter_context(
+            DecentralizedAverager([torch.zeros(3)], dht, prefix="expect", target_group_size=4)
+        )
+        assert averager.expected_group_size is None
+        averager.expected_group_size = 3
+        assert averager.expected_group_size == 3
+        assert averager._averager.matchmaker.expected_group_size == 3  # type: ignore[attr-defined]
+        averager.expected_group_size = None
+        assert averager.expected_group_size is None
+        for bad in (0, -1, True, 2.5):
+            with pytest.raises(ValueError, match="expected_group_size"):
+                averager.expected_group_size = bad  # type: ignore[assignment]
