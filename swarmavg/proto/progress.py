@@ -519,6 +519,7 @@ class ProgressAccounting:
         self._fetched_at: float | None = None
         self._epoch_at_fetch = 0
         self._samples_at_fetch = 0.0
+        self._speed_at_fetch = 0.0
         #: Whether our first report with samples has set the EMA's timer (the time before it,
         #: from construction on, is set-up, not training).
         self._timer_started = False
@@ -644,8 +645,7 @@ class ProgressAccounting:
         """Seconds of our own training until the swarm's estimated end (less half our step if
         ``nearest_step``); ``None`` if we do not train (no speed yet) or have not read the
         records."""
-        ema = self.performance_ema
-        if self._fetched_at is None or ema.num_updates == 0:
+        if self._fetched_at is None or self._speed_at_fetch <= _UNKNOWN_SPEED:
             return None
         eta_seconds = self.global_progress.eta_next_epoch - self._fetched_at
         local = self.local_progress
@@ -653,7 +653,8 @@ class ProgressAccounting:
             self._samples_at_fetch if local.epoch == self._epoch_at_fetch else 0
         )
         half_step = self._step_samples / 2 if nearest_step else 0
-        return eta_seconds - (since_fetch + half_step) / ema.samples_per_second
+        # (at the speed the ETA was computed with: a peer alone then ends at exactly the target)
+        return eta_seconds - (since_fetch + half_step) / self._speed_at_fetch
 
     def ready_to_update_epoch(self, now: float, *, nearest_step: bool = False) -> bool:
         """Whether we may end our epoch now: the swarm is ahead of us, or has the target's
@@ -662,7 +663,7 @@ class ProgressAccounting:
         The estimate (the ETA of the last read of the records) lets an epoch end before the
         reports reach the target, as hivemind's does. A peer that trains measures it in its own
         training, not in wall-clock time: the swarm is assumed to have progressed, since the
-        read, as much as our samples since then at our speed say (the others' share by their
+        read, as much as our samples since then at our speed then say (the others' share by their
         speeds). So a pause that the whole swarm takes (an evaluation, a checkpoint) does not
         end an epoch early. A peer that does not train (an auxiliary one) compares ``now`` with
         the ETA.
@@ -719,6 +720,7 @@ class ProgressAccounting:
             return None
         self.global_progress = aggregate_progress(records, self.local_progress, self.settings, now)
         self._fetched_at = now
+        self._speed_at_fetch = self.local_progress.samples_per_second
         self._epoch_at_fetch = self.local_progress.epoch
         # (the estimate counts the part of our step in progress: so do our samples then)
         self._samples_at_fetch = self.local_progress.samples_accumulated + _since_report(

@@ -424,6 +424,25 @@ def test_a_training_peer_measures_the_eta_in_its_own_training_not_wall_time() ->
     assert acc.ready_to_update_epoch(T0 + 1005)  # 50 of ours + (as the estimate has it) 50
 
 
+def test_a_peer_alone_ends_at_the_target_however_its_speed_changes() -> None:
+    """The ETA was computed at one speed; the peer then slows down 10x (a delayed step in the
+    background, a busy machine): it ends at exactly the target, not when its slower speed
+    says the estimated end has come."""
+    acc = ProgressAccounting(
+        ProgressSettings(100), ME, client_mode=False, now=T0, performance_ema_alpha=1.0
+    )
+    acc.report_local_progress(0, 10, T0)
+    acc.report_local_progress(0, 20, T0 + 1)  # 10 samples/s
+    acc.apply_fetch([acc.local_progress], T0 + 1, acc.generation)
+    now = T0 + 1
+    for samples in range(30, 100, 10):
+        now += 10.0  # (1 sample/s now)
+        acc.report_local_progress(0, samples, now)
+        assert not acc.ready_to_update_epoch(now, nearest_step=True), samples
+    acc.report_local_progress(0, 100, now + 10)
+    assert acc.ready_to_update_epoch(now + 10)
+
+
 def test_nearest_step_ends_the_epoch_at_the_step_nearest_to_the_estimate() -> None:
     """Two peers as fast, target 100: the estimated end is at 50 samples of ours. With steps
     of 40, the step at 40 is nearer to it than the one at 80: only ``nearest_step`` ends
