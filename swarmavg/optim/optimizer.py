@@ -628,7 +628,12 @@ class Optimizer(torch.optim.Optimizer):
             wait_for_trigger = None
             if self.grad_averager is not None:
                 if self.delay_optimizer_step:
-                    self.state_averager.step(wait_for_delayed_updates=True)
+                    # The previous optimizer step reads the buffers this round averages into:
+                    # wait for it, but not for its state round. (That round waits for its
+                    # groupmates' gradient rounds; had one of them formed with this peer's
+                    # pre-scheduled next round, waiting for it here would be a cycle, broken
+                    # only by the all-reduce's timeouts.)
+                    self.state_averager.wait_for_delayed_optimizer_steps()
                 began = self._begin_averaging_gradients(grad_scaler)
                 if not began:
                     # no round (alone, or it could not start): step on the local gradients
@@ -646,10 +651,18 @@ class Optimizer(torch.optim.Optimizer):
             next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             swarm_not_empty = self.tracker.global_progress.num_peers > 1
             optimizer_step = not self.auxiliary and not self.use_local_updates
+            # The previous state round may still run (it is delayed by default). Where the
+            # rounds average the optimizer's tensors in place (reuse_tensors, e.g. offloaded),
+            # this epoch's round is queued behind it: the background thread runs them in order,
+            # and every peer keeps averaging every epoch, instead of this epoch blocking on the
+            # previous round (or skipping its own while its groupmates wait for it).
+            queue_round = (
+                self.state_averager.reuse_tensors and self.state_averager.averaging_pending
+            )
             average_state = (
                 swarm_not_empty
                 and next_epoch % self.average_state_every == 0
-                and not self.state_averager.averaging_in_progress
+                and (queue_round or not self.state_averager.averaging_in_progress)
             )
             if average_state and self.scheduled_state is not None:
                 if self.scheduled_state.triggered or self.scheduled_state.done():
@@ -658,6 +671,7 @@ class Optimizer(torch.optim.Optimizer):
                     task_size=1, interval=time.perf_counter() - started
                 )
             self.state_averager.step(
+                wait_for_delayed_updates=False if average_state and queue_round else None,
                 increment_epoch=True,
                 wait_for_trigger=wait_for_trigger,
                 optimizer_step=optimizer_step,
@@ -794,9 +808,20 @@ class Optimizer(torch.optim.Optimizer):
         self.grad_averager.notify_used_averaged_gradients()
 
     def _maybe_schedule_gradient_averaging(self) -> None:
-        """Find the gradient round's group while the last batches are computed (R-A6)."""
+        """Find the gradient round's group while the last batches are computed (R-A6).
+
+        Not with ``delay_grad_averaging``: there the round runs in the background anyway, so
+        its matchmaking is hidden without pre-scheduling; and a pre-scheduled round waits for
+        this peer's trigger, which comes only after the previous delayed step, itself behind
+        the previous state round in the background thread. A groupmate still in its previous
+        gradient round (groups split: a peer lagged, or loaded the state) that met this
+        pre-scheduled round would wait for that trigger, while this peer's state round waits
+        for that groupmate: a cycle that only the all-reduce's timeouts broke (7.5-15 s an
+        epoch). Begun at the epoch's end instead, the round needs no trigger."""
         assert self.grad_averager is not None
         assert self.tracker is not None
+        if self.delay_grad_averaging:
+            return
         from swarmavg._time import get_dht_time
 
         eta = self.tracker.estimated_next_update_time - get_dht_time()
