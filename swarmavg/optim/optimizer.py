@@ -777,7 +777,9 @@ class Optimizer(torch.optim.Optimizer):
                 averaged = True
         except Exception as exc:
             info["grad_error"] = f"{type(exc).__name__}: {exc}"[:200]
-            logger.warning(
+            # (a delayed round that shutdown() cancelled is no news)
+            logger.log(
+                self.status_loglevel if self._closed else logging.WARNING,
                 "%s epoch %d: averaging gradients failed (%s); stepping on local gradients",
                 self.run_id,
                 info["epoch"],
