@@ -634,6 +634,20 @@ class Optimizer(torch.optim.Optimizer):
                     # pre-scheduled next round, waiting for it here would be a cycle, broken
                     # only by the all-reduce's timeouts.)
                     self.state_averager.wait_for_delayed_optimizer_steps()
+                previous = self.scheduled_grads
+                if (
+                    self.delay_grad_averaging
+                    and (previous is None or previous.triggered or previous.done())
+                    and self.tracker.global_progress.num_peers > 1
+                ):
+                    # Not pre-scheduled (see _maybe_schedule_gradient_averaging): the group is
+                    # found now, in the background, within averaging_timeout as a pre-scheduled
+                    # round's would be. (If this fails, _begin_averaging_gradients tries a step
+                    # of its own and says why that failed.)
+                    with contextlib.suppress(Exception):
+                        self.scheduled_grads = self.grad_averager.schedule_step(
+                            timeout=self.averaging_timeout
+                        )
                 began = self._begin_averaging_gradients(grad_scaler)
                 if not began:
                     # no round (alone, or it could not start): step on the local gradients
