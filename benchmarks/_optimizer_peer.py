@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import select
 import sys
 import time
@@ -255,11 +256,11 @@ def _stdin_line(timeout: float) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.verbose:  # (the optimizers' status lines, on stderr: the benchmark keeps it)
-        import logging
-
+    if args.verbose:  # (the optimizer's INFO lines, timed, into this peer's stderr log)
         logging.basicConfig(
-            level=logging.INFO, format="%(relativeCreated)8.0f %(name)s %(message)s"
+            level=logging.INFO,
+            format="%(asctime)s.%(msecs)03d %(threadName)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
         )
     torch.set_num_threads(1)
     began = time.perf_counter()

@@ -683,7 +683,26 @@ class Optimizer(torch.optim.Optimizer):
             wait_for_trigger = None
             if self.grad_averager is not None:
                 if self.delay_optimizer_step:
-                    self.state_averager.step(wait_for_delayed_updates=True)
+                    # The previous optimizer step reads the buffers this round averages into:
+                    # wait for it, but not for its state round. (That round waits for its
+                    # groupmates' gradient rounds; had one of them formed with this peer's
+                    # pre-scheduled next round, waiting for it here would be a cycle, broken
+                    # only by the all-reduce's timeouts.)
+                    self.state_averager.wait_for_delayed_optimizer_steps()
+                previous = self.scheduled_grads
+                if (
+                    self.delay_grad_averaging
+                    and (previous is None or previous.triggered or previous.done())
+                    and self.tracker.global_progress.num_peers > 1
+                ):
+                    # Not pre-scheduled (see _maybe_schedule_gradient_averaging): the group is
+                    # found now, in the background, within averaging_timeout as a pre-scheduled
+                    # round's would be. (If this fails, _begin_averaging_gradients tries a step
+                    # of its own and says why that failed.)
+                    with contextlib.suppress(Exception):
+                        self.scheduled_grads = self.grad_averager.schedule_step(
+                            timeout=self.averaging_timeout
+                        )
                 began = self._begin_averaging_gradients(grad_scaler)
                 if not began:
                     # no round (alone, or it could not start): step on the local gradients
@@ -701,10 +720,18 @@ class Optimizer(torch.optim.Optimizer):
             next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             swarm_not_empty = self.tracker.global_progress.num_peers > 1
             optimizer_step = not self.auxiliary and not self.use_local_updates
+            # The previous state round may still run (it is delayed by default). Where the
+            # rounds average the optimizer's tensors in place (reuse_tensors, e.g. offloaded),
+            # this epoch's round is queued behind it: the background thread runs them in order,
+            # and every peer keeps averaging every epoch, instead of this epoch blocking on the
+            # previous round (or skipping its own while its groupmates wait for it).
+            queue_round = (
+                self.state_averager.reuse_tensors and self.state_averager.averaging_pending
+            )
             average_state = (
                 swarm_not_empty
                 and next_epoch % self.average_state_every == 0
-                and not self.state_averager.averaging_in_progress
+                and (queue_round or not self.state_averager.averaging_in_progress)
             )
             if average_state and self.scheduled_state is not None:
                 if self.scheduled_state.triggered or self.scheduled_state.done():
@@ -715,6 +742,7 @@ class Optimizer(torch.optim.Optimizer):
             if average_state:
                 self._expect_peers(self.state_averager)
             self.state_averager.step(
+                wait_for_delayed_updates=False if average_state and queue_round else None,
                 increment_epoch=True,
                 wait_for_trigger=wait_for_trigger,
                 optimizer_step=optimizer_step,
@@ -825,7 +853,9 @@ class Optimizer(torch.optim.Optimizer):
                 averaged = True
         except Exception as exc:
             info["grad_error"] = f"{type(exc).__name__}: {exc}"[:200]
-            logger.warning(
+            # (a delayed round that shutdown() cancelled is no news)
+            logger.log(
+                self.status_loglevel if self._closed else logging.WARNING,
                 "%s epoch %d: averaging gradients failed (%s); stepping on local gradients",
                 self.run_id,
                 info["epoch"],
@@ -863,9 +893,20 @@ class Optimizer(torch.optim.Optimizer):
         averager.expected_group_size = max(1, self.tracker.global_progress.num_peers)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
-        """Find the gradient round's group while the last batches are computed (R-A6)."""
+        """Find the gradient round's group while the last batches are computed (R-A6).
+
+        Not with ``delay_grad_averaging``: there the round runs in the background anyway, so
+        its matchmaking is hidden without pre-scheduling; and a pre-scheduled round waits for
+        this peer's trigger, which comes only after the previous delayed step, itself behind
+        the previous state round in the background thread. A groupmate still in its previous
+        gradient round (groups split: a peer lagged, or loaded the state) that met this
+        pre-scheduled round would wait for that trigger, while this peer's state round waits
+        for that groupmate: a cycle that only the all-reduce's timeouts broke (7.5-15 s an
+        epoch). Begun at the epoch's end instead, the round needs no trigger."""
         assert self.grad_averager is not None
         assert self.tracker is not None
+        if self.delay_grad_averaging:
+            return
         from swarmavg._time import get_dht_time
 
         eta = self.tracker.estimated_next_update_time - get_dht_time()

@@ -529,7 +529,8 @@ class TrainingStateAverager(DecentralizedAverager):
 
         1. ``wait_for_delayed_updates``: wait for background steps (default: when an
            ``averaging_round`` is asked, and with the delta rule also for ``optimizer_step`` or
-           ``zero_grad``);
+           ``zero_grad``; with ``reuse_tensors`` a round may be queued behind a pending one
+           with ``False``: the background thread runs them in order);
         2. ``apply_delayed_updates``: apply finished background rounds (their averages into the
            local tensors) and steps (offloaded parameters into the model);
         3. ``increment_epoch``: ``local_epoch += 1`` at once (the scheduler follows after this
@@ -550,11 +551,11 @@ class TrainingStateAverager(DecentralizedAverager):
         :returns: the round's result when this call waited for one that succeeded, else
             ``None``.
         :raises ValueError: inconsistent flags: ``delay_optimizer_step`` without
-            ``delay_averaging`` or ``offload_optimizer``; ``averaging_round`` without waiting
-            for and applying the previous one; ``averaging_control`` without
-            ``averaging_round``; ``wait_for_trigger`` with nothing to trigger or without
-            ``reuse_tensors``/``custom_gradients``; unknown ``averaging_opts``; a
-            ``grad_scaler`` with ``delay_optimizer_step``.
+            ``delay_averaging`` or ``offload_optimizer``; ``averaging_round`` without applying
+            the previous one, or without waiting for it (unless ``reuse_tensors``);
+            ``averaging_control`` without ``averaging_round``; ``wait_for_trigger`` with
+            nothing to trigger or without ``reuse_tensors``/``custom_gradients``; unknown
+            ``averaging_opts``; a ``grad_scaler`` with ``delay_optimizer_step``.
         :raises RuntimeError: the averager was shut down.
         :raises Exception: what the optimizer step, ``zero_grad`` or the scheduler raised, when
             this call waited for them (a delayed one is logged instead).
@@ -578,10 +579,18 @@ class TrainingStateAverager(DecentralizedAverager):
             wait_for_delayed_updates = averaging_round or (
                 self.delta_rule_averaging and updates_parameters
             )
-        if averaging_round and not (wait_for_delayed_updates and apply_delayed_updates):
+        if averaging_round and not apply_delayed_updates:
             raise ValueError(
-                "averaging_round needs wait_for_delayed_updates and apply_delayed_updates: the "
-                "previous round must be over and applied before the next one begins"
+                "averaging_round needs apply_delayed_updates: the previous round must be "
+                "applied before the next one begins"
+            )
+        if averaging_round and not wait_for_delayed_updates and not self.reuse_tensors:
+            # (with reuse_tensors a round averages the local tensors in place: nothing is left
+            # to apply, and the background thread runs the jobs one after the other)
+            raise ValueError(
+                "averaging_round needs wait_for_delayed_updates unless reuse_tensors: the "
+                "previous round must be over and applied before the next one copies the local "
+                "tensors"
             )
         if delay_optimizer_step and not delay_averaging:
             raise ValueError("delay_optimizer_step=True needs delay_averaging=True")
@@ -807,15 +816,47 @@ class TrainingStateAverager(DecentralizedAverager):
             scheduler.step()
 
     def _wait_for_pending(self, timeout: float | None) -> None:
+        """Wait for the background jobs, ``timeout`` seconds for all of them together (two
+        may be pending: a round queued behind another)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for job in list(self._pending):
             assert job.future is not None
             logger.log(self.status_loglevel, "waiting for a background step to finish")
             try:
-                job.future.result(timeout)
+                job.future.result(
+                    None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
             except TimeoutError:
                 logger.warning("a background step still runs after %s s", timeout)
             except Exception as exc:  # (reported by _forget_finished)
                 logger.debug("a background step failed: %r", exc)
+
+    def wait_for_delayed_optimizer_steps(self, timeout: float | None = None) -> None:
+        """Wait until the optimizer steps of the background jobs are over (taken, or failed),
+        not for their averaging rounds, and apply them. A round that still runs goes on (its
+        result is applied by a later :meth:`step`).
+
+        Used by :class:`swarmavg.Optimizer` with ``delay_optimizer_step`` before the next
+        gradient round: that round writes into the gradients the step reads, while waiting
+        for the step's state round too would tie this peer's next gradient round to its
+        groupmates' previous ones (a cycle, when groups of two epochs mixed).
+
+        :param timeout: seconds to wait for each step (``None``: as long as it takes); a step
+            still running then is logged and left running.
+        """
+        for job in list(self._pending):
+            if not job.updates_parameters:
+                continue
+            if not job.stepped.wait(timeout):
+                logger.warning("a background optimizer step still runs after %s s", timeout)
+        self._apply_finished()
+
+    @property
+    def averaging_pending(self) -> bool:
+        """Whether a round was submitted and is not over yet (it may still wait for its
+        trigger or the optimizer step before it; :attr:`averaging_in_progress` says only
+        whether it averages now)."""
+        return any(job.averaging_round and not job.averaged.is_set() for job in self._pending)
 
     def _forget_finished(self) -> None:
         """Report failed background jobs; drop those that are over and applied."""

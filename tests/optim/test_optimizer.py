@@ -573,3 +573,44 @@ def test_modes_converge_with_two_peers(mode: dict[str, Any]) -> None:
     for first, last in losses:
         assert last < 0.2 * first, losses
     torch.testing.assert_close(finals[0], finals[1], atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("delay_grad_averaging", [False, True])
+def test_the_delayed_gradient_round_is_not_pre_scheduled(
+    delay_grad_averaging: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``delay_grad_averaging`` the gradient round begins at the epoch's end, never
+    pre-scheduled: a pre-scheduled round waits for a trigger that comes only after the previous
+    delayed step and its state round, and a groupmate of the previous epoch that met it waited
+    for that trigger while this peer's state round waited for the groupmate (a cycle broken only
+    by the all-reduce's timeouts). Without the delays the round is still pre-scheduled."""
+    from swarmavg._time import get_dht_time
+    from swarmavg.optim.progress_tracker import ProgressTracker
+
+    monkeypatch.setattr(  # the end of the epoch is near
+        ProgressTracker, "estimated_next_update_time", property(lambda self: get_dht_time())
+    )
+    model = torch.nn.Linear(3, 1)
+    with (
+        swarm(1) as (dht,),
+        Optimizer(
+            dht=dht,
+            run_id="not_pre_scheduled",
+            target_batch_size=1 << 20,
+            batch_size_per_step=4,
+            params=model.parameters(),
+            optimizer=partial(torch.optim.SGD, lr=0.1),
+            matchmaking_time=1.0,
+            averaging_timeout=10.0,
+            averager_opts=FAST,
+            delay_optimizer_step=delay_grad_averaging,
+            delay_grad_averaging=delay_grad_averaging,
+        ) as opt,
+    ):
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+        if delay_grad_averaging:
+            assert opt.scheduled_grads is None
+        else:
+            assert opt.scheduled_grads is not None
+            assert not opt.scheduled_grads.triggered

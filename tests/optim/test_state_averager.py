@@ -627,3 +627,63 @@ def test_a_pre_scheduled_round_is_used() -> None:
         assert result is not None
         assert sorted(result.values()) == [0, 7]
         assert all(torch.equal(t.detach(), torch.full((2,), 2.0)) for t in tensors)
+
+
+def test_delayed_steps_are_waited_for_without_their_rounds() -> None:
+    """``wait_for_delayed_optimizer_steps`` returns once the background optimizer step is over
+    while its round still looks for a group (swarmavg.Optimizer's next gradient round must not
+    wait for the previous state round: a cycle when rounds of two epochs share a group); with
+    ``reuse_tensors`` a round may be queued behind the pending one, without it that raises."""
+    param = torch.zeros(3, requires_grad=True)
+    with ExitStack() as stack:
+        (dht,) = _dhts(stack, 1)
+        averager = stack.enter_context(
+            TrainingStateAverager(
+                dht=dht,
+                optimizer=partial(torch.optim.SGD, lr=1.0),
+                params=[param],
+                offload_optimizer=True,
+                custom_gradients=True,
+                prefix="no_cycle",
+                target_group_size=2,
+                min_group_size=2,
+                averaging_expiration=60.0,
+            )
+        )
+        assert averager.reuse_tensors
+        (offloaded,) = averager.optimizer.param_groups[0]["params"]
+        assert offloaded.grad is not None
+        offloaded.grad.fill_(1.0)
+        options = {
+            "optimizer_step": True,
+            "delay_optimizer_step": True,
+            "averaging_round": True,
+            "delay_averaging": True,
+            "averaging_opts": {"timeout": 60.0},
+        }
+        averager.step(increment_epoch=True, **options)  # (alone: the round waits for a peer)
+        averager.wait_for_delayed_optimizer_steps()
+        assert torch.equal(param.detach(), torch.full((3,), -1.0))  # stepped and applied
+        assert averager.averaging_pending
+        # the next epoch's round is queued behind it (no wait, no error)
+        averager.step(increment_epoch=True, wait_for_delayed_updates=False, **options)
+        assert averager.local_epoch == 2
+        assert averager.averaging_pending
+
+
+def test_a_round_without_reuse_tensors_waits_for_the_previous_one() -> None:
+    with ExitStack() as stack:
+        (dht,) = _dhts(stack, 1)
+        averager = stack.enter_context(
+            TrainingStateAverager(
+                dht=dht,
+                optimizer=partial(torch.optim.SGD, lr=1.0),
+                params=[torch.zeros(3, requires_grad=True)],
+                prefix="must_wait",
+            )
+        )
+        assert not averager.reuse_tensors
+        with pytest.raises(ValueError, match="wait_for_delayed_updates unless reuse_tensors"):
+            averager.step(averaging_round=True, wait_for_delayed_updates=False)
+        with pytest.raises(ValueError, match="needs apply_delayed_updates"):
+            averager.step(averaging_round=True, apply_delayed_updates=False)
