@@ -357,7 +357,8 @@ class _Swarm:
         live = sum(p.live for p in self.peers) + sum(p.state == "done" for p in self.peers)
         eta = self.eta()
         eta_text = "-" if eta is None else _seconds(eta)
-        text = f"swarm epoch {self.epoch}/{self.options.epochs}, {live} peers, ETA {eta_text}"
+        peers = f"{live} peer" + ("s" if live != 1 else "")
+        text = f"swarm epoch {self.epoch}/{self.options.epochs}, {peers}, ETA {eta_text}"
         if self.killed is not None:
             text += f" (peer {self.killed[0]} was killed at epoch {self.killed[1]})"
         return text
@@ -503,13 +504,15 @@ def _summary(swarm: _Swarm) -> list[str]:
     )
     finished = [p for p in swarm.peers if p.state == "done"]
     if finished:
-        names = ", ".join(p.name.split()[1] for p in finished)
+        names = ("peers " if len(finished) > 1 else "peer ") + ", ".join(
+            p.name.split()[1] for p in finished
+        )
         start = min(p.val[0][1] for p in finished)
         end = max(p.val[-1][1] for p in finished)
         began = min(p.started for p in swarm.peers if p.started is not None)
         trained = max(p.finished for p in finished if p.finished is not None) - began
         lines.append(
-            f"peers {names} reached epoch {options.epochs} of {options.epochs} "
+            f"{names} reached epoch {options.epochs} of {options.epochs} "
             f"({options.epochs * options.target_batch_size:,} samples, "
             f"{options.target_batch_size} per epoch) in {_seconds(trained)}; validation loss "
             f"fell from {start:.2f} to {end:.2f}"

@@ -22,7 +22,7 @@ CLI = [sys.executable, "-m", "swarmavg.cli", "demo"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: the summary's line on the peers that finished
 REACHED = re.compile(
-    r"^peers ([\d, ]+) reached epoch (\d+) of (\d+) .*validation loss fell from "
+    r"^peers? ([\d, ]+) reached epoch (\d+) of (\d+) .*validation loss fell from "
     r"([0-9.]+) to ([0-9.]+)",
     re.M,
 )
