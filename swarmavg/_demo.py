@@ -1,4 +1,5 @@
-"""``swarmavg demo``: a swarm of peer processes on this machine averages random tensors.
+"""``swarmavg demo averaging``: a swarm of peer processes on this machine averages random tensors
+(the mechanism under ``swarmavg demo``, which trains a model: :mod:`swarmavg._train_demo`).
 
 The demo starts ``--peers`` processes (:mod:`swarmavg._demo_peer`), each with a ``swarmavg.DHT``
 on loopback (the first one's addresses are the others' ``initial_peers``) and a
@@ -485,6 +486,8 @@ their seeds)."""
 
 # -- the plot ------------------------------------------------------------------------------------
 
+#: The peers' markers, in turn.
+_MARKERS = "osD^v<>PX*"
 #: Log axes cannot show 0: smaller distances are drawn at this value.
 _FLOOR = 1e-12
 
@@ -510,23 +513,36 @@ def _write_plot(path: Path, rounds: list[_Round], title: str) -> str:
     axes = figure.add_subplot()
     numbers = [r.number for r in rounds]
     peers = len(rounds[0].distances)
+    # below EXACT the peers hold the mean up to float32 rounding: a zone the curves enter (not
+    # a target line drawn above where they end)
+    lowest = min(max(d, _FLOOR) for r in rounds for d in r.distances)
+    axes.axhspan(
+        min(lowest, EXACT) / 10,
+        EXACT,
+        color="tab:green",
+        alpha=0.12,
+        linewidth=0,
+        label=f"the exact mean, up to float32 rounding (< {EXACT:.0e})",
+    )
+    # one line per peer, each its own colour, marker and width (the first ones widest, under
+    # the others): where they coincide, every one still shows
     for i in range(peers):
         values = [max(r.distances[i], _FLOOR) for r in rounds]
         axes.plot(
-            numbers, values, color="0.7", linewidth=0.8, label="each peer" if i == 0 else None
+            numbers,
+            values,
+            marker=_MARKERS[i % len(_MARKERS)],
+            markersize=4 + 3 * (peers - i) / peers,
+            fillstyle="none",
+            linewidth=1 + 2 * (peers - 1 - i) / max(peers - 1, 1),
+            alpha=0.85,
+            zorder=2 + i,
+            label=f"peer {i}" if peers <= 8 else ("each peer" if i == 0 else None),
         )
-    axes.plot(
-        numbers,
-        [max(r.distance, _FLOOR) for r in rounds],
-        marker="o",
-        linewidth=2,
-        label="max over peers",
-    )
-    axes.axhline(EXACT, color="tab:green", linestyle=":", linewidth=1, label="exact (float32)")
     axes.set_yscale("log")
     axes.set_xticks(numbers)
     axes.set_xlabel("round (0: before averaging)")
-    axes.set_ylabel("||x_i - mean|| / ||mean||")
+    axes.set_ylabel("distance to the mean, ||x_i - mean|| / ||mean||")
     axes.set_title(title)
     axes.grid(True, which="major", alpha=0.3)
     axes.legend()
@@ -579,7 +595,9 @@ def run_demo(options: DemoOptions, out: TextIO | None = None, err: TextIO | None
             file=out,
             flush=True,
         )
-    progress = _Progress(err, total=n * (2 + options.rounds))
+    # the bar counts the peers' round reports only: it stands at 0% until round 1 has begun
+    # (the startup shows in its label: peers loaded, ready)
+    progress = _Progress(err, total=n * options.rounds)
     with tempfile.TemporaryDirectory(prefix="swarmavg-demo-") as workdir:
         progress.phase("computing the mean")
         total = np.zeros(options.size, dtype=np.float64)
@@ -611,7 +629,7 @@ def run_demo(options: DemoOptions, out: TextIO | None = None, err: TextIO | None
         )
     else:
         print(f"distance to the mean after {options.rounds} rounds: {final:.2e}", file=out)
-    title = f"swarmavg demo: {n} peers in groups of {options.group_size}"
+    title = f"swarmavg demo averaging: {n} peers in groups of {options.group_size}"
     print(_write_plot(options.plot, rounds, title), file=out)
     print(f"done in {time.monotonic() - started:.1f} s", file=out, flush=True)
 
@@ -668,9 +686,14 @@ def _run_swarm(
                 }
             )
 
+    started: Counter[str] = Counter()
+
     def on_event(index: int, event: dict[str, Any]) -> None:
-        if event["event"] in ("loaded", "ready", "round"):
-            progress.advance()
+        if event["event"] in ("loaded", "ready"):
+            started[event["event"]] += 1
+            progress.phase(
+                f"starting {n} peers: {started['loaded']} loaded, {started['ready']} ready"
+            )
 
     def show(row: _Round) -> None:
         progress.clear()

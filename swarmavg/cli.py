@@ -1,8 +1,10 @@
 """The ``swarmavg`` command line: average in a local swarm, serve and ping a node, run a DHT.
 
 ``swarmavg demo`` is the main job: it starts a swarm of peer processes on this machine, which
-average random tensors in small groups round after round, and shows how fast they converge to
-the exact mean (a table per round and a plot; see :mod:`swarmavg._demo`).
+train a small model together with ``swarmavg.Optimizer``, shows them live and plots their
+validation loss against one process training alone (see :mod:`swarmavg._train_demo`).
+``swarmavg demo averaging`` shows the mechanism underneath: the peers average random tensors in
+small groups round after round, converging to the exact mean (see :mod:`swarmavg._demo`).
 ``swarmavg serve`` starts a node that answers ``ping`` calls and takes bulk uploads, and prints
 the address to dial it at (with its PeerID, so the caller can check who answers).
 ``swarmavg ping ADDRESS`` calls such a node: it connects (both sides prove their keys),
@@ -31,6 +33,10 @@ import numpy as np
 
 from swarmavg import __version__
 from swarmavg._demo import DemoOptions, option_error, run_demo
+from swarmavg._train_demo import PLOT_NAME as TRAIN_PLOT_NAME
+from swarmavg._train_demo import TrainOptions, run_training_demo
+from swarmavg._train_demo import option_error as train_option_error
+from swarmavg._train_demo_peer import OPTIMIZERS
 from swarmavg.abc import ConnectionAttribute
 from swarmavg.address import Address
 from swarmavg.aio.node import Node
@@ -281,56 +287,120 @@ def main(argv: Sequence[str] | None = None) -> int:
             help="send data in the clear (peers are still authenticated); both ends must agree",
         )
 
-    defaults = DemoOptions()
+    train_defaults = TrainOptions()
     demo = sub.add_parser(
         "demo",
+        help="train a model in a swarm of peer processes on loopback, live, with a plot",
+        description="Start a swarm of peer processes on this machine that train a small "
+        "transformer together with the chosen optimizer (and one process that trains alone with "
+        "the same global batch, to compare); show each peer's epoch, speed, loss and group live; "
+        "then a summary table and a plot of the validation loss and of the time per epoch. "
+        "`swarmavg demo averaging` averages random tensors instead (the mechanism underneath).",
+    )
+    demo.add_argument(
+        "--peers",
+        type=int,
+        default=train_defaults.peers,
+        help=f"peer processes (default {train_defaults.peers})",
+    )
+    demo.add_argument(
+        "--epochs",
+        type=int,
+        default=train_defaults.epochs,
+        help=f"epochs to train (default {train_defaults.epochs}: about a minute on 2 cores)",
+    )
+    demo.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=train_defaults.target_batch_size,
+        help=f"samples per epoch, over all peers (default {train_defaults.target_batch_size})",
+    )
+    demo.add_argument(
+        "--batch-size",
+        type=int,
+        default=train_defaults.batch_size,
+        help=f"samples per step() of each peer (default {train_defaults.batch_size})",
+    )
+    demo.add_argument(
+        "--transport",
+        choices=("tcp", "quic"),
+        default=train_defaults.transport,
+        help="transport of the peers (quic needs `pip install swarmavg[quic]`)",
+    )
+    demo.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default=train_defaults.optimizer,
+        help="; ".join(f"{name}: {spec.description}" for name, spec in OPTIMIZERS.items())
+        + f" (default {train_defaults.optimizer})",
+    )
+    demo.add_argument(
+        "--kill-one",
+        action="store_true",
+        help="SIGKILL one peer halfway through and watch the others go on",
+    )
+    demo.add_argument(
+        "--no-plot", dest="plot", action="store_false", help="no plot (nor CSV file) at the end"
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=train_defaults.out,
+        help=f"directory for the plot, {TRAIN_PLOT_NAME} (a CSV file without matplotlib); "
+        "default: the current directory",
+    )
+    demo.set_defaults(demo_command="training")
+    demo_sub = demo.add_subparsers(dest="demo_command", metavar="{averaging}")
+    defaults = DemoOptions()
+    averaging = demo_sub.add_parser(
+        "averaging",
         help="average random tensors in a swarm of peer processes on loopback, with a plot",
         description="Start a swarm of peer processes on this machine that average random "
         "tensors in small groups (Moshpit), and show each round's groups, timings and distance "
         "to the exact mean; plot the convergence.",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--peers",
         type=int,
         default=defaults.peers,
         help=f"peer processes (default {defaults.peers})",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--rounds", type=int, default=defaults.rounds, help=f"rounds (default {defaults.rounds})"
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--size",
         type=_count,
         default=defaults.size,
         help=f"float32 elements per peer, split into a few tensors; 100k, 4M, … are fine "
         f"(default {defaults.size:_})",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--group-size",
         type=int,
         default=defaults.group_size,
         help=f"peers per averaging group (default {defaults.group_size})",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--transport",
         choices=("tcp", "quic"),
         default=defaults.transport,
         help="transport of the peers (quic needs `pip install swarmavg[quic]`)",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--no-encryption",
         dest="encryption",
         action="store_false",
         help="tcp: send the tensors in the clear (peers are still authenticated)",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--plot",
         type=Path,
         default=defaults.plot,
         help=f"where to write the convergence plot (PNG; default ./{defaults.plot}); a CSV "
         f"file beside it without matplotlib",
     )
-    demo.add_argument(
+    averaging.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of the peers' random tensors"
     )
     link_demo = sub.add_parser(
@@ -395,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.command == "demo":
+        if args.command == "demo" and args.demo_command == "averaging":
             options = DemoOptions(
                 peers=args.peers,
                 rounds=args.rounds,
@@ -408,8 +478,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             problem = option_error(options)
             if problem is not None:
-                demo.error(problem)
+                averaging.error(problem)
             run_demo(options)
+        elif args.command == "demo":
+            train_options = TrainOptions(
+                peers=args.peers,
+                epochs=args.epochs,
+                target_batch_size=args.target_batch_size,
+                batch_size=args.batch_size,
+                transport=args.transport,
+                optimizer=args.optimizer,
+                kill_one=args.kill_one,
+                plot=args.plot,
+                out=args.out,
+            )
+            problem = train_option_error(train_options)
+            if problem is not None:
+                demo.error(problem)
+            run_training_demo(train_options)
         elif args.command == "link-demo":
             _link_demo(args.calls, args.megabytes, args.encryption, args.transport)
         elif args.command == "dht":

@@ -1,8 +1,9 @@
-"""``swarmavg demo``: a local swarm of peer processes averages to the exact mean; failures and
-Ctrl+C stop every process."""
+"""``swarmavg demo averaging``: a local swarm of peer processes averages to the exact mean;
+failures and Ctrl+C stop every process."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ ROW = re.compile(
 
 def _demo(*args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, "demo", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [*CLI, "demo", "averaging", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 
@@ -69,7 +71,18 @@ def test_without_matplotlib_the_distances_go_to_a_csv_file(tmp_path: Path) -> No
         "import sys; sys.modules['matplotlib'] = None; from swarmavg.cli import main; "
         "sys.exit(main(sys.argv[1:]))"
     )
-    args = ["demo", "--peers", "2", "--rounds", "2", "--size", "1k", "--plot", "out/conv.png"]
+    args = [
+        "demo",
+        "averaging",
+        "--peers",
+        "2",
+        "--rounds",
+        "2",
+        "--size",
+        "1k",
+        "--plot",
+        "out/conv.png",
+    ]
     (tmp_path / "out").mkdir()
     out = subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -161,7 +174,7 @@ def test_bad_arguments_are_named(tmp_path: Path, args: list[str], name: str) -> 
 def _start(tmp_path: Path) -> subprocess.Popen[str]:
     """A demo with rounds enough to be stopped in the middle."""
     return subprocess.Popen(
-        [*CLI, "demo", "--size", "100000", "--rounds", "1000"],
+        [*CLI, "demo", "averaging", "--size", "100000", "--rounds", "1000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -235,18 +248,23 @@ def test_a_failing_peer_fails_the_demo_with_its_error(tmp_path: Path) -> None:
             _kill(demo)
 
 
+def _pythonpath() -> list[str]:
+    return [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+
+
 @pytest.mark.timeout(120)
 def test_a_peer_error_is_the_demo_error(tmp_path: Path) -> None:
     """A peer that fails to start (here: torch does not import in the peer processes; the demo
     process itself does not need it) fails the demo with its error and its traceback."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
     out = subprocess.run(
-        [*CLI, "demo", "--size", "1000"],
+        [*CLI, "demo", "averaging", "--size", "1000"],
         capture_output=True,
         text=True,
         timeout=90,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        # (an inherited PYTHONPATH stays behind ours: it may be where swarmavg comes from)
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *_pythonpath()])},
     )
     assert out.returncode == 1
     last = out.stderr.splitlines()[-1]
@@ -256,3 +274,40 @@ def test_a_peer_error_is_the_demo_error(tmp_path: Path) -> None:
     ), out.stderr
     assert "stderr ---\nTraceback (most recent call last):" in out.stderr
     assert not (tmp_path / "swarmavg-demo.png").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_progress_bar_stands_at_zero_until_the_first_round(tmp_path: Path) -> None:
+    """On a terminal the bar counts the rounds' reports: the peers' startup shows in its label,
+    at 0% (it used to count the startup too, and stood at 40% before round 1)."""
+    master, slave = os.openpty()
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        with contextlib.suppress(OSError):  # EIO once the demo closed its end
+            while data := os.read(master, 4096):
+                chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        out = subprocess.run(
+            [*CLI, "demo", "averaging", "--peers", "2", "--rounds", "2", "--size", "1k"],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            text=True,
+            timeout=90,
+            cwd=tmp_path,
+        )
+    finally:
+        os.close(slave)
+    reader.join(10)
+    os.close(master)
+    assert out.returncode == 0
+    bars = re.findall(r"\[[#-]+\]\s+(\d+)%  (.*?)  [0-9.]+ s", b"".join(chunks).decode())
+    assert bars
+    first_round = next(i for i, (_, label) in enumerate(bars) if label.startswith("round 1"))
+    assert first_round > 0
+    assert {percent for percent, _ in bars[:first_round]} == {"0"}, bars[:first_round]
+    assert any(label.startswith("starting 2 peers: 2 loaded") for _, label in bars)
+    assert [percent for percent, _ in bars][-1] == "100"
