@@ -463,9 +463,10 @@ def test_two_optimizers_count_their_epochs_and_averaged_rounds(fresh_loop: None)
         assert m.local_epoch >= 3
         assert m.epochs_averaged + m.epochs_local == m.epochs  # (no delayed round pending)
         assert m.gradients is not None
-        assert m.gradients.steps_succeeded == m.epochs_averaged
+        # (a round joined with weight 0, as before a state download, is no epoch of ours)
+        assert m.gradients.steps_succeeded >= m.epochs_averaged
         # (a state download skips epochs: those are not this peer's)
-        assert m.epochs + (m.local_epoch - m.epochs if m.state_loads else 0) == m.local_epoch
+        assert m.epochs == m.local_epoch if not m.state_loads else m.epochs <= m.local_epoch
     # at least one epoch averaged gradients with the other peer
     assert max(m.epochs_averaged for m in got) >= 1
     averaged = next(m for m in got if m.epochs_averaged)
