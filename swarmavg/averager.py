@@ -23,12 +23,14 @@ import anyio.to_thread
 
 from swarmavg.aio.averager import AveragingStage, StepControl, StepResult
 from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
+from swarmavg.metrics import AveragerMetrics
 from swarmavg.sync import TaskHandle, call, run_sync
 from swarmavg.sync._loop import _start_handle
 
 if TYPE_CHECKING:
     import torch
 
+    from swarmavg._prometheus import MetricsServer
     from swarmavg.dht import DHT
 
 __all__ = ["AveragingStage", "DecentralizedAverager", "StepHandle"]
@@ -48,9 +50,17 @@ class DecentralizedAverager:
         ``model.parameters()``).
     :param dht: a running :class:`swarmavg.DHT`; the averager shares its node.
     :param start: start at once (otherwise :meth:`run_in_background`).
+    :param metrics_port: serve :attr:`metrics` over HTTP on this TCP port, in Prometheus'
+        text format, until :meth:`shutdown` (``None``, the default: off; 0: a free port, see
+        :attr:`metrics_address`). Needs the ``prometheus`` extra
+        (``pip install swarmavg[prometheus]``); see ``docs/metrics.md``.
+    :param metrics_host: the address the metrics server listens on (default loopback only;
+        ``"0.0.0.0"`` lets a Prometheus server on another machine scrape it).
     :raises TypeError: an argument has the wrong type (the message names it; see
         :class:`swarmavg.aio.DecentralizedAverager` for the others).
     :raises ValueError: an argument is out of range (the message names it).
+    :raises ImportError: ``metrics_port`` is given and prometheus-client is not installed.
+    :raises AddressInUse: ``metrics_port`` is taken.
     :raises RuntimeError: ``start`` and the DHT is not running.
     """
 
@@ -60,8 +70,11 @@ class DecentralizedAverager:
         dht: DHT,
         *,
         start: bool = True,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         **options: Any,
     ) -> None:
+        from swarmavg._prometheus import check_metrics_options
         from swarmavg.dht import DHT
 
         given: object = dht
@@ -72,7 +85,9 @@ class DecentralizedAverager:
             raise TypeError(f"dht must be a swarmavg.DHT, not {type(given).__name__}{hint}")
         if not isinstance(start, bool):
             raise TypeError(f"start must be a bool, not {start!r:.64}")
+        check_metrics_options(metrics_port, metrics_host)
         self.dht = dht
+        self._metrics_server: MetricsServer | None = None
 
         async def create() -> AsyncAverager:
             return _FacadeAverager(self, averaged_tensors, dht._dht, **options)
@@ -80,8 +95,20 @@ class DecentralizedAverager:
         self._averager = run_sync(create)
         self._started = False
         self._closed = False
+        if metrics_port is not None:
+            self._serve_metrics(metrics_port, metrics_host)
         if start:
             self.run_in_background()
+
+    def _serve_metrics(self, port: int, host: str) -> None:
+        """Start the metrics server (on failure, shut the averager down and raise)."""
+        from swarmavg._prometheus import MetricsServer
+
+        try:
+            self._metrics_server = MetricsServer(lambda: self.metrics, port=port, host=host)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def run_in_background(self, await_ready: bool = True) -> None:
         """Start serving the averager's requests (``await_ready`` is accepted for hivemind's
@@ -98,11 +125,15 @@ class DecentralizedAverager:
             self._started = True
 
     def shutdown(self) -> None:
-        """Stop taking part. Idempotent."""
+        """Stop taking part (and serving the metrics). Idempotent."""
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(RuntimeError):  # the event loop is gone (exit)
-                run_sync(self._averager.aclose)
+            try:
+                with contextlib.suppress(RuntimeError):  # the event loop is gone (exit)
+                    run_sync(self._averager.aclose)
+            finally:
+                if self._metrics_server is not None:
+                    self._metrics_server.close()
 
     def __enter__(self) -> Self:
         self.run_in_background()
@@ -114,6 +145,20 @@ class DecentralizedAverager:
     @property
     def peer_id(self) -> Any:
         return self.dht.peer_id
+
+    @property
+    def metrics(self) -> AveragerMetrics:
+        """What this averager did since it was made: steps by outcome, rounds, group sizes,
+        bytes, seconds, state shares (:class:`swarmavg.metrics.AveragerMetrics`, see
+        ``docs/metrics.md``). A consistent snapshot, cheap to take from any thread (it does
+        not wait for the event loop); still readable after :meth:`shutdown`."""
+        return self._averager.metrics
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` where :attr:`metrics` are served (``None``: no ``metrics_port``)."""
+        server = self._metrics_server
+        return None if server is None else (server.host, server.port)
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:

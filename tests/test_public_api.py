@@ -20,6 +20,7 @@ from swarmavg.testing import MemoryTransport
         "swarmavg.proto",
         "swarmavg.sync",
         "swarmavg.optim",
+        "swarmavg.metrics",
         "swarmavg_tcp",
     ],
 )

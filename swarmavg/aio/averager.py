@@ -61,6 +61,7 @@ from swarmavg.compression import (
     TensorInfo,
 )
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed, NonFiniteTensors
+from swarmavg.metrics import AveragerCounter, AveragerMetrics, step_failure_cause
 from swarmavg.proto.allreduce import (
     FlatLayout,
     TensorSpec,
@@ -518,6 +519,8 @@ class DecentralizedAverager:
         #: the last round that averaged in place (its results may be relayed to groupmates)
         self._last_in_place: _InPlace | None = None
         self._closed = False
+        #: what the steps and downloads did (see :attr:`metrics`)
+        self._counter = AveragerCounter(prefix)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -553,6 +556,17 @@ class DecentralizedAverager:
                     await control._ended.wait()
             self.matchmaker.close()
             self._state_sharer.stop()
+
+    @property
+    def metrics(self) -> AveragerMetrics:
+        """What this averager did since it was made: steps by outcome, rounds, group sizes,
+        bytes, seconds, state shares (see :class:`swarmavg.metrics.AveragerMetrics` and
+        ``docs/metrics.md``). A snapshot, consistent when read from any thread."""
+        sharer = self._state_sharer
+        return self._counter.snapshot(
+            state_requests_served=sharer.requests_served,
+            state_bytes_served=sharer.bytes_served,
+        )
 
     # -- tensors and bits ------------------------------------------------------------------------
 
@@ -899,16 +913,26 @@ class DecentralizedAverager:
         return load
 
     async def _load_state(self, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
-            return await load_state(
-                self.dht,
-                self.prefix,
-                chunk_timeout=self.next_chunk_timeout,
-                max_bytes=self.max_state_size,
-                max_donors=self.state_max_donors,
+        state = None
+        self._counter.state_download_started()
+        try:
+            with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
+                state = await load_state(
+                    self.dht,
+                    self.prefix,
+                    chunk_timeout=self.next_chunk_timeout,
+                    max_bytes=self.max_state_size,
+                    max_donors=self.state_max_donors,
+                )
+        finally:
+            self._counter.state_download_ended(
+                None
+                if state is None
+                else sum(tensor.numel() * tensor.element_size() for tensor in state[1])
             )
-        logger.warning("loading the state of %s took over %s s", self.prefix, timeout)
-        return None
+        if scope.cancelled_caught:
+            logger.warning("loading the state of %s took over %s s", self.prefix, timeout)
+        return state
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -1038,11 +1062,20 @@ class DecentralizedAverager:
             raise RuntimeError("enter the averager first: `async with averager:`")
         control._deadline = anyio.current_time() + control.budget
         self._live.add(control)
+        self._counter.step_started()
         try:
             async with self._step_lock:
                 if self.mode is not MemberMode.AUX:
                     await self._check_finite()
-                return await self._step_locked(control, allow_retries)
+                result = await self._step_locked(control, allow_retries)
+            self._counter.step_succeeded()
+            return result
+        except anyio.get_cancelled_exc_class():
+            self._counter.step_failed("cancelled")
+            raise
+        except BaseException as exc:
+            self._counter.step_failed(step_failure_cause(exc))
+            raise
         finally:
             self._live.discard(control)
             control._set_stage(AveragingStage.FINISHED)
@@ -1120,8 +1153,10 @@ class DecentralizedAverager:
         assert self.allreduce is not None
         control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
         bits = where[0]
+        counter = self._counter
         while True:
-            left = control._deadline - anyio.current_time()
+            searching = anyio.current_time()
+            left = control._deadline - searching
             now = get_dht_time()
             begin_at = now + min(self.averaging_expiration, max(left, 0.0))
             if control.scheduled_time is not None and control.scheduled_time > now:
@@ -1134,16 +1169,24 @@ class DecentralizedAverager:
                     )
                 break
             except (MatchmakingFailed, TimeoutError) as exc:
+                counter.group_search_ended(anyio.current_time() - searching, failed=True)
                 self._move_on()
                 if not allow_retries or anyio.current_time() >= control._deadline:
                     raise MatchmakingFailed(f"no group within {control.budget} s: {exc}") from None
                 # Look again while the step's timeout lasts, under the prefix's own key (no
                 # bits), where every peer left alone this round under any key looks too.
                 bits = ""
+            except BaseException as exc:
+                cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+                counter.group_search_ended(anyio.current_time() - searching, failed=not cancelled)
+                raise
         where[0] = bits
         matched = anyio.current_time()
+        counter.group_search_ended(matched - searching, failed=False)
         group = info.group
+        counter.round_started(len(group.members))
         in_place: _InPlace | None = None
+        begun: float | None = None  # (when the all-reduce began, after any wait for a trigger)
         try:
             if control.require_trigger and not control.triggered:
                 self.allreduce.expect(group)
@@ -1152,6 +1195,7 @@ class DecentralizedAverager:
                 await control._wait_for_trigger()
                 # (the wait for the caller's trigger does not count against the step's timeout)
                 control._deadline += anyio.current_time() - waiting
+            begun = anyio.current_time()
             timeout = self.allreduce_timeout
             if control.bounds_all:
                 left = max(control._deadline - anyio.current_time(), 1e-3)
@@ -1185,8 +1229,16 @@ class DecentralizedAverager:
             if in_place is not None and self.mode is not MemberMode.AUX and outcome.contributors:
                 self._from_buffers(buffers, in_place.buffers)  # (the tensors not in place)
         except anyio.get_cancelled_exc_class():
+            counter.round_ended_without_result(
+                0.0 if begun is None else anyio.current_time() - begun, failed=False
+            )
             self._end_in_place(in_place)
             await self.allreduce.leave(group, "its step was cancelled")
+            raise
+        except BaseException:
+            counter.round_ended_without_result(
+                0.0 if begun is None else anyio.current_time() - begun, failed=True
+            )
             raise
         finally:
             self._end_in_place(in_place)
@@ -1203,6 +1255,14 @@ class DecentralizedAverager:
         dropped = [
             (members[r].peer_id, members[d].peer_id, why) for r, d, _, why in outcome.dropped
         ]
+        assert begun is not None  # (the all-reduce ran)
+        counter.round_completed(
+            finished - begun,
+            bytes_sent=outcome.bytes_sent,
+            bytes_received=outcome.bytes_received,
+            incomplete=bool(local_spans or dropped),
+            peers_excluded=len(excluded),
+        )
         if local_spans or dropped:
             logger.warning(
                 "averaged with %d peers, not completely: %s",

@@ -317,6 +317,8 @@ class StateSharer:
         self.block_size = BLOCK_SIZE
         #: payload bytes sent to takers so far
         self.bytes_served = 0
+        #: calls (one range of a snapshot each) answered to the end so far
+        self.requests_served = 0
         self._enabled = enabled
         self._priority = _check_priority(priority)
         self._started = False
@@ -503,6 +505,7 @@ class StateSharer:
                         raise ValueError("the averager closed")
                     yield chunk
                     self.bytes_served += chunk.data.size
+                self.requests_served += 1
             finally:
                 snap.active -= 1
                 snap.last_used = anyio.current_time()

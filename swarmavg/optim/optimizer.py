@@ -29,12 +29,14 @@ import torch
 from swarmavg.aio.averager import AveragingStage
 from swarmavg.compression import AdaptiveCompression, CompressionBase, NoCompression
 from swarmavg.errors import LoadStateFailed
+from swarmavg.metrics import OptimizerCounter, OptimizerMetrics
 from swarmavg.optim.grad_averager import GradientAverager
 from swarmavg.optim.grad_scaler import GradScaler
 from swarmavg.optim.progress_tracker import ProgressTracker
 from swarmavg.optim.state_averager import TrainingStateAverager, _SecondsEMA
 
 if TYPE_CHECKING:
+    from swarmavg._prometheus import MetricsServer
     from swarmavg.averager import StepHandle
     from swarmavg.dht import DHT
 
@@ -135,8 +137,14 @@ class Optimizer(torch.optim.Optimizer):
     :param verbose: log every event at INFO (default: one INFO line per epoch, the rest DEBUG).
     :param grad_averager_factory: a :class:`~swarmavg.optim.GradientAverager` subclass (or a
         factory with its signature).
+    :param metrics_port: serve :attr:`metrics` (this optimizer's and both averagers') over
+        HTTP on this TCP port in Prometheus' text format, until :meth:`shutdown` (``None``,
+        the default: off; 0: a free port). Needs ``pip install swarmavg[prometheus]``; see
+        ``docs/metrics.md``.
+    :param metrics_host: the address the metrics server listens on (default loopback only).
     :raises ValueError: a combination of options that cannot work (the message says which).
     :raises TypeError: an argument of the wrong type (the message names it).
+    :raises ImportError: ``metrics_port`` is given and prometheus-client is not installed.
     """
 
     def __init__(
@@ -174,12 +182,16 @@ class Optimizer(torch.optim.Optimizer):
         performance_ema_alpha: float = 0.1,
         shutdown_timeout: float = 5.0,
         verbose: bool = False,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
+        from swarmavg._prometheus import check_metrics_options
         from swarmavg.dht import DHT as SyncDHT
 
         self._parent_pid = os.getpid()
         self._closed = False
         self._initializing = True
+        self._metrics_server: MetricsServer | None = None
         if not isinstance(dht, SyncDHT):
             raise TypeError(f"dht must be a swarmavg.DHT, not {type(dht).__name__}")
         if not isinstance(run_id, str) or not run_id:
@@ -227,6 +239,7 @@ class Optimizer(torch.optim.Optimizer):
             ("client_mode", client_mode),
         ):
             _check_flag(name, maybe, optional=True)
+        check_metrics_options(metrics_port, metrics_host)
 
         # R-A1: resolve the defaults (client_mode the right way round, as upstream meant it).
         client_mode = bool(dht.client_mode if client_mode is None else client_mode)
@@ -347,9 +360,20 @@ class Optimizer(torch.optim.Optimizer):
         #: what the last epoch's rounds did (see :meth:`_log_epoch`)
         self.last_epoch_info: dict[str, Any] = {}
         self._epoch_started = time.perf_counter()
+        self._counter = OptimizerCounter(run_id)
 
         inner = self.state_averager.optimizer
         super().__init__(self.state_averager.main_parameters, dict(inner.defaults))
+        if metrics_port is not None:
+            from swarmavg._prometheus import MetricsServer
+
+            try:
+                self._metrics_server = MetricsServer(
+                    lambda: self.metrics, port=metrics_port, host=metrics_host
+                )
+            except BaseException:
+                self._close_parts()
+                raise
         self._initializing = False
 
     # -- construction ------------------------------------------------------------------------
@@ -503,6 +527,19 @@ class Optimizer(torch.optim.Optimizer):
     def local_progress(self) -> Any:
         assert self.tracker is not None
         return self.tracker.local_progress
+
+    @property
+    def metrics(self) -> OptimizerMetrics:
+        """What this optimizer did since it was made: epochs, how each stepped, state
+        downloads, and its averagers' :class:`~swarmavg.metrics.AveragerMetrics`
+        (:class:`swarmavg.metrics.OptimizerMetrics`, see ``docs/metrics.md``). A consistent
+        snapshot, readable from any thread (and after :meth:`shutdown`)."""
+        assert self.state_averager is not None
+        return self._counter.snapshot(
+            local_epoch=self.local_epoch,
+            gradients=None if self.grad_averager is None else self.grad_averager.metrics,
+            state=self.state_averager.metrics,
+        )
 
     @property
     def use_local_updates(self) -> bool:
@@ -703,9 +740,11 @@ class Optimizer(torch.optim.Optimizer):
                         self.scheduled_grads = self.grad_averager.schedule_step(
                             timeout=self.averaging_timeout
                         )
+                alone = self.tracker.global_progress.num_peers <= 1
                 began = self._begin_averaging_gradients(grad_scaler)
                 if not began:
                     # no round (alone, or it could not start): step on the local gradients
+                    self._counter.stepped_locally("alone" if alone else "not_started")
                     self._load_local_gradients_into_optimizer(info)
                 elif self.delay_grad_averaging:
                     handle = self.scheduled_grads
@@ -770,6 +809,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
+        self._counter.epoch_ended()
         self._log_epoch(info, time.perf_counter() - started)
 
     def _log_epoch(self, info: dict[str, Any], seconds: float) -> None:
@@ -851,6 +891,7 @@ class Optimizer(torch.optim.Optimizer):
                 info["grad_seconds"] = result.matchmaking_seconds + result.allreduce_seconds
                 self._load_averaged_gradients_into_optimizer()
                 averaged = True
+                self._counter.gradients_averaged()
         except Exception as exc:
             info["grad_error"] = f"{type(exc).__name__}: {exc}"[:200]
             # (a delayed round that shutdown() cancelled is no news)
@@ -862,6 +903,7 @@ class Optimizer(torch.optim.Optimizer):
                 info["grad_error"],
             )
         if not averaged:
+            self._counter.stepped_locally("failed" if handle is not None else "not_started")
             self._load_local_gradients_into_optimizer(info)
 
     def _load_local_gradients_into_optimizer(self, info: dict[str, Any]) -> None:
@@ -1050,6 +1092,7 @@ class Optimizer(torch.optim.Optimizer):
                 if not loaded and time.monotonic() < deadline:
                     time.sleep(min(0.5 * attempts, max(0.0, deadline - time.monotonic())))
             loaded = loaded or got_some
+            self._counter.state_loaded(ok=loaded)
             if not loaded:
                 raise LoadStateFailed(
                     f"could not download the state of run {self.run_id!r} "
@@ -1152,6 +1195,8 @@ class Optimizer(torch.optim.Optimizer):
             self._close_parts()
 
     def _close_parts(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         for part in (self.tracker, self.grad_averager, self.state_averager):
             if part is not None:
                 with contextlib.suppress(Exception):
