@@ -932,7 +932,9 @@ class Optimizer(torch.optim.Optimizer):
         is not assembled early among the first few to look (the others look soon: a swarm
         that split so would average in two halves, round after round)."""
         assert self.tracker is not None
-        averager.expected_group_size = max(1, self.tracker.global_progress.num_peers)
+        # (peers whose record went stale, e.g. killed ones, are not waited for: their record
+        # outlives them by up to metadata_expiration)
+        averager.expected_group_size = max(1, self.tracker.global_progress.num_active_peers)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Find the gradient round's group while the last batches are computed (R-A6).

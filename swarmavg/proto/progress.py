@@ -69,6 +69,10 @@ _MAX_FIELDS: Final = 32
 _MAX_PEER_ID_LENGTH: Final = 64
 #: Added to a sum of samples/s so that an ETA is never a division by zero (hivemind's eps).
 EPS: Final = 1e-20
+#: A record at most this many of its peer's steps old is recent (see ``num_active_peers``) ...
+ACTIVE_STEPS: Final = 10
+#: ... or at most this many seconds old, whichever is longer.
+ACTIVE_SECONDS: Final = 5.0
 #: A record's samples/s at most this means "not measured yet" (a peer's first step).
 _UNKNOWN_SPEED: Final = 1e-9
 #: One interval of :meth:`PerformanceEMA.update` counts as at most this many times what the
@@ -231,6 +235,10 @@ class GlobalTrainingProgress:
     :ivar num_clients: how many of them are clients.
     :ivar eta_next_epoch: when the epoch is expected to end (DHT time; ``inf``: unknown).
     :ivar next_fetch_time: when the tracker reads the records again (DHT time).
+    :ivar num_active_peers: peers whose record is recent: at most :data:`ACTIVE_STEPS` of its
+        steps old, or :data:`ACTIVE_SECONDS` (a peer publishes after each step; one whose
+        record is older is dead, stalled or between runs, and will not look for the next
+        group). What a training loop expects to average with.
     """
 
     epoch: int
@@ -240,6 +248,7 @@ class GlobalTrainingProgress:
     num_clients: int
     eta_next_epoch: float
     next_fetch_time: float
+    num_active_peers: int = 0
 
 
 # -- the samples/s EMA -----------------------------------------------------------------------------
@@ -396,6 +405,14 @@ def _since_report(record: LocalTrainingProgress, now: float) -> float:
     return min(since, record.step_samples) if record.step_samples else since
 
 
+def _recent(record: LocalTrainingProgress, now: float) -> bool:
+    """Whether ``record`` is recent enough that its peer is still training (see
+    :attr:`GlobalTrainingProgress.num_active_peers`)."""
+    speed = record.samples_per_second
+    step = record.step_samples / speed if record.step_samples and speed > _UNKNOWN_SPEED else 0.0
+    return now - record.time <= max(ACTIVE_SECONDS, ACTIVE_STEPS * step)
+
+
 def aggregate_progress(
     records: Iterable[LocalTrainingProgress],
     local: LocalTrainingProgress,
@@ -462,6 +479,7 @@ def aggregate_progress(
         target_batch_size=settings.target_batch_size,
         num_peers=num_peers,
         num_clients=num_clients,
+        num_active_peers=sum(_recent(peer, now) for peer in peers.values()),
         eta_next_epoch=now + eta,
         next_fetch_time=now + refresh,
     )

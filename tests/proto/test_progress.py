@@ -480,6 +480,21 @@ def test_a_peer_is_extrapolated_by_at_most_its_latest_step() -> None:
     assert capped.samples_accumulated == uncapped.samples_accumulated == 40
 
 
+def test_peers_whose_record_went_stale_are_not_active() -> None:
+    """What a training loop expects to average with: a peer publishes after each step, so a
+    record 10 of its steps old (at least 5 s) is a dead or stalled peer's (its record outlives
+    it by up to metadata_expiration)."""
+    settings = ProgressSettings(1000)
+    me = _record(ME, 0, 16, 10.0, T0 + 100)
+    fresh = _record(b"a", 0, 16, 10.0, T0 + 99)
+    slow = dataclasses.replace(_record(b"b", 0, 16, 1.0, T0 + 60), step_samples=8)  # 8 s steps
+    dead = dataclasses.replace(_record(b"c", 0, 16, 100.0, T0 + 90), step_samples=10)
+    zero = dataclasses.replace(_record(b"d", 0, 16, 0.0, T0 + 97), step_samples=10)
+    progress = aggregate_progress([me, fresh, slow, dead, zero], me, settings, T0 + 100)
+    assert progress.num_peers == 5
+    assert progress.num_active_peers == 4  # (c: 10 s old, its steps take 0.1 s; b: 40 of 80 s)
+
+
 def test_a_peer_without_a_speed_yet_makes_us_read_again_soon() -> None:
     settings = ProgressSettings(1000, min_refresh_period=0.5, max_refresh_period=10.0)
     me = _record(ME, 0, 16, 10.0, T0)
