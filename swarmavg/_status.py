@@ -202,9 +202,14 @@ def parse_declarations(averager: str, key: str, found: GetResult, now: float) ->
         except ValueError:
             peer = None
         begin = item.value.get("begin", item.expiration_time)
-        if peer is None or isinstance(begin, bool) or not isinstance(begin, int | float):
+        if (
+            peer is None
+            or isinstance(begin, bool)
+            or not isinstance(begin, int | float)
+            or not math.isfinite(begin)
+        ):
             continue
-        if item.value.get("looking") is True and math.isfinite(begin):
+        if item.value.get("looking") is True:
             looking.append((float(begin), peer))
         else:
             withdrawn += 1
