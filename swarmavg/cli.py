@@ -455,6 +455,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured(ping)
     encrypted(ping)
 
+    status = sub.add_parser(
+        "status",
+        help="show a training run live: its peers, epochs, samples/s, the epoch's ETA",
+        description="Join the DHT as a client and show the run RUN_ID as its peers' signed "
+        "progress records tell it: each peer's epoch, samples, samples/s, mode and the age of "
+        "its record; the global epoch, its samples and ETA; the peers that look for an "
+        "averaging group now. Refreshes every --interval seconds until Ctrl+C.",
+    )
+    status.add_argument("run_id", metavar="RUN_ID", help="the run's name (Optimizer's run_id)")
+    status.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="ADDR",
+        help="addresses of running DHT peers of the swarm (e.g. what `swarmavg dht` printed)",
+    )
+    status.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    status.add_argument(
+        "--json", action="store_true", help="print JSON, one object per snapshot and line"
+    )
+    status.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between snapshots (default 2)"
+    )
+    status.add_argument(
+        "--target-batch-size",
+        type=_positive,
+        metavar="N",
+        help="the run's samples per epoch, for the ETA (the records do not carry it)",
+    )
+    status.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds a DHT read may take (default 10)"
+    )
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine and peers: transports, addresses, round trips, clock skew",
+        description="Check what a swarm needs, one line per check, ok or what to do: the "
+        "installed transports, the addresses this machine listens on and advertises, and for "
+        "each ADDR whether the peer answers over TCP and QUIC, how fast, and how far its "
+        "clock is off ours. Exit code 0 if no check failed.",
+    )
+    doctor.add_argument("peers", nargs="*", metavar="ADDR", help="peer addresses to check")
+    doctor.add_argument(
+        "--host",
+        default="0.0.0.0",  # noqa: S104 (the listening check: where a swarm peer listens)
+        help="interface to check listening on (default 0.0.0.0: all)",
+    )
+    doctor.add_argument(
+        "--port", type=_non_negative, default=0, help="port to check listening on (default any)"
+    )
+    doctor.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds a connection or call may take"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG
@@ -510,6 +562,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.log_interval,
                 args.until_stdin_closes,
             )
+        elif args.command == "status":
+            from swarmavg import _status
+
+            try:
+                status_options = _status.options_from(**vars(args))
+            except ValueError as exc:
+                status.error(str(exc))
+            return _status.run(status_options)
+        elif args.command == "doctor":
+            from swarmavg import _doctor
+
+            try:
+                doctor_options = _doctor.DoctorOptions(
+                    tuple(args.peers), args.host, args.port, args.timeout
+                )
+            except ValueError as exc:
+                doctor.error(str(exc))
+            return _doctor.run(doctor_options)
         elif args.command == "serve":
             listen = args.listen or ["tcp://0.0.0.0:7000"]
             anyio.run(_serve, listen, args.identity, args.encryption, args.until_stdin_closes)
