@@ -1,4 +1,4 @@
-"""The ``swarmavg`` command line: average in a local swarm, serve and ping a node, run a DHT.
+"""The ``swarmavg`` command line: a demo swarm, a DHT node, a run's status, checks, ping.
 
 ``swarmavg demo`` is the main job: it starts a swarm of peer processes on this machine, which
 train a small model together with ``swarmavg.Optimizer``, shows them live and plots their
@@ -13,6 +13,8 @@ measures the round trip of unary RPC calls and the rate of a bulk upload.
 process on the loopback interface and pings it.
 ``swarmavg dht`` runs a long-lived DHT peer (a bootstrap node for a swarm) with a persistent
 identity, prints the addresses to pass as ``initial_peers`` and logs its state every minute.
+``swarmavg status RUN_ID`` shows a training run live and ``swarmavg doctor`` checks this
+machine and its peers (see :mod:`swarmavg._status`, :mod:`swarmavg._doctor`).
 """
 
 from __future__ import annotations
@@ -268,7 +270,20 @@ def _count(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``swarmavg`` command."""
-    parser = argparse.ArgumentParser(prog="swarmavg", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="swarmavg",
+        description="swarmavg: train one PyTorch model together with peers you neither trust\n"
+        "nor control. Try a local swarm, run a bootstrap node, watch a run, check a machine.",
+        epilog="examples:\n"
+        "  swarmavg demo                      four peers train a small model together, live\n"
+        "  swarmavg demo --kill-one           ... and one of them dies halfway\n"
+        "  swarmavg demo averaging            the tensor averaging underneath\n"
+        "  swarmavg dht --listen tcp://0.0.0.0:31337   a bootstrap node for a swarm\n"
+        "  swarmavg status RUN_ID --initial-peers ADDR  a training run, live\n"
+        "  swarmavg doctor ADDR               can this machine reach that peer?\n"
+        "\n'swarmavg COMMAND --help' tells more about each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"swarmavg {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -128,3 +128,16 @@ def test_ping_without_a_server_fails_cleanly() -> None:
     assert out.returncode == 1
     assert out.stderr.startswith("swarmavg ping: ")
     assert "Traceback" not in out.stderr
+
+
+def test_help_reads_cleanly_and_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from swarmavg.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":mod:" not in out  # (no raw reStructuredText)
+    for command in ("demo", "link-demo", "serve", "dht", "ping", "status", "doctor"):
+        assert command in out
+    assert max(len(line) for line in out.splitlines()) <= 100
