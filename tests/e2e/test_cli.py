@@ -137,7 +137,8 @@ def test_help_reads_cleanly_and_lists_every_command(capsys: pytest.CaptureFixtur
         main(["--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    assert "``" not in out and ":mod:" not in out  # (no raw reStructuredText)
+    assert "``" not in out  # (no raw reStructuredText)
+    assert ":mod:" not in out
     for command in ("demo", "link-demo", "serve", "dht", "ping", "status", "doctor"):
         assert command in out
     assert max(len(line) for line in out.splitlines()) <= 100
