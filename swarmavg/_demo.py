@@ -19,23 +19,23 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import os
 import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
 from swarmavg._demo_peer import initial_values, split_sizes
+from swarmavg._processes import KILL_TIMEOUT, LOG_TAIL, ChildProcesses
+from swarmavg._processes import interrupts_held as _interrupts_held
 from swarmavg.errors import SwarmError
 
 __all__ = ["DemoOptions", "option_error", "run_demo"]
@@ -51,17 +51,12 @@ STEP_TIMEOUT = 15.0
 ALLREDUCE_TIMEOUT = 60.0
 #: The longest one round may take, for all peers together.
 ROUND_TIMEOUT = STEP_TIMEOUT + ALLREDUCE_TIMEOUT + 30.0
-#: How long the peers may take to shut down when asked to, and to die when killed.
-STOP_TIMEOUT = 30.0
-KILL_TIMEOUT = 5.0
 #: The peers' ``min_group_size``.
 MIN_GROUP_SIZE = 2
 #: Below this distance to the mean, the peers hold the exact mean up to float32 rounding.
 EXACT = 1e-5
 #: The most peers the demo starts (each one is a process with torch loaded).
 MAX_PEERS = 32
-#: Lines of a failed peer's stderr that the demo shows.
-LOG_TAIL = 20
 
 
 @dataclass(frozen=True)
@@ -150,51 +145,19 @@ class PeerFailed(SwarmError):
         self.log_tail = list(log_tail)
 
 
-class _Peers:
+class _Peers(ChildProcesses):
     """The peer processes, their stdout read by threads into one queue."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.processes: list[subprocess.Popen[str]] = []
-        self.logs: list[Path] = []
-        self._log_files: list[IO[bytes]] = []
-        self._threads: list[threading.Thread] = []
+        super().__init__(workdir, "swarmavg._demo_peer", "peer")
         self._queue: queue.Queue[tuple[int, str | None]] = queue.Queue()
         self._inbox: list[deque[dict[str, Any]]] = []
 
-    def spawn(self, config: dict[str, Any]) -> None:
-        index = len(self.processes)
-        log = self.workdir / f"peer-{index}.log"
-        log_file = open(log, "wb")  # noqa: SIM115 (closed in close())
-        self.logs.append(log)
-        self._log_files.append(log_file)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        process = subprocess.Popen(  # noqa: S603 (this interpreter, our own module)
-            [sys.executable, "-m", "swarmavg._demo_peer", json.dumps(config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-            env=env,
-            # Ctrl+C in a terminal reaches the demo process only; it stops the peers itself
-            start_new_session=True,
-        )
-        self.processes.append(process)
+    def _spawned(self, index: int) -> None:
         self._inbox.append(deque())
-        thread = threading.Thread(target=self._read, args=(index, process), daemon=True)
-        thread.start()
-        self._threads.append(thread)
 
-    def _read(self, index: int, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        try:
-            for line in process.stdout:
-                self._queue.put((index, line))
-        except (OSError, ValueError):  # closed under us
-            pass
-        finally:
-            self._queue.put((index, None))
+    def _deliver(self, index: int, line: str | None) -> None:
+        self._queue.put((index, line))
 
     def send(self, index: int, **command: Any) -> None:
         stdin = self.processes[index].stdin
@@ -294,69 +257,6 @@ class _Peers:
                     if isinstance(event, dict):
                         self._inbox[other].append(event)
         return list(self._inbox[index])
-
-    def stop(self) -> list[tuple[int, int]]:
-        """Ask every peer to stop and wait (bounded) for them; the peers that ended badly, as
-        ``(index, exit status)``. The ones that do not stop in time are killed."""
-        for process in self.processes:
-            if process.stdin is not None:
-                with contextlib.suppress(OSError):  # it is gone already: its status says how
-                    process.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
-                    process.stdin.close()
-        deadline = time.monotonic() + STOP_TIMEOUT
-        failed = []
-        for index, process in enumerate(self.processes):
-            try:
-                code = process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                code = process.wait(KILL_TIMEOUT)
-            if code != 0:
-                failed.append((index, code))
-        return failed
-
-    def close(self) -> None:
-        """Kill the peers still running, wait for them, close the pipes. Bounded: it gives up on
-        a process that survives SIGKILL for ``KILL_TIMEOUT`` seconds."""
-        running = [p for p in self.processes if p.poll() is None]
-        for process in running:
-            with contextlib.suppress(OSError):
-                process.terminate()
-        deadline = time.monotonic() + KILL_TIMEOUT
-        for process in running:
-            try:
-                process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(KILL_TIMEOUT)
-        for thread in self._threads:  # the pipes are at their end now that the peers are gone
-            thread.join(1.0)
-        for process in self.processes:
-            for stream in (process.stdin, process.stdout):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
-        for log_file in self._log_files:
-            log_file.close()
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Hold Ctrl+C back while peers are spawned or killed, so that none is left behind; raise
-    it (``KeyboardInterrupt``) once that is done."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    caught: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 # -- progress and the table ----------------------------------------------------------------------

@@ -23,19 +23,18 @@ import contextlib
 import csv
 import importlib
 import json
-import os
 import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 
-from swarmavg._demo import _interrupts_held
+from swarmavg._processes import KILL_TIMEOUT, STOP_TIMEOUT, ChildProcesses
+from swarmavg._processes import interrupts_held as _interrupts_held
 from swarmavg._train_demo_peer import OPTIMIZERS
 from swarmavg.errors import SwarmError
 
@@ -48,13 +47,8 @@ MATCHMAKING_TIME = 2.0
 AVERAGING_TIMEOUT = 15.0
 #: The longest the swarm may go without any process finishing an epoch.
 STALL_TIMEOUT = 4 * AVERAGING_TIMEOUT + 60.0
-#: How long the processes may take to shut down when asked to, and to die when killed.
-STOP_TIMEOUT = 30.0
-KILL_TIMEOUT = 5.0
 #: The most peers the demo starts (each one is a process with torch loaded).
 MAX_PEERS = 16
-#: Lines of a failed process's stderr that the demo shows.
-LOG_TAIL = 20
 #: Adam's learning rate (every process), and the seeds of the model and of the batches.
 LR = 4e-3
 MODEL_SEED = 0
@@ -127,52 +121,21 @@ class ProcessFailed(SwarmError):
 # -- the processes -------------------------------------------------------------------------------
 
 
-class _Processes:
-    """The peer processes and the one alone; their stdout read by threads into one queue."""
+class _Processes(ChildProcesses):
+    """The peer processes and the one alone; their events read by threads into one queue."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.processes: list[subprocess.Popen[str]] = []
-        self.logs: list[Path] = []
-        self._log_files: list[IO[bytes]] = []
-        self._threads: list[threading.Thread] = []
+        super().__init__(workdir, "swarmavg._train_demo_peer", "process")
         self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
 
-    def spawn(self, config: dict[str, Any]) -> None:
-        index = len(self.processes)
-        log = self.workdir / f"process-{index}.log"
-        log_file = open(log, "wb")  # noqa: SIM115 (closed in close())
-        self.logs.append(log)
-        self._log_files.append(log_file)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        process = subprocess.Popen(  # noqa: S603 (this interpreter, our own module)
-            [sys.executable, "-m", "swarmavg._train_demo_peer", json.dumps(config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-            env=env,
-            # Ctrl+C in a terminal reaches the demo process only; it stops the others itself
-            start_new_session=True,
-        )
-        self.processes.append(process)
-        thread = threading.Thread(target=self._read, args=(index, process), daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def _read(self, index: int, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        try:
-            for line in process.stdout:
-                with contextlib.suppress(ValueError):
-                    event = json.loads(line)
-                    if isinstance(event, dict):
-                        self.events.put((index, event))
-        except (OSError, ValueError):  # closed under us
-            pass
-        finally:
+    def _deliver(self, index: int, line: str | None) -> None:
+        if line is None:
             self.events.put((index, None))
+            return
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict):
+                self.events.put((index, event))
 
     def send(self, index: int, **command: Any) -> None:
         """Send a command; a process that is gone is not an error here (its end says why)."""
@@ -182,57 +145,6 @@ class _Processes:
         with contextlib.suppress(OSError, ValueError):
             stdin.write(json.dumps(command) + "\n")
             stdin.flush()
-
-    def kill(self, index: int) -> None:
-        with contextlib.suppress(OSError):
-            self.processes[index].send_signal(signal.SIGKILL)
-
-    def log_tail(self, index: int) -> list[str]:
-        self._log_files[index].flush()
-        return self.logs[index].read_text(errors="replace").splitlines()[-LOG_TAIL:]
-
-    def stop(self) -> list[tuple[int, int]]:
-        """Ask every process to stop and wait (bounded) for them; those that ended badly, as
-        ``(index, exit status)`` (the ones killed on purpose included). The ones that do not
-        stop in time are killed."""
-        for index in range(len(self.processes)):
-            self.send(index, cmd="stop")
-        deadline = time.monotonic() + STOP_TIMEOUT
-        failed = []
-        for index, process in enumerate(self.processes):
-            try:
-                code = process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                code = process.wait(KILL_TIMEOUT)
-            if code != 0:
-                failed.append((index, code))
-        return failed
-
-    def close(self) -> None:
-        """Kill the processes still running, wait for them, close the pipes. Bounded: it gives
-        up on a process that survives SIGKILL for ``KILL_TIMEOUT`` seconds."""
-        running = [p for p in self.processes if p.poll() is None]
-        for process in running:
-            with contextlib.suppress(OSError):
-                process.terminate()
-        deadline = time.monotonic() + KILL_TIMEOUT
-        for process in running:
-            try:
-                process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(KILL_TIMEOUT)
-        for thread in self._threads:  # the pipes are at their end now that they are gone
-            thread.join(1.0)
-        for process in self.processes:
-            for stream in (process.stdin, process.stdout):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
-        for log_file in self._log_files:
-            log_file.close()
 
 
 # -- what the demo knows of each process ---------------------------------------------------------
