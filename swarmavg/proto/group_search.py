@@ -318,7 +318,7 @@ class GroupSearch:
         that will look soon are not looking *yet*. Without it (``None``), the first peers of a
         training swarm to look assemble among themselves, and with regulars the split repeats
         every round. Rules 1 and 3 are unchanged, so a peer that was expected and never
-        comes costs the wait until ``begin_at``.
+        comes costs the wait until ``begin_at``. Auxiliary members do not count towards it.
     """
 
     def __init__(
@@ -624,9 +624,16 @@ class GroupSearch:
             looking <= joined
             and self._regulars - self._lost - self._excluded_seen.keys() <= joined
             and 1 + len(joined) >= self.minimum
-            and 1 + len(joined) >= self.expected
+            and self._expected_in()
             and len(joined) >= 1
         )
+
+    def _expected_in(self) -> bool:
+        """Whether the expected peers are in: auxiliary members do not count (they publish no
+        training progress, so a training run does not count them in its expectation)."""
+        assert self._leading is not None
+        trainers = sum(m.mode != "aux" for m in self._leading.followers.values())
+        return int(self.me.mode != "aux") + trainers >= self.expected
 
     def on_follower_left(self, peer: PeerID, term: int) -> None:
         """A follower of leadership ``term`` went away before the group was settled."""

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_helpers import FAST, run_threads, swarm
 
 import swarmavg
 from swarmavg import DHT
@@ -28,7 +29,6 @@ from swarmavg.optim.progress_tracker import ProgressTracker
 
 pytestmark = pytest.mark.timeout(180)
 
-FAST = {"request_timeout": 1.0}
 TRACKER = {"min_refresh_period": 0.05, "default_refresh_period": 0.1}
 DIM, BATCH, STEPS_PER_EPOCH = 5, 4, 4
 PER_PEER_TARGET = BATCH * STEPS_PER_EPOCH
@@ -38,35 +38,6 @@ MODES: dict[str, dict[str, Any]] = {
     "reuse-grad-buffers": {"reuse_grad_buffers": True},
     "local-updates": {"use_local_updates": True},
 }
-
-
-@contextmanager
-def swarm(count: int) -> Iterator[list[DHT]]:
-    with ExitStack() as stack:
-        first = stack.enter_context(DHT())
-        dhts = [first]
-        for _ in range(count - 1):
-            dhts.append(stack.enter_context(DHT(first.get_visible_maddrs())))
-        yield dhts
-
-
-def run_threads(targets: list[Callable[[], None]], timeout: float = 120) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(target: Callable[[], None]) -> None:
-        try:
-            target()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a peer's training loop hung"
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture

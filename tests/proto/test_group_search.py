@@ -78,9 +78,11 @@ class Sim:
         admission: list[Admission] | None = None,
         regulars: list[int] = (),  # type: ignore[assignment]
         expected: int | None = None,
+        auxes: frozenset[int] = frozenset(),
     ) -> None:
         self.now = 0.0
         self.expected = expected
+        self.auxes = auxes
         self.regulars = [_IDS[i] for i in regulars]
         self.peers = [_Peer(_IDS[i]) for i in range(n)]
         self.by_id = {p.peer: p for p in self.peers}
@@ -120,7 +122,7 @@ class Sim:
                 return
             peer.begin_at = self.now + wait
             client = index in self.clients
-            mode = "client" if client else "node"
+            mode = "client" if client else "aux" if index in self.auxes else "node"
             me = MemberInfo(peer.peer, [] if client else ["x"], -1.0, mode, b"")
             peer.search = GroupSearch(
                 me,
@@ -692,6 +694,20 @@ def test_the_expected_group_size_holds_early_assembly_until_everyone_is_in(
         split.start(i, 0.3, wait=15)
     split.run()
     assert sorted(_sizes(split)) == [2, 2]
+
+
+def test_auxiliary_members_do_not_count_towards_the_expected_size() -> None:
+    """Three trainers expected (their progress records say so) and an auxiliary peer (it
+    publishes none): two trainers and the auxiliary looking first are not the three expected,
+    so the third trainer, 0.3 s later, is not split off."""
+    sim = Sim(4, target=8, expected=3, auxes=frozenset({3}))
+    for i in (0, 1, 3):
+        sim.start(i, 0.0, wait=15)
+    sim.start(2, 0.3, wait=15)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [4]
+    assert max(p.ended_at for p in sim.peers) < 1.5
 
 
 def test_an_expected_peer_that_never_comes_costs_the_wait_until_begin_at() -> None:
