@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
@@ -203,6 +203,14 @@ def _run(config: dict[str, Any], commands: _Commands) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return child_main(_run, argv)
+
+
+def child_main(
+    run: Callable[[dict[str, Any], _Commands], None], argv: Sequence[str] | None = None
+) -> int:
+    """A demo child's entry: ``run(config, commands)`` with the JSON config of ``argv``; any
+    failure is printed to stderr and reported to the demo as an ``error`` event (status 1)."""
     args = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -210,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = _Commands(sys.stdin)
     try:
         (text,) = args
-        _run(json.loads(text), commands)
+        run(json.loads(text), commands)
     except BaseException as exc:  # report anything, KeyboardInterrupt included, to the demo
         traceback.print_exc()
         with contextlib.suppress(OSError):  # the demo may be gone

@@ -11,6 +11,7 @@ then :data:`KILL_TIMEOUT` after each signal.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -33,7 +34,7 @@ KILL_TIMEOUT = 5.0
 LOG_TAIL = 20
 
 
-class ChildProcesses:
+class ChildProcesses(abc.ABC):
     """Children running ``python -m module``; a subclass says what to do with their lines
     (:meth:`_deliver`, called from the reader threads).
 
@@ -79,11 +80,12 @@ class ChildProcesses:
 
     def _spawned(self, index: int) -> None:
         """A child was just started (before its reader thread): a subclass's bookkeeping."""
+        return  # (an optional hook)
 
+    @abc.abstractmethod
     def _deliver(self, index: int, line: str | None) -> None:
         """A line the child ``index`` wrote, or ``None`` when its stdout ended (reader
         thread)."""
-        raise NotImplementedError
 
     def _read(self, index: int, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None

@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import queue
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarmavg._demo_peer import _Commands
+from swarmavg._demo_peer import _Commands, child_main
 
 if TYPE_CHECKING:
     import torch
@@ -308,20 +306,7 @@ def _train(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    commands = _Commands(sys.stdin)
-    try:
-        (text,) = args
-        _run(json.loads(text), commands)
-    except BaseException as exc:  # report anything, KeyboardInterrupt included, to the demo
-        traceback.print_exc()
-        with contextlib.suppress(OSError):  # the demo may be gone
-            _emit(event="error", error=f"{type(exc).__name__}: {exc}")
-        return 1
-    return 0
+    return child_main(_run, argv)
 
 
 if __name__ == "__main__":
