@@ -1,4 +1,4 @@
-"""Developer and CI sessions: ``nox -s lint typecheck tests oldest`` is what CI runs.
+"""Developer and CI sessions: ``nox -s lint typecheck docs install tests oldest`` is what CI runs.
 
 torch is pinned to the CPU build (2.13.0) before anything else is installed: an unpinned
 ``torch`` would pull a multi-GB CUDA build.
@@ -11,14 +11,22 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "typecheck", "tests", "oldest"]
+nox.options.sessions = ["lint", "typecheck", "docs", "install", "tests", "oldest"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
 PACKAGES = [
     p
-    for p in ("swarmavg", "transports", "tests", "fuzz", "benchmarks", "noxfile.py")
+    for p in (
+        "swarmavg",
+        "transports",
+        "tests",
+        "fuzz",
+        "benchmarks",
+        "docs/hooks.py",
+        "noxfile.py",
+    )
     if Path(p).exists()
 ]
 
@@ -33,19 +41,11 @@ OLDEST = {
     "numpy": "1.26.4",
 }
 
-#: Distributions released in lockstep with swarmavg (it pins them to its own version), so they
-#: are installed from this tree together with it.
-LOCKSTEP = ["-e", "transports/tcp"]
-#: Transport plug-ins developed in this tree that swarmavg does not depend on.
-PLUGINS = ["-e", "transports/quic"]
-
 
 def _install(session: nox.Session, extras: str = "test") -> None:
     session.install(TORCH)
-    # ``-e .`` before ``-e .[extras]``: pip 23's resolver does not let an editable requirement
-    # *with extras* satisfy the plain ``swarmavg==X`` that swarmavg-tcp pins, and fails with
-    # "No matching distribution found for swarmavg" unless the plain one is named too.
-    session.install(*LOCKSTEP, *PLUGINS, "-e", ".", "-e", f".[{extras}]")
+    # the transports ship inside swarmavg (tcp always, quic with its extra)
+    session.install("-e", f".[{extras},quic]")
 
 
 @nox.session(python=PYTHON)
@@ -85,7 +85,7 @@ def oldest(session: nox.Session) -> None:
     session.install(TORCH)
     constraints = Path(session.create_tmp()) / "oldest.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in OLDEST.items()))
-    session.install("-c", str(constraints), *LOCKSTEP, *PLUGINS, "-e", ".", "-e", ".[test]")
+    session.install("-c", str(constraints), "-e", ".[test,quic]")
     session.run(
         "python",
         "-c",
@@ -98,6 +98,39 @@ def oldest(session: nox.Session) -> None:
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=[0, 5] if session.posargs else [0],
     )
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The documentation site, built with ``--strict``: a broken link, a page missing from the
+    nav or a docstring mkdocstrings cannot read fails (``-- serve`` previews it instead)."""
+    session.install("-e", ".[docs]")
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:])
+    else:
+        site = Path(session.create_tmp()) / "site"
+        session.run("mkdocs", "build", "--strict", "--site-dir", str(site), *session.posargs)
+        session.log(f"the site is in {site}")
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("editable", [False, True], ids=["wheel", "editable"])
+def install(session: nox.Session, editable: bool) -> None:
+    """What a newcomer does: ``pip install .`` (or ``-e .``) of a fresh clone, nothing else, in
+    a fresh venv, then a TCP swarm: two DHT peers average a tensor, and the CLI answers. The
+    clone is of the committed tree (HEAD), as CI's is."""
+    clone = Path(session.create_tmp()) / "clone"
+    if clone.exists():
+        session.run("rm", "-rf", str(clone), external=True)
+    session.run(
+        "git", "clone", "--quiet", "--no-hardlinks", ".", str(clone), external=True, silent=True
+    )
+    session.install(TORCH)
+    session.install(*(["-e"] if editable else []), str(clone))
+    check = Path("tests/install_check.py").resolve()
+    with session.chdir(session.create_tmp()):  # not the tree: import what pip installed
+        session.run("python", str(check), str(clone))
+        session.run("swarmavg", "--help", silent=True)
 
 
 @nox.session(python=PYTHON)

@@ -57,6 +57,9 @@ from aioquic.quic.connection import QuicConnection as AioQuicConnection  # noqa:
 from aioquic.quic.packet_builder import QuicPacketBuilderStop  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
+from swarmavg.errors import ConnectionLost, RemoteProtocolError, StreamReset  # noqa: E402
+from swarmavg.identity import Identity, PeerID  # noqa: E402
 from swarmavg_quic import (  # noqa: E402
     QuicConnection,
     QuicListener,
@@ -65,9 +68,6 @@ from swarmavg_quic import (  # noqa: E402
     _tls,
 )
 from swarmavg_quic._endpoint import Endpoint  # noqa: E402
-
-from swarmavg.errors import ConnectionLost, RemoteProtocolError, StreamReset  # noqa: E402
-from swarmavg.identity import Identity, PeerID  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 #: Seconds any single honest wait may take (loopback answers in milliseconds).

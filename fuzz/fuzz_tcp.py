@@ -46,11 +46,6 @@ from _engine import arg_parser, crash_dir, libfuzzer_args  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from swarmavg_tcp import TcpConnection, TcpListener, TcpStream, TcpTransport  # noqa: E402
-from swarmavg_tcp import _frames as fr  # noqa: E402
-from swarmavg_tcp._connection import _MAX_QUEUED_CONTROL  # noqa: E402
-from swarmavg_tcp._frames import HEADER, HEADER_SIZE, TAG_SIZE, Sealer, Settings  # noqa: E402
-from swarmavg_tcp._handshake import AUTH_SIZE, HELLO_SIZE, Handshake  # noqa: E402
 
 from swarmavg.abc import ConnectionAttribute  # noqa: E402
 from swarmavg.errors import (  # noqa: E402
@@ -60,6 +55,11 @@ from swarmavg.errors import (  # noqa: E402
     StreamReset,
 )
 from swarmavg.identity import Identity  # noqa: E402
+from swarmavg_tcp import TcpConnection, TcpListener, TcpStream, TcpTransport  # noqa: E402
+from swarmavg_tcp import _frames as fr  # noqa: E402
+from swarmavg_tcp._connection import _MAX_QUEUED_CONTROL  # noqa: E402
+from swarmavg_tcp._frames import HEADER, HEADER_SIZE, TAG_SIZE, Sealer, Settings  # noqa: E402
+from swarmavg_tcp._handshake import AUTH_SIZE, HELLO_SIZE, Handshake  # noqa: E402
 
 #: Seconds any single wait may take (loopback answers in milliseconds).
 BOUND = 5.0

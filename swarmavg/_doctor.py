@@ -46,12 +46,18 @@ from swarmavg.errors import AddressInUse, MethodNotFound, SwarmError, TransportN
 from swarmavg.identity import PeerID
 from swarmavg.proto import Ping, Pong
 from swarmavg.proto.dht_messages import DHTPingRequest, DHTPingResponse
-from swarmavg.transport import ENTRY_POINT_GROUP, available_transports, resolve_transport
+from swarmavg.transport import (
+    ENTRY_POINT_GROUP,
+    SHIPPED,
+    available_transports,
+    missing_extra,
+    resolve_transport,
+)
 
 __all__ = ["Check", "DoctorOptions", "Status", "checks", "run"]
 
-#: The transports the project publishes, and what to install for each.
-_PUBLISHED: Final = {"tcp": "swarmavg-tcp", "quic": "swarmavg[quic]"}
+#: The transports that ship with swarmavg, and what to install for each.
+_PUBLISHED: Final = SHIPPED
 #: A transport a swarm cannot do without.
 _REQUIRED: Final = "tcp"
 #: A clock further off than this fails (s): the DHT warns about it at bootstrap, and records
@@ -140,12 +146,12 @@ def transport_checks() -> tuple[list[Check], list[str]]:
         try:
             cls = resolve_transport(name)
         except TransportNotFound as exc:
-            if name in _PUBLISHED and name != _REQUIRED and exc.__cause__ is None:
+            if name != _REQUIRED and missing_extra(name, exc.__cause__):
                 results.append(
                     Check(
                         Status.WARN,
                         f"transport {name}",
-                        f"not installed (optional): `pip install {_PUBLISHED[name]}` to listen "
+                        f'not installed (optional): `pip install "{_PUBLISHED[name]}"` to listen '
                         f"on and dial {name}:// addresses",
                     )
                 )
@@ -349,7 +355,7 @@ async def peer_checks(
             name,
             f"cannot dial it: transport {address.scheme!r} is not installed"
             + (
-                f" (`pip install {_PUBLISHED[address.scheme]}`)"
+                f' (`pip install "{_PUBLISHED[address.scheme]}"`)'
                 if address.scheme in _PUBLISHED
                 else ""
             ),

@@ -3,10 +3,12 @@
 A transport plugin (ours or a third party's) declares, in its ``pyproject.toml``::
 
     [project.entry-points."swarmavg.transports"]
-    tcp = "swarmavg_tcp:TCPTransport"
+    tcp = "swarmavg_tcp:TcpTransport"
 
 ``resolve_transport("tcp")`` imports it only then, so ``import swarmavg`` never imports aioquic
-or any other transport's dependencies.
+or any other transport's dependencies. swarmavg's own network transports (the packages
+``swarmavg_tcp`` and ``swarmavg_quic``) ship in its wheel and are registered the same way; the
+QUIC one needs the ``quic`` extra (aioquic).
 """
 
 from __future__ import annotations
@@ -27,8 +29,21 @@ ENTRY_POINT_GROUP: Final = "swarmavg.transports"
 #: (e.g. running from a source checkout that was not installed).
 _BUILTIN: Final = {"memory": "swarmavg.testing:MemoryTransport"}
 
-#: What to install for the transports the project publishes.
-_DISTRIBUTIONS: Final = {"tcp": "swarmavg-tcp", "quic": "swarmavg-quic"}
+#: What to install for the transports that ship with swarmavg (their packages are in every
+#: install; a transport's own dependencies come with an extra).
+SHIPPED: Final = {"tcp": "swarmavg", "quic": "swarmavg[quic]"}
+#: The top-level modules a shipped transport needs beyond swarmavg's own dependencies.
+_EXTRA_MODULES: Final = {"quic": frozenset({"aioquic"})}
+
+
+def missing_extra(name: str, exc: BaseException | None) -> bool:
+    """Whether ``exc`` (the ``__cause__`` of a :class:`TransportNotFound`) says that the
+    shipped transport ``name`` lacks its optional dependency (its extra is not installed)."""
+    return (
+        isinstance(exc, ModuleNotFoundError)
+        and exc.name is not None
+        and exc.name.partition(".")[0] in _EXTRA_MODULES.get(name, ())
+    )
 
 
 def available_transports() -> list[str]:
@@ -57,8 +72,8 @@ def resolve_transport(name: str) -> type[Transport]:
         target = _BUILTIN.get(name)
     if target is None:
         hint = (
-            f"install it with `pip install {_DISTRIBUTIONS[name]}`"
-            if name in _DISTRIBUTIONS
+            f'swarmavg registers it: reinstall with `pip install "{SHIPPED[name]}"`'
+            if name in SHIPPED
             else f"no installed package registers it under the entry-point group "
             f"{ENTRY_POINT_GROUP!r}"
         )
@@ -69,11 +84,12 @@ def resolve_transport(name: str) -> type[Transport]:
         module = importlib.import_module(module_name)
         cls = getattr(module, attr) if attr else module
     except (ImportError, AttributeError) as exc:
-        fix = (
-            f"reinstall it with `pip install --force-reinstall {_DISTRIBUTIONS[name]}`"
-            if name in _DISTRIBUTIONS
-            else "reinstall the package that provides it"
-        )
+        if missing_extra(name, exc):
+            fix = f'install it with `pip install "{SHIPPED[name]}"`'
+        elif name in SHIPPED:
+            fix = f'reinstall it with `pip install --force-reinstall "{SHIPPED[name]}"`'
+        else:
+            fix = "reinstall the package that provides it"
         raise TransportNotFound(
             f"the {name!r} transport is registered ({ENTRY_POINT_GROUP} entry point "
             f"{name} = {target}) but cannot be loaded: {exc}; {fix}"

@@ -1,4 +1,10 @@
-"""The distributions released together keep one version and pin each other to it."""
+"""Packaging: one distribution that carries the transports as plug-ins.
+
+``pip install swarmavg`` (or ``pip install .`` / ``-e .`` from a clone) gives a working TCP swarm:
+the packages ``swarmavg_tcp`` and ``swarmavg_quic`` ship in swarmavg's wheel and are found, like a
+third party's transport, through the ``swarmavg.transports`` entry points, never imported by
+swarmavg's own code. ``nox -s install`` installs a fresh clone into fresh venvs and runs a swarm.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +13,96 @@ import importlib.metadata
 import tomllib
 from pathlib import Path
 
+import swarmavg
+import swarmavg_quic
 import swarmavg_tcp
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _project(path: Path) -> dict[str, object]:
-    with path.open("rb") as f:
-        project = tomllib.load(f)["project"]
+def _pyproject() -> dict[str, object]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def _project() -> dict[str, object]:
+    project = _pyproject()["project"]
     assert isinstance(project, dict)
     return project
 
 
-def test_lockstep_versions() -> None:
-    core = _project(ROOT / "pyproject.toml")
-    tcp = _project(ROOT / "transports" / "tcp" / "pyproject.toml")
-    version = core["version"]
-    assert tcp["version"] == version
-    assert f"swarmavg-tcp=={version}" in core["dependencies"]  # type: ignore[operator]
-    assert f"swarmavg=={version}" in tcp["dependencies"]  # type: ignore[operator]
+def test_one_version() -> None:
+    version = _project()["version"]
+    assert swarmavg.__version__ == version
     assert swarmavg_tcp.__version__ == version
-    quic = _project(ROOT / "transports" / "quic" / "pyproject.toml")
-    assert quic["version"] == version
-    assert f"swarmavg=={version}" in quic["dependencies"]  # type: ignore[operator]
+    assert swarmavg_quic.__version__ == version
+    assert importlib.metadata.version("swarmavg") == version
 
 
-def test_tcp_entry_point_is_registered() -> None:
-    points = importlib.metadata.entry_points(group="swarmavg.transports")
-    assert {p.name: p.value for p in points}["tcp"] == "swarmavg_tcp:TcpTransport"
+def test_the_transports_are_registered_by_swarmavg_itself() -> None:
+    points = {p.name: p for p in importlib.metadata.entry_points(group="swarmavg.transports")}
+    assert points["tcp"].value == "swarmavg_tcp:TcpTransport"
+    assert points["quic"].value == "swarmavg_quic:QuicTransport"
+    for name in ("tcp", "quic"):
+        dist = points[name].dist
+        assert dist is not None
+        assert dist.name == "swarmavg"
+    declared = _project()["entry-points"]
+    assert isinstance(declared, dict)
+    assert declared["swarmavg.transports"] == {
+        "memory": "swarmavg.testing:MemoryTransport",
+        "tcp": "swarmavg_tcp:TcpTransport",
+        "quic": "swarmavg_quic:QuicTransport",
+    }
 
 
-def test_quic_entry_point_and_extra() -> None:
-    points = importlib.metadata.entry_points(group="swarmavg.transports")
-    assert {p.name: p.value for p in points}["quic"] == "swarmavg_quic:QuicTransport"
-    version = _project(ROOT / "pyproject.toml")["version"]
-    extras = _project(ROOT / "pyproject.toml")["optional-dependencies"]
-    assert extras["quic"] == [f"swarmavg-quic=={version}"]  # type: ignore[index]
+def test_the_wheel_carries_the_transport_packages() -> None:
+    wheel = _pyproject()["tool"]["hatch"]["build"]["targets"]["wheel"]  # type: ignore[index]
+    packages = wheel["packages"]
+    assert packages == [
+        "swarmavg",
+        "transports/tcp/swarmavg_tcp",
+        "transports/quic/swarmavg_quic",
+    ]
+    for package in packages:
+        assert (ROOT / package / "__init__.py").is_file(), package
+        assert (ROOT / package / "py.typed").is_file(), package
+
+
+def test_dependencies_need_no_other_distribution_of_ours() -> None:
+    """Nothing that is not on a package index: ``pip install -e .`` from a clone must resolve."""
+    project = _project()
+    requirements = list(project["dependencies"])  # type: ignore[call-overload]
+    for extra in project["optional-dependencies"].values():  # type: ignore[attr-defined]
+        requirements += extra
+    names = {
+        r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip()
+        for r in requirements
+    }
+    assert not {n for n in names if n.startswith("swarmavg") and n != "swarmavg"}, names
+    extras = project["optional-dependencies"]
+    assert extras["quic"] == ["aioquic>=1.7.2,<1.8"]  # type: ignore[index]
+    assert {"quic", "demo", "prometheus", "test", "dev", "docs"} <= set(extras)  # type: ignore[arg-type]
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.partition(".")[0])
+    return found
+
+
+def test_the_plugin_boundary() -> None:
+    """swarmavg's code never imports a network transport (it finds them by entry point), and the
+    transports import only swarmavg's public modules, not each other."""
+    for path in (ROOT / "swarmavg").rglob("*.py"):
+        assert not _imports(path) & {"swarmavg_tcp", "swarmavg_quic", "aioquic"}, path
+    for name, other in (("tcp", "swarmavg_quic"), ("quic", "swarmavg_tcp")):
+        for path in (ROOT / "transports" / name).rglob("*.py"):
+            assert other not in _imports(path), path
 
 
 def test_the_oldest_session_installs_the_declared_lower_bounds() -> None:
@@ -54,11 +114,10 @@ def test_the_oldest_session_installs_the_declared_lower_bounds() -> None:
     oldest = ast.literal_eval(source[start : source.index("}", start) + 1])
     assert isinstance(oldest, dict)
     bounds: dict[str, set[str]] = {}
-    for path in ("pyproject.toml", "transports/tcp/pyproject.toml"):
-        for requirement in _project(ROOT / path)["dependencies"]:  # type: ignore[attr-defined]
-            name, _, bound = requirement.partition(">=")
-            if bound:
-                bounds.setdefault(name.strip(), set()).add(bound.split(",")[0].strip())
+    for requirement in _project()["dependencies"]:  # type: ignore[attr-defined]
+        name, _, bound = requirement.partition(">=")
+        if bound:
+            bounds.setdefault(name.strip(), set()).add(bound.split(",")[0].strip())
     for name, version in oldest.items():
         assert name in bounds, name
         for bound in bounds[name]:

@@ -51,8 +51,8 @@ def test_resolve_transport_by_name() -> None:
 def test_missing_transport_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     from swarmavg import transport
 
-    monkeypatch.setitem(transport._DISTRIBUTIONS, "pigeonmail", "swarmavg-pigeonmail")
-    with pytest.raises(TransportNotFound, match="pip install swarmavg-pigeonmail"):
+    monkeypatch.setitem(transport.SHIPPED, "pigeonmail", "swarmavg[pigeonmail]")  # type: ignore[index]
+    with pytest.raises(TransportNotFound, match=r'pip install "swarmavg\[pigeonmail\]"'):
         swarmavg.resolve_transport("pigeonmail")
     with pytest.raises(TransportNotFound, match="entry-point group"):
         swarmavg.resolve_transport("carrier-pigeon")

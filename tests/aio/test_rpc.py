@@ -15,8 +15,6 @@ from typing import Any
 
 import anyio
 import pytest
-from swarmavg_quic import QuicStream
-from swarmavg_tcp._connection import TcpStream
 
 from swarmavg.abc import Connection, Stream
 from swarmavg.address import Address
@@ -45,6 +43,8 @@ from swarmavg.errors import (
 from swarmavg.identity import Identity
 from swarmavg.proto import Message, decode_message, encode_message_bytes, message
 from swarmavg.testing import MemoryNetwork, MemoryTransport, _memory
+from swarmavg_quic import QuicStream
+from swarmavg_tcp._connection import TcpStream
 
 pytestmark = pytest.mark.anyio
 

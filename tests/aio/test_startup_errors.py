@@ -5,9 +5,11 @@ the ExceptionGroup of a task group inside."""
 from __future__ import annotations
 
 import errno
+import importlib
 import socket
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
+from unittest import mock
 
 import anyio
 import pytest
@@ -97,15 +99,34 @@ def entry_points(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
 
 
 async def test_quic_not_installed_says_what_to_install(entry_points: dict[str, str]) -> None:
-    """swarmavg-quic not installed: no entry point named ``quic``."""
+    """swarmavg's metadata lost its ``quic`` entry point (a broken install), or the quic extra
+    (aioquic) is not installed: the message says what to install."""
     entry_points["tcp"] = "swarmavg_tcp:TcpTransport"
-    with pytest.raises(TransportNotFound, match=r"pip install swarmavg-quic") as caught:
+    with pytest.raises(TransportNotFound, match=r'pip install "swarmavg\[quic\]"') as caught:
         async with DHT(transport="quic"):
             pass
     assert "available: memory, tcp" in str(caught.value)
-    with pytest.raises(TransportNotFound, match=r"pip install swarmavg-quic"):
+    with pytest.raises(TransportNotFound, match=r'pip install "swarmavg\[quic\]"'):
         async with Node(listen=["quic://127.0.0.1:0"]):
             pass
+    transport_module.resolve_transport.cache_clear()
+    entry_points["quic"] = "swarmavg_quic:QuicTransport"
+    real_import = importlib.import_module
+
+    def without_aioquic(name: str, package: str | None = None) -> object:
+        if name == "swarmavg_quic":
+            raise ModuleNotFoundError("No module named 'aioquic'", name="aioquic")
+        return real_import(name, package)
+
+    with (
+        mock.patch.object(transport_module.importlib, "import_module", without_aioquic),
+        pytest.raises(
+            TransportNotFound, match=r'install it with `pip install "swarmavg\[quic\]"`'
+        ) as caught,
+    ):
+        async with DHT(transport="quic"):
+            pass
+    assert "force-reinstall" not in str(caught.value)
 
 
 async def test_a_registered_transport_that_cannot_be_imported(
@@ -117,7 +138,7 @@ async def test_a_registered_transport_that_cannot_be_imported(
     with pytest.raises(TransportNotFound, match="cannot be loaded") as caught:
         async with DHT(transport="quic"):
             pass
-    assert "pip install --force-reinstall swarmavg-quic" in str(caught.value)
+    assert 'pip install --force-reinstall "swarmavg[quic]"' in str(caught.value)
     assert isinstance(caught.value.__cause__, ImportError)
     with pytest.raises(TransportNotFound, match="not a Transport subclass"):
         async with Node(listen=["pigeon://127.0.0.1:0"]):

@@ -179,13 +179,17 @@ def test_clock_skew_verdicts() -> None:
 
 def test_a_missing_quic_warns_and_a_missing_tcp_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     def nothing(name: str) -> type:
-        raise TransportNotFound(f"no transport named {name!r} (install it)")
+        # quic: registered, but its extra (aioquic) is not installed; tcp: not there at all
+        error = TransportNotFound(f"no transport named {name!r} (install it)")
+        if name == "quic":
+            raise error from ModuleNotFoundError("No module named 'aioquic'", name="aioquic")
+        raise error
 
     monkeypatch.setattr(doctor, "resolve_transport", nothing)
     checks, installed = doctor.transport_checks()
     assert installed == []
     verdicts = {check.name: check for check in checks}
     assert verdicts["transport quic"].status is doctor.Status.WARN
-    assert "pip install swarmavg[quic]" in verdicts["transport quic"].detail
+    assert 'pip install "swarmavg[quic]"' in verdicts["transport quic"].detail
     assert verdicts["transport tcp"].status is doctor.Status.FAIL
     assert "install it" in verdicts["transport tcp"].detail

@@ -13,11 +13,11 @@ from contextlib import asynccontextmanager
 import anyio
 import numpy as np
 import pytest
-from swarmavg_tcp import TcpTransport
 
 from swarmavg.abc import Connection, Stream, Transport
 from swarmavg.identity import Identity
 from swarmavg.testing import MemoryNetwork, MemoryTransport
+from swarmavg_tcp import TcpTransport
 
 pytestmark = pytest.mark.anyio
 

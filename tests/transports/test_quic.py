@@ -11,10 +11,6 @@ from typing import Any
 
 import anyio
 import pytest
-from swarmavg_quic import QuicConnection, QuicTransport
-from swarmavg_quic._aioquic import unacked
-from swarmavg_quic._connection import PROBE_MAX
-from swarmavg_quic._endpoint import CID_LENGTH
 
 from swarmavg.address import Address
 from swarmavg.errors import (
@@ -25,6 +21,10 @@ from swarmavg.errors import (
     TransportError,
 )
 from swarmavg.identity import Identity
+from swarmavg_quic import QuicConnection, QuicTransport
+from swarmavg_quic._aioquic import unacked
+from swarmavg_quic._connection import PROBE_MAX
+from swarmavg_quic._endpoint import CID_LENGTH
 
 pytestmark = pytest.mark.anyio
 
@@ -496,6 +496,7 @@ def test_options_are_checked() -> None:
 
 def test_the_private_aioquic_hooks_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from aioquic.quic.connection import QuicConnection as AioQuicConnection
+
     from swarmavg_quic._aioquic import check_private_api
 
     check_private_api()  # the pinned aioquic has them

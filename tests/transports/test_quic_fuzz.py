@@ -8,9 +8,9 @@ from pathlib import Path
 
 import anyio
 import pytest
-from swarmavg_quic import QuicTransport
 
 from swarmavg.identity import Identity
+from swarmavg_quic import QuicTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fuzz"))
 import fuzz_quic as fq

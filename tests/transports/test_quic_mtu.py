@@ -6,6 +6,7 @@ import socket
 import sys
 
 import pytest
+
 from swarmavg_quic._mtu import MAX_DATAGRAM, MIN_DATAGRAM, datagram_size_for, route_payload_size
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="IP_MTU is Linux's")

@@ -7,6 +7,9 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from swarmavg.errors import PeerIdentityMismatch, RemoteProtocolError
+from swarmavg.identity import Identity
 from swarmavg_quic._tls import (
     ALPN,
     AuthenticatingConnection,
@@ -15,9 +18,6 @@ from swarmavg_quic._tls import (
     check_aioquic,
     configuration,
 )
-
-from swarmavg.errors import PeerIdentityMismatch, RemoteProtocolError
-from swarmavg.identity import Identity
 
 CLIENT_ADDR = ("127.0.0.1", 40001)
 SERVER_ADDR = ("127.0.0.1", 40002)

@@ -23,10 +23,6 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
-from swarmavg_tcp import TcpConnection, TcpListener, TcpStream, TcpTransport
-from swarmavg_tcp import _frames as fr
-from swarmavg_tcp._frames import HEADER, HEADER_SIZE, TAG_SIZE, Sealer, Settings
-from swarmavg_tcp._handshake import HELLO, HELLO_SIZE, MAGIC, VERSION, Handshake
 
 from swarmavg.abc import ConnectionAttribute
 from swarmavg.address import Address
@@ -38,6 +34,10 @@ from swarmavg.errors import (
     TransportError,
 )
 from swarmavg.identity import Identity
+from swarmavg_tcp import TcpConnection, TcpListener, TcpStream, TcpTransport
+from swarmavg_tcp import _frames as fr
+from swarmavg_tcp._frames import HEADER, HEADER_SIZE, TAG_SIZE, Sealer, Settings
+from swarmavg_tcp._handshake import HELLO, HELLO_SIZE, MAGIC, VERSION, Handshake
 
 pytestmark = pytest.mark.anyio
 

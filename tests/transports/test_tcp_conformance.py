@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import pytest
-from swarmavg_tcp import TcpTransport
 
 from swarmavg.testing import TRANSPORT_CHECKS, run_transport_check
+from swarmavg_tcp import TcpTransport
 
 pytestmark = pytest.mark.anyio
 
