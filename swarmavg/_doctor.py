@@ -250,7 +250,10 @@ class _Probe:
 async def _probe(address: Address, timeout: float, calls: int) -> _Probe:
     """Connect to ``address`` with a fresh node and time ``calls`` pings.
 
-    :raises SwarmError, OSError, TimeoutError: it does not answer.
+    :raises SwarmError: it does not answer.
+    :raises OSError: it does not answer.
+
+    :raises TimeoutError: it does not answer.
     """
     async with Node() as node:
         start = time.perf_counter()

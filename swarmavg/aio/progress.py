@@ -282,7 +282,8 @@ class ProgressTracker:
         update our record (and samples/s), add the difference to the global count when we are
         at the global epoch (and ``update_global_samples``), and publish it soon. Thread-safe.
 
-        :raises TypeError, ValueError: an argument is not an int ≥ 0.
+        :raises TypeError: an argument is not an int ≥ 0.
+        :raises ValueError: an argument is not an int ≥ 0.
         """
         with self._lock:
             due = self._state.global_progress.next_fetch_time
@@ -317,7 +318,8 @@ class ProgressTracker:
         :attr:`fetched_global_progress_this_epoch`, publishes soon, returns the new epoch.
 
         :raises RuntimeError: not inside :meth:`pause_updates`.
-        :raises TypeError, ValueError: ``new_epoch`` is not None or an int ≥ 0.
+        :raises TypeError: ``new_epoch`` is not None or an int ≥ 0.
+        :raises ValueError: ``new_epoch`` is not None or an int ≥ 0.
         """
         with self._lock:
             epoch = self._state.update_epoch(new_epoch, self._clock())

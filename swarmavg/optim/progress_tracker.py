@@ -273,7 +273,8 @@ class ProgressTracker:
         we are at the global epoch (and ``update_global_samples``), adds the difference to the
         global count at once; publishes the record in the background.
 
-        :raises TypeError, ValueError: an argument is not an int ≥ 0.
+        :raises TypeError: an argument is not an int ≥ 0.
+        :raises ValueError: an argument is not an int ≥ 0.
         """
         self._tracker.report_local_progress(local_epoch, samples_accumulated, update_global_samples)
 
@@ -290,7 +291,8 @@ class ProgressTracker:
         global epoch with it if it was behind; returns the new epoch.
 
         :raises RuntimeError: not inside :meth:`pause_updates`.
-        :raises TypeError, ValueError: ``new_epoch`` is not None or an int ≥ 0.
+        :raises TypeError: ``new_epoch`` is not None or an int ≥ 0.
+        :raises ValueError: ``new_epoch`` is not None or an int ≥ 0.
         """
         return self._tracker.update_epoch(new_epoch)
 

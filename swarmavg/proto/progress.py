@@ -494,7 +494,8 @@ class ProgressAccounting:
     :param now: the time (DHT time) at construction: the EMA's timer starts there.
     :param performance_ema_alpha: the EMA's smoothing factor.
     :param hyperparameters: our hyperparameters digest for our records, or ``None``.
-    :raises TypeError, ValueError: an argument is invalid (named).
+    :raises TypeError: an argument is invalid (named).
+    :raises ValueError: an argument is invalid (named).
     """
 
     def __init__(
@@ -570,8 +571,8 @@ class ProgressAccounting:
         (it may be negative: a count reset after an fp16 overflow). The difference updates the
         samples/s EMA if positive, else restarts its timer. Returns the new local record.
 
-        :raises TypeError, ValueError: ``local_epoch`` or ``samples_accumulated`` is not an
-            int ≥ 0.
+        :raises TypeError: ``local_epoch`` or ``samples_accumulated`` is not an int.
+        :raises ValueError: ``local_epoch`` or ``samples_accumulated`` is below 0.
         """
         for name, value in (
             ("local_epoch", local_epoch),
@@ -634,7 +635,8 @@ class ProgressAccounting:
         the new epoch.
 
         :raises RuntimeError: not paused (:meth:`pause`).
-        :raises TypeError, ValueError: ``new_epoch`` is not None or an int ≥ 0.
+        :raises TypeError: ``new_epoch`` is not None or an int ≥ 0.
+        :raises ValueError: ``new_epoch`` is not None or an int ≥ 0.
         """
         if not self.paused:
             raise RuntimeError("update_epoch() must be called inside pause_updates()")

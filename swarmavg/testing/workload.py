@@ -207,7 +207,8 @@ def load_corpus(
         share (whole files; at least one file is left for training).
     :param seed: chooses the files' order, hence the split and which files are taken.
     :returns: a :class:`Corpus`; calls with the same arguments return the same object.
-    :raises TypeError, ValueError: a bad argument (named).
+    :raises TypeError: a bad argument (named).
+    :raises ValueError: a bad argument (named).
     :raises OSError: ``root`` cannot be read.
     :raises ValueError: fewer than two files found, or a split would be empty.
     """
@@ -365,7 +366,8 @@ def batches(
     :param context: the window length; the model's context at most.
     :param split: ``"train"`` or ``"validation"``.
     :param first_step: start at this step (the batches before it are skipped, not computed).
-    :raises TypeError, ValueError: a bad argument (named), also when the split is shorter than
+    :raises TypeError: a bad argument (named).
+    :raises ValueError: a bad argument (named), also when the split is shorter than
         ``context + 1`` bytes. Raised by the call, not at the first ``next()``.
     """
     _check_int("batch_size", batch_size, 1)
@@ -499,7 +501,8 @@ def make_model(
     are a function of ``seed`` and the sizes alone; torch's global RNG state is left as it was.
 
     :param hidden: the MLP's width; default ``4 * d_model``.
-    :raises TypeError, ValueError: a bad argument (named).
+    :raises TypeError: a bad argument (named).
+    :raises ValueError: a bad argument (named).
     """
     _check_int("seed", seed, -(1 << 63))
     with torch.random.fork_rng(devices=[]):
@@ -542,7 +545,8 @@ def evaluate(
 
     :param context: the window length; default the model's ``context`` attribute, else
         :data:`CONTEXT`.
-    :raises TypeError, ValueError: a bad argument (named).
+    :raises TypeError: a bad argument (named).
+    :raises ValueError: a bad argument (named).
     """
     _check_int("num_batches", num_batches, 1)
     if context is None:
