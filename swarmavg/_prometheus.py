@@ -183,7 +183,7 @@ def _averager_families(snapshots: list[AveragerMetrics]) -> Iterator[Any]:
     )
     yield counter("rounds_failed", "rounds whose all-reduce failed as a whole", "rounds_failed")
     yield counter("peers_excluded", "groupmates left out for non-finite values", "peers_excluded")
-    yield counter("sent_bytes", "own values sent in completed all-reduces (bytes)", "bytes_sent")
+    yield counter("sent_bytes", "bytes sent in completed all-reduces", "bytes_sent")
     yield counter("received_bytes", "bytes received in completed all-reduces", "bytes_received")
     yield counter("matchmaking_seconds", "seconds spent looking for groups", "matchmaking_seconds")
     yield counter("allreduce_seconds", "seconds spent in all-reduces", "allreduce_seconds")

@@ -226,6 +226,8 @@ class _Round:
     results: list[npt.NDArray[Any] | None] = field(default_factory=list)
     weights: dict[int, float] = field(default_factory=dict)
     bytes_received: int = 0
+    #: the reduced parts' answers to the senders, counted as each part is reduced
+    bytes_sent: int = 0
     sender_timeout: float | None = None
     #: each part's largest contribution norm (``None``: no clipping)
     max_norms: list[float | None] = field(default_factory=list)
@@ -298,6 +300,7 @@ class _Round:
             if mean is None or isinstance(codec, NoCompression):
                 self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
                 self.final[index] = True
+                self._count_answers(index)
                 self.ready[index].set()
                 return
             mean = mean.astype(dtype, copy=False)
@@ -337,7 +340,22 @@ class _Round:
             self.answers[index] = AvgCompressedPart.of(index, tensor)
             self.results[index] = decoded
         self.final[index] = True
+        self._count_answers(index)
         self.ready[index].set()
+
+    def _count_answers(self, index: int) -> None:
+        """Count the bytes of part ``index``'s answer once per sender that gets it (every
+        other sender that called, unless it was left out of this part)."""
+        compressed = self.answers[index]
+        mean = self.results[index]
+        size = compressed.nbytes if compressed is not None else 0 if mean is None else mean.nbytes
+        recipients = sum(
+            1
+            for sender in self.weights
+            if sender != self.me
+            and not (sender in self.dropped and self.dropped[sender][0] <= index)
+        )
+        self.bytes_sent += size * recipients
 
     def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:
         max_norm = self.max_norms[index] if self.max_norms else None
@@ -730,6 +748,7 @@ class AllReduceService(AllReduceRunner):
             while len(self._recent) > _RELAY_ROUNDS:
                 self._recent.popitem(last=False)
         result.bytes_received += round_.bytes_received
+        result.bytes_sent += round_.bytes_sent
         result.seconds = anyio.current_time() - started
         result.reduced = spans[me]
         result.clipped = sorted(round_.clipped)

@@ -178,10 +178,14 @@ async def test_every_mix_of_client_and_auxiliary_peers_averages_exactly(
         assert result.total_weight == pytest.approx(len(contributing))
         if role.mode is MemberMode.CLIENT:  # reduces nothing: sends the whole vector
             assert result.bytes_sent == vector_bytes
-        elif role.mode is MemberMode.AUX:  # contributes nothing
-            assert result.bytes_sent == 0
-        else:  # keeps its own span
-            assert 0 < result.bytes_sent < vector_bytes
+        elif role.mode is MemberMode.AUX:  # contributes nothing, answers its span's mean
+            assert 0 < result.bytes_sent < vector_bytes * len(contributing)
+        else:  # keeps its own span, answers its mean
+            assert result.bytes_sent > 0
+        # what a member sends is what it receives: its values (parts it does not reduce) go
+        # out and their means come back; its span's contributions come in and its mean goes
+        # back to each contributor
+        assert result.bytes_sent == result.bytes_received
 
 
 async def test_random_weights_with_two_client_mode_peers() -> None:
@@ -236,4 +240,7 @@ async def test_a_peer_of_weight_zero_takes_the_mean_of_the_others(role: Role) ->
         assert set(result) == set(peers)
         assert set(result.contributors) == set(peers[:3])
         assert result.total_weight == pytest.approx(3.5)
-    assert results[3].bytes_sent == 0  # it sent none of its values
+    if role is NODE:  # it sent none of its values, only its span's mean to the others
+        assert 0 < results[3].bytes_sent < results[3].bytes_received
+    else:  # a client reduces nothing
+        assert results[3].bytes_sent == 0
