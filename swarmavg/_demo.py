@@ -36,7 +36,7 @@ import numpy as np
 from swarmavg._demo_peer import initial_values, split_sizes
 from swarmavg._processes import KILL_TIMEOUT, LOG_TAIL, ChildProcesses
 from swarmavg._processes import interrupts_held as _interrupts_held
-from swarmavg.errors import SwarmError
+from swarmavg.errors import SwarmError, TransportNotFound
 
 __all__ = ["DemoOptions", "option_error", "run_demo"]
 
@@ -75,7 +75,7 @@ class DemoOptions:
 
 def option_error(options: DemoOptions) -> str | None:
     """What is wrong with ``options``, naming the option; ``None`` if they are fine."""
-    from swarmavg.transport import available_transports
+    from swarmavg.transport import resolve_transport
 
     if not 2 <= options.peers <= MAX_PEERS:
         return f"--peers must be in 2..{MAX_PEERS}, not {options.peers}"
@@ -87,8 +87,10 @@ def option_error(options: DemoOptions) -> str | None:
         return f"--group-size must be in 2..{options.peers} (--peers), not {options.group_size}"
     if options.seed < 0:
         return f"--seed must be at least 0, not {options.seed}"
-    if options.transport not in available_transports():
-        return f"--transport {options.transport} is not installed (`pip install swarmavg[quic]`)"
+    try:
+        resolve_transport(options.transport)
+    except TransportNotFound as exc:
+        return f"--transport {options.transport}: {exc}"
     if options.transport != "tcp" and not options.encryption:
         return f"--no-encryption applies to tcp only; {options.transport} always encrypts"
     if options.plot.is_dir():

@@ -36,7 +36,7 @@ from typing import Any, TextIO
 from swarmavg._processes import KILL_TIMEOUT, STOP_TIMEOUT, ChildProcesses
 from swarmavg._processes import interrupts_held as _interrupts_held
 from swarmavg._train_demo_peer import OPTIMIZERS
-from swarmavg.errors import SwarmError
+from swarmavg.errors import SwarmError, TransportNotFound
 
 __all__ = ["ProcessFailed", "TrainOptions", "option_error", "run_training_demo"]
 
@@ -80,7 +80,7 @@ class TrainOptions:
 
 def option_error(options: TrainOptions) -> str | None:
     """What is wrong with ``options``, naming the option; ``None`` if they are fine."""
-    from swarmavg.transport import available_transports
+    from swarmavg.transport import resolve_transport
 
     if not 2 <= options.peers <= MAX_PEERS:
         return f"--peers must be in 2..{MAX_PEERS}, not {options.peers}"
@@ -97,11 +97,10 @@ def option_error(options: TrainOptions) -> str | None:
         )
     if options.optimizer not in OPTIMIZERS:
         return f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {options.optimizer!r}"
-    if options.transport not in available_transports():
-        return (
-            f"--transport {options.transport} is not installed: `pip install swarmavg[quic]` "
-            f"(or `pip install -e transports/{options.transport}` in a clone)"
-        )
+    try:
+        resolve_transport(options.transport)
+    except TransportNotFound as exc:
+        return f"--transport {options.transport}: {exc}"
     if not options.out.is_dir():
         return f"--out {options.out} is not a directory"
     return None

@@ -1,11 +1,13 @@
 """``swarmavg demo``: peer processes train the workload together with ``swarmavg.Optimizer``
 (and one process alone); a peer killed halfway does not stop the others; Ctrl+C leaves no
 process behind. Short settings (2-3 peers, a few epochs); the output is not a terminal, so the
-view is plain lines."""
+view is plain lines; the rich view is checked on its own, on a stand-in terminal."""
 
 from __future__ import annotations
 
 import csv
+import importlib
+import io
 import re
 import signal
 import subprocess
@@ -16,7 +18,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from swarmavg._train_demo import CSV_NAME, PLOT_NAME, TrainOptions, _Swarm, _write_plot
+from swarmavg._train_demo import (
+    CSV_NAME,
+    PLOT_NAME,
+    TrainOptions,
+    _PlainView,
+    _RichView,
+    _Swarm,
+    _view,
+    _write_plot,
+)
 
 CLI = [sys.executable, "-m", "swarmavg.cli", "demo"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -167,3 +178,92 @@ def test_the_eta_follows_the_swarm_pace() -> None:
     eta = swarm.eta()
     assert eta == pytest.approx(2.0 * 8)
     assert "swarm epoch 2/10, 2 peers, ETA 16 s" in swarm.headline()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _swarm_at_epoch_two_with_peer_one_killed() -> _Swarm:
+    swarm = _Swarm(TrainOptions(peers=3, epochs=10))
+    for index in range(4):  # three peers and the process alone
+        swarm.on_event(index, {"event": "ready"})
+        swarm.on_event(index, {"event": "epoch", "epoch": 0, "val_loss": 5.5})
+        for epoch in (1, 2):
+            if index == 1 and epoch == 2:
+                continue
+            swarm.on_event(
+                index,
+                {
+                    "event": "epoch",
+                    "epoch": epoch,
+                    "seconds": 1.0,
+                    "averaging": 0.25,
+                    "group": None if index == 3 else 3 - (epoch == 2),
+                    "val_loss": 5.0 - epoch,
+                },
+            )
+        swarm.on_event(
+            index,
+            {
+                "event": "progress",
+                "samples": 100 + index,
+                "samples_per_s": 321.0 + index,
+                "loss": 2.5 + index / 10,
+                "group": None if index == 3 else 2,
+            },
+        )
+    swarm.processes[1].state = "killed"
+    swarm.killed = (1, 1)
+    return swarm
+
+
+def test_on_a_terminal_the_live_view_is_a_rich_table() -> None:
+    """With rich and a terminal: a table with the swarm's headline (epoch, peers, ETA, the peer
+    killed) and a row per process (state, epoch, samples/s, loss, last group)."""
+    pytest.importorskip("rich")
+    swarm = _swarm_at_epoch_two_with_peer_one_killed()
+    out = _Terminal()
+    view = _view(swarm, out)
+    assert isinstance(view, _RichView)
+    with view:
+        view.note("peer 1 killed")
+        view.refresh()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    assert "peer 1 killed" in text
+    assert "swarm epoch 2/10, 2 peers" in text  # (a killed peer is not counted)
+    assert "(peer 1 was killed at epoch 1)" in text
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
+    assert set(rows) >= {"peer 0", "peer 1", "peer 2", "alone"}
+    cells = [cell.strip() for cell in rows["peer 2"].split("│")[1:-1]]
+    assert cells == ["peer 2", "training", "2", "323", "2.700", "2"]
+    assert [cell.strip() for cell in rows["peer 1"].split("│")[1:-1]][:3] == [
+        "peer 1",
+        "killed",
+        "1",
+    ]
+    assert [cell.strip() for cell in rows["alone"].split("│")[1:-1]][-1] == "-"
+
+
+def test_the_view_is_plain_lines_off_a_terminal_or_without_rich(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    swarm = _swarm_at_epoch_two_with_peer_one_killed()
+    off_terminal = io.StringIO()
+    view = _view(swarm, off_terminal)
+    assert isinstance(view, _PlainView)
+    view.refresh()
+    line = off_terminal.getvalue()
+    assert line.startswith("swarm epoch 2/10, 2 peers")
+    assert "peer 1: killed" in line
+    assert "peer 2: epoch 2, 323/s, loss 2.70, group 2" in line
+    real_import = importlib.import_module
+
+    def without_rich(name: str, package: str | None = None) -> object:
+        if name.startswith("rich"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", without_rich)
+    assert isinstance(_view(swarm, _Terminal()), _PlainView)

@@ -5,9 +5,14 @@ from the network, good and bad)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import pty
 import queue
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -314,3 +319,50 @@ def test_declarations_show_who_looks_for_a_group_and_when_the_first_round_begins
     assert view.next_begin_in_s == pytest.approx(1.5)
     empty = parse_declarations("grad_averager", "k.0b", None, now=1000.0)
     assert (empty.looking, empty.withdrawn, empty.next_begin_in_s) == ((), 0, None)
+
+
+def test_on_a_terminal_the_live_view_is_a_rich_table_until_ctrl_c(
+    swarm: tuple[list[DHT], list[ProgressTracker]],
+) -> None:
+    """stdout a terminal (a pty) and rich installed: a live rich table of the run, refreshed in
+    place; Ctrl+C leaves it on the screen and exits 0."""
+    pytest.importorskip("rich")
+    dhts, _ = swarm
+    command = [sys.executable, "-m", "swarmavg", "status", "run", "--interval", "0.1"]
+    command += ["--target-batch-size", "100", "--initial-peers", *dhts[2].get_visible_maddrs()]
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "COLUMNS": "160", "LINES": "40", "TERM": "xterm-256color"}
+    with subprocess.Popen(
+        command, stdout=terminal, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
+    ) as child:
+        os.close(terminal)
+        screen = b""
+        deadline = time.monotonic() + WAIT
+        try:  # until the table has been drawn twice (a refresh moves the cursor up)
+            while screen.count(b"samples/s") < 2 and time.monotonic() < deadline:
+                ready, _, _ = select.select([controller], [], [], 0.5)
+                if ready:
+                    screen += os.read(controller, 65536)
+        finally:
+            child.send_signal(signal.SIGINT)
+            code = child.wait(WAIT)
+            with contextlib.suppress(OSError):  # (the pty's other end is closed: EIO)
+                while select.select([controller], [], [], 0.2)[0]:
+                    screen += os.read(controller, 65536)
+            os.close(controller)
+        assert child.stderr is not None
+        err = child.stderr.read().decode()
+    assert code == 0, err
+    assert "Traceback" not in err
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))
+    assert "\x1b[" in screen.decode(errors="replace")  # drawn with escape codes, in place
+    assert "global epoch 1, 7/100 samples" in text
+    assert "3 peers (1" in text
+    for column in ("peer", "epoch", "samples/s", "mode", "record age"):
+        assert column in text
+    assert "┃" in text or "│" in text  # a table's borders, not the plain text
+    assert screen.count(b"samples/s") >= 2  # refreshed
+    for dht in dhts:  # a row per peer, named by the end of its PeerID
+        assert str(dht.peer_id)[-8:] in text
+    assert "0 (behind)" in text
+    assert "client" in text
