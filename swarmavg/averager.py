@@ -53,7 +53,7 @@ class DecentralizedAverager:
     :param metrics_port: serve :attr:`metrics` over HTTP on this TCP port, in Prometheus'
         text format, until :meth:`shutdown` (``None``, the default: off; 0: a free port, see
         :attr:`metrics_address`). Needs the ``prometheus`` extra
-        (``pip install swarmavg[prometheus]``); see ``docs/metrics.md``.
+        (``pip install swarmavg[prometheus]``); see ``docs/guides/metrics.md``.
     :param metrics_host: the address the metrics server listens on (default loopback only;
         ``"0.0.0.0"`` lets a Prometheus server on another machine scrape it).
     :raises TypeError: an argument has the wrong type (the message names it; see
@@ -150,7 +150,7 @@ class DecentralizedAverager:
     def metrics(self) -> AveragerMetrics:
         """What this averager did since it was made: steps by outcome, rounds, group sizes,
         bytes, seconds, state shares (:class:`swarmavg.metrics.AveragerMetrics`, see
-        ``docs/metrics.md``). A consistent snapshot, cheap to take from any thread (it does
+        ``docs/guides/metrics.md``). A consistent snapshot, cheap to take from any thread (it does
         not wait for the event loop); still readable after :meth:`shutdown`."""
         return self._averager.metrics
 

@@ -5,7 +5,7 @@
 :attr:`swarmavg.Optimizer.metrics` returns an :class:`OptimizerMetrics`, which holds the
 snapshots of its two averagers. A snapshot is a frozen dataclass of plain numbers taken at one
 moment: counters only grow (from 0 when the averager was made), ``last_*`` fields are gauges.
-``as_dict()`` gives the same as a dict of plain values (for JSON or a log line). ``docs/metrics.md``
+``as_dict()`` gives the same as a dict of plain values (for JSON or a log line). ``docs/guides/metrics.md``
 describes every field, and the Prometheus exporter (``metrics_port=``).
 
 Theory of operation: the counting is sans-IO. The averager owns an :class:`AveragerCounter` and
@@ -54,7 +54,7 @@ LOCAL_EPOCH_REASONS: Final = ("alone", "not_started", "failed")
 
 @dataclass(frozen=True, slots=True)
 class AveragerMetrics:
-    """What one averager did since it was made (a snapshot; see ``docs/metrics.md``).
+    """What one averager did since it was made (a snapshot; see ``docs/guides/metrics.md``).
 
     Steps are calls of ``step()``; a step runs one or more *rounds* (a group formed and its
     all-reduce began): a round that fails as a whole is retried in a new group while the
@@ -355,7 +355,7 @@ def step_failure_cause(exc: BaseException) -> str:
 @dataclass(frozen=True, slots=True)
 class OptimizerMetrics:
     """What a :class:`swarmavg.Optimizer` did since it was made (a snapshot; see
-    ``docs/metrics.md``): its epochs, how each stepped, its state downloads, and the
+    ``docs/guides/metrics.md``): its epochs, how each stepped, its state downloads, and the
     snapshots of its two averagers."""
 
     #: the run's ``run_id``

@@ -561,7 +561,7 @@ class DecentralizedAverager:
     def metrics(self) -> AveragerMetrics:
         """What this averager did since it was made: steps by outcome, rounds, group sizes,
         bytes, seconds, state shares (see :class:`swarmavg.metrics.AveragerMetrics` and
-        ``docs/metrics.md``). A snapshot, consistent when read from any thread."""
+        ``docs/guides/metrics.md``). A snapshot, consistent when read from any thread."""
         sharer = self._state_sharer
         return self._counter.snapshot(
             state_requests_served=sharer.requests_served,

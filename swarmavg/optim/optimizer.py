@@ -10,7 +10,7 @@ peer that is up to date. With ``use_local_updates=True`` each peer steps on its 
 instead and the state is averaged at each epoch boundary.
 
 How one ``step()`` of the training loop works, and how it differs from hivemind's, is in
-``docs/training.md``.
+``docs/guides/training.md``.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Optimizer(torch.optim.Optimizer):
     :param metrics_port: serve :attr:`metrics` (this optimizer's and both averagers') over
         HTTP on this TCP port in Prometheus' text format, until :meth:`shutdown` (``None``,
         the default: off; 0: a free port). Needs ``pip install swarmavg[prometheus]``; see
-        ``docs/metrics.md``.
+        ``docs/guides/metrics.md``.
     :param metrics_host: the address the metrics server listens on (default loopback only).
     :raises ValueError: a combination of options that cannot work (the message says which).
     :raises TypeError: an argument of the wrong type (the message names it).
@@ -532,7 +532,7 @@ class Optimizer(torch.optim.Optimizer):
     def metrics(self) -> OptimizerMetrics:
         """What this optimizer did since it was made: epochs, how each stepped, state
         downloads, and its averagers' :class:`~swarmavg.metrics.AveragerMetrics`
-        (:class:`swarmavg.metrics.OptimizerMetrics`, see ``docs/metrics.md``). A consistent
+        (:class:`swarmavg.metrics.OptimizerMetrics`, see ``docs/guides/metrics.md``). A consistent
         snapshot, readable from any thread (and after :meth:`shutdown`)."""
         assert self.state_averager is not None
         return self._counter.snapshot(
@@ -574,7 +574,7 @@ class Optimizer(torch.optim.Optimizer):
         :param grad_scaler: a :class:`swarmavg.optim.GradScaler` for float16 AMP (or call
             ``grad_scaler.step(opt, ...)``, the same): the gradients are unscaled and checked;
             a batch with inf/NaN gradients is skipped (with ``reuse_grad_buffers``, the whole
-            accumulation is reset); see ``docs/training.md``.
+            accumulation is reset); see ``docs/guides/training.md``.
         :returns: the closure's loss, or ``None``.
         :raises ValueError: no batch size, an auxiliary peer given a batch, closure or scaler,
             a ``grad_scaler`` that is not a :class:`swarmavg.optim.GradScaler`, or a closure
