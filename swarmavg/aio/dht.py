@@ -190,11 +190,17 @@ class DHTProtocol:
             rpc.register("dht.store", self._store, request_type=DHTStoreRequest, inline=True)
             rpc.register("dht.find", self._find, request_type=DHTFindRequest, inline=True)
 
+    def announced_addresses(self) -> list[Address]:
+        """Where other peers can dial us, as we tell them: the ``announce`` callable's answer
+        (the facades give wildcard listeners expanded to this machine's interfaces), else the
+        node's listening addresses."""
+        return list(self._announce() if self._announce is not None else self.node.addresses)
+
     def own_info(self) -> DHTPeerInfo | None:
         """What requests announce about us (``None`` in client mode)."""
         if self.client_mode:
             return None
-        announced = self._announce() if self._announce is not None else self.node.addresses
+        announced = self.announced_addresses()
         if self._own_info is None or self._own_info[0] != announced:
             addresses = [str(a) for a in announced][:MAX_ADDRESSES]
             self._own_info = (list(announced), DHTPeerInfo(self.node.peer_id, addresses))
@@ -458,6 +464,12 @@ class DHTNode:
     @property
     def peer_id(self) -> PeerID:
         return self.node.peer_id
+
+    def announced_addresses(self) -> list[Address]:
+        """Where other peers can dial us, as we tell them (see
+        :meth:`DHTProtocol.announced_addresses`): what the averagers put in their matchmaking
+        declarations too."""
+        return self.protocol.announced_addresses()
 
     @property
     def client_mode(self) -> bool:

@@ -232,7 +232,9 @@ class DHTMatchmaker(Matchmaker):
 
     def _me(self, gather: bytes) -> MemberInfo:
         addresses = (
-            [] if self.mode is MemberMode.CLIENT else [str(a) for a in self.dht.node.addresses]
+            []
+            if self.mode is MemberMode.CLIENT
+            else [str(a) for a in self.dht.announced_addresses()[:_MAX_ADDRESSES]]
         )
         bandwidth = -1.0 if self.bandwidth is None else float(self.bandwidth)
         return MemberInfo(self.peer_id, addresses, bandwidth, self.mode.value, gather)
@@ -373,7 +375,7 @@ class DHTMatchmaker(Matchmaker):
         addresses = (
             []
             if self.mode is MemberMode.CLIENT
-            else [str(a) for a in self.dht.node.addresses[:_MAX_ADDRESSES]]
+            else [str(a) for a in self.dht.announced_addresses()[:_MAX_ADDRESSES]]
         )
         value = {
             "schema": self.schema,

@@ -11,13 +11,14 @@ import anyio
 import numpy as np
 import pytest
 
-from swarmavg import get_dht_time
+from swarmavg import Address, get_dht_time
 from swarmavg.aio.allreduce import AllReduceService, MemberMode
 from swarmavg.aio.dht import DHTNode
 from swarmavg.aio.matchmaking import DHTMatchmaker, GroupInfo, MatchmakingFailed
 from swarmavg.aio.node import Node
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec, schema_digest
 from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo
+from swarmavg.proto.group_search import Declare
 from swarmavg.testing import MemoryNetwork
 
 pytestmark = pytest.mark.anyio
@@ -335,3 +336,24 @@ async def test_an_undecided_peer_turns_away_requests_for_another_key_at_once() -
                     assert reply.code == "rejected"
                     assert anyio.current_time() - asked < 0.4  # not held (the bound is 0.5 s)
                 tg.cancel_scope.cancel()
+
+
+async def test_declarations_and_member_infos_carry_the_announced_addresses() -> None:
+    """A node listening on a wildcard (``0.0.0.0``) is dialed at the addresses its DHT
+    announces (the facades expand the wildcard to the machine's interfaces), never at the
+    listening address itself: the declarations and member infos carry those."""
+    async with _dhts(2) as dhts:
+        announced = Address.parse(f"tcp://192.0.2.7:7000/p/{dhts[0].peer_id}")
+        dhts[0].protocol._announce = lambda: [announced]
+        matchmaker = _matchmakers(dhts[:1], target=2)[0]
+        assert matchmaker._me(b"").addresses == [str(announced)]
+        key = "run.0b"
+        await matchmaker._declare(key, Declare(True, get_dht_time() + 30, get_dht_time() + 5))
+        found = await dhts[1].get(key, latest=True)
+        assert found is not None
+        entries = found.value
+        assert isinstance(entries, dict)
+        (declaration,) = (item.value for item in entries.values())
+        assert declaration["addresses"] == [str(announced)]
+        assert dhts[0].announced_addresses() == [announced]
+        assert dhts[1].announced_addresses() == dhts[1].node.addresses
