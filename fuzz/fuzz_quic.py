@@ -85,7 +85,8 @@ STRICT: dict[str, Any] = {
     "keepalive_interval": KEEPALIVE,
     "write_timeout": 2.0,
 }
-#: Message bytes one connection may hold (the documented bound of docs/design.md).
+#: Message bytes one connection may hold (the bound docs/design/quic.md, "Flow control",
+#: documents).
 MAX_HELD = STRICT["connection_window"] + STRICT["max_message_size"]
 #: Peer streams aioquic lets a peer have open at once (bidirectional), and our own few.
 PEER_STREAMS = 128

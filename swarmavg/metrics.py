@@ -5,8 +5,8 @@
 :attr:`swarmavg.Optimizer.metrics` returns an :class:`OptimizerMetrics`, which holds the
 snapshots of its two averagers. A snapshot is a frozen dataclass of plain numbers taken at one
 moment: counters only grow (from 0 when the averager was made), ``last_*`` fields are gauges.
-``as_dict()`` gives the same as a dict of plain values (for JSON or a log line). ``docs/guides/metrics.md``
-describes every field, and the Prometheus exporter (``metrics_port=``).
+``as_dict()`` gives the same as a dict of plain values (for JSON or a log line).
+``docs/guides/metrics.md`` describes every field, and the Prometheus exporter (``metrics_port=``).
 
 Theory of operation: the counting is sans-IO. The averager owns an :class:`AveragerCounter` and
 calls it on its event-loop thread at each event of a step (started, group formed, round ended,

@@ -7,10 +7,12 @@ Theory of operation
 -------------------
 ``async with Node(...)`` starts the transports needed for ``listen`` addresses, binds the
 listeners and starts one task per listener in the node's task group. Every connection, accepted or
-dialed, gets a task that accepts the streams the peer opens and hands each to the stream handler
-(in its own task), and the connection enters the pool keyed by the peer's PeerID so later dials to
-that peer reuse it. Leaving the ``async with`` block (or :meth:`aclose`) cancels those tasks and
-closes every transport, which closes every listener, connection and stream.
+dialed, gets tasks that accept the streams the peer opens and run the stream handler on each
+(the task that accepted a stream serves it, after starting another acceptor if none is left, so
+concurrent streams each get a task; see :meth:`Node._serve_connection`), and the connection
+enters the pool keyed by the peer's PeerID so later dials to that peer reuse it. Leaving the
+``async with`` block (or :meth:`aclose`) cancels those tasks and closes every transport, which
+closes every listener, connection and stream.
 """
 
 from __future__ import annotations

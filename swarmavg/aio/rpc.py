@@ -9,12 +9,15 @@ with an :class:`EndOfRequests` message. The callee answers with response message
 direction of the stream; a failure is a single :class:`CallFailed` message instead, which the
 caller raises as :class:`~swarmavg.errors.RemoteError`.
 
-The caller never ends its own direction (EOF) before it has read the whole answer: it closes the
-stream only when it leaves the call. So the callee can watch the stream for the whole call, with a
-task that reads the caller's side (and hands requests to the handler): EOF or a reset there means
-the caller went away, gave up, aborted or timed out, and the handler is cancelled. (While that
-task waits for the handler to take a request it cannot notice the caller leaving; the handler's
-next read or write does.)
+The callee notices a caller that goes away (gives up, aborts, times out) and cancels the handler.
+Over a transport that reports an abandoned stream (:meth:`~swarmavg.abc.Stream.on_abandoned`:
+memory, TCP and QUIC do), a unary caller ends its direction with the request itself (EOF with the
+opening) and the transport's callback tells the callee when the caller leaves; the handler runs
+in the accepting task, with no reader beside it. Otherwise the caller never ends its own
+direction before it has read the whole answer, and the callee watches the stream for the whole
+call with a task that reads the caller's side (and hands requests to the handler): EOF or a
+reset there means the caller went away. (While that task waits for the handler to take a request
+it cannot notice the caller leaving; the handler's next read or write does.)
 
 Deadlines travel as a *relative* budget (clocks of peers are not synchronized). The callee runs
 the handler under that budget; the caller enforces its own with the same number, so both sides
@@ -1236,7 +1239,8 @@ class RPC:
 #: What a handler raises when the request cannot be served (a bad or stale request, a peer
 #: that went away, a deadline): the caller is told (``"handler_error"``), and it is logged at
 #: DEBUG only, since a remote peer can make it happen at will. Any other exception type is a
-#: bug of the handler, logged at ERROR with its traceback (see docs/design.md, "Logging").
+#: bug of the handler, logged at ERROR with its traceback (docs/design/errors-and-logging.md,
+#: "Logging").
 _REQUEST_FAILURES: Final = (ValueError, SwarmError, TimeoutError, *_GONE, anyio.EndOfStream)
 
 
