@@ -104,6 +104,7 @@ def oldest(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """The documentation site, built with ``--strict``: a broken link, a page missing from the
     nav or a docstring mkdocstrings cannot read fails (``-- serve`` previews it instead)."""
+    session.install(TORCH)
     session.install("-e", ".[docs]")
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve", *session.posargs[1:])
