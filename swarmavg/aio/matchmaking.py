@@ -62,6 +62,9 @@ PRESENCE_METHOD: Final = "avg.presence"
 #: A declaration carries at most this many of our addresses (others read the first), each at
 #: most this long; we remember the addresses of this many declared peers.
 _MAX_ADDRESSES: Final = 4
+#: A peer whose connection was lost this recently (s) is not expected to look for a group (see
+#: :meth:`DHTMatchmaker._expected`): longer than a training run counts a silent peer's record.
+_LOST_NOT_EXPECTED: Final = 10.0
 _MAX_ADDRESS_LENGTH: Final = 512
 _MAX_DECLARED: Final = 4096
 _MAX_SCHEMA_TEXT: Final = 200
@@ -242,10 +245,23 @@ class DHTMatchmaker(Matchmaker):
     def _lately_lost(self) -> list[PeerID]:
         """Peers lost within the last ``declaration_ttl`` (a declaration they made before
         they died may still be in the DHT that long)."""
-        since = get_dht_time() - self.declaration_ttl
-        while self._lost and next(iter(self._lost.values())) < since:
+        now = get_dht_time()
+        kept = now - max(self.declaration_ttl, _LOST_NOT_EXPECTED)  # (see _expected)
+        while self._lost and next(iter(self._lost.values())) < kept:
             self._lost.popitem(last=False)
-        return list(self._lost)
+        since = now - self.declaration_ttl
+        return [peer for peer, when in self._lost.items() if when >= since]
+
+    def _expected(self) -> int | None:
+        """:attr:`expected_group_size` less the peers lost within :data:`_LOST_NOT_EXPECTED`:
+        a training run still counts a peer that died a moment ago (its progress record
+        outlives it by a few seconds), and waiting for it would cost each round until then
+        its whole matchmaking time."""
+        expected = self.expected_group_size
+        if expected is None:
+            return None
+        since = get_dht_time() - _LOST_NOT_EXPECTED
+        return max(1, expected - sum(1 for when in self._lost.values() if when >= since))
 
     def _peer_lost(self, peer: PeerID) -> None:
         self._lost[peer] = get_dht_time()
@@ -284,7 +300,7 @@ class DHTMatchmaker(Matchmaker):
             lost=self._lately_lost(),
             regulars=self._previous[1] if self._previous[0] == key else (),
             declared_before=self._records.get(key, -math.inf),
-            expected_group_size=self.expected_group_size,
+            expected_group_size=self._expected(),
         )
         running = self._running = _Running(search)
         try:

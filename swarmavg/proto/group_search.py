@@ -319,6 +319,9 @@ class GroupSearch:
         training swarm to look assemble among themselves, and with regulars the split repeats
         every round. Rules 1 and 3 are unchanged, so a peer that was expected and never
         comes costs the wait until ``begin_at``. Auxiliary members do not count towards it.
+        A peer lost during the search (:meth:`on_peer_lost`) that has not joined us is taken
+        for an expected one that will not come: the expectation drops by one (a dead peer's
+        progress record outlives it; see the caller for peers lost before the search).
     """
 
     def __init__(
@@ -644,6 +647,9 @@ class GroupSearch:
     def on_peer_lost(self, peer: PeerID, now: float) -> None:
         """Our connection to ``peer`` failed: its declaration no longer counts (it may be
         dead); if it is whom we ask or follow, that is over."""
+        joined = self._leading is not None and peer in self._leading.followers
+        if peer not in self._lost and not joined:
+            self.expected = max(1, self.expected - 1)
         self._lost.add(peer)
         if self.done:
             return

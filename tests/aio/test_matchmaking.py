@@ -357,3 +357,28 @@ async def test_declarations_and_member_infos_carry_the_announced_addresses() -> 
         assert declaration["addresses"] == [str(announced)]
         assert dhts[0].announced_addresses() == [announced]
         assert dhts[1].announced_addresses() == dhts[1].node.addresses
+
+
+async def test_peers_lost_a_moment_ago_are_not_expected() -> None:
+    """A training run counts a peer that died a moment ago (its progress record outlives it):
+    the matchmaker takes the peers it lost within the last few seconds off the expected size,
+    so the survivors do not wait a whole matchmaking time for it every round."""
+    async with _dhts(2) as dhts:
+        (matchmaker,) = _matchmakers(dhts[:1], target=4)
+        assert matchmaker._expected() is None
+        matchmaker.expected_group_size = 4
+        assert matchmaker._expected() == 4
+        matchmaker._peer_lost(dhts[1].peer_id)
+        assert matchmaker._expected() == 3
+        matchmaker._lost[dhts[1].peer_id] = get_dht_time() - 11.0  # (lost long enough ago)
+        assert matchmaker._expected() == 4
+        matchmaker.expected_group_size = 1
+        matchmaker._peer_lost(dhts[1].peer_id)
+        assert matchmaker._expected() == 1
+        # (kept that long even where declarations live shorter: the search's lost peers are
+        # those within declaration_ttl)
+        matchmaker.declaration_ttl = 2.0
+        matchmaker.expected_group_size = 4
+        matchmaker._lost[dhts[1].peer_id] = get_dht_time() - 5.0
+        assert matchmaker._lately_lost() == []
+        assert matchmaker._expected() == 3

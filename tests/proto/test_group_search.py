@@ -759,3 +759,17 @@ def test_a_regular_that_joined_another_group_is_not_waited_for() -> None:
     sim.check_invariants()
     assert _sizes(sim) == [4, 4]
     assert max(p.ended_at for p in sim.peers) < 1.0
+
+
+def test_an_expected_peer_that_dies_is_not_waited_for() -> None:
+    """Four expected (a training run's records), the fourth dies before it looks: once the
+    others hear of it (its connections fail), three are all there is, and they assemble long
+    before begin_at instead of waiting for it until then."""
+    sim = Sim(4, target=8, expected=4, loss_notice=0.1)
+    for i in range(3):
+        sim.start(i, 0.0, wait=15)
+    sim.kill(3, 0.05)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [3]
+    assert max(p.ended_at for p in sim.peers[:3]) < 1.5
