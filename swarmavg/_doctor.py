@@ -216,8 +216,9 @@ async def listen_check(scheme: str, host: str, port: int, timeout: float) -> Che
         )
     if not any(_is_public(h) for h in hosts):
         text += (
-            " (private addresses: peers on other networks need a port forward or a VPN to "
-            "dial them, or this peer joins them with client_mode=True)"
+            " (private addresses: peers on other networks need a port forward announced with"
+            " announce_maddrs (`swarmavg dht --announce`), or a VPN, to dial them; or this"
+            " peer joins them with client_mode=True)"
         )
     return Check(Status.OK, name, text)
 

@@ -113,12 +113,15 @@ async def _dht(
     listen: list[str],
     identity: str,
     initial_peers: list[str],
+    announce: list[str],
     log_interval: float,
     until_stdin_closes: bool,
 ) -> None:
     from swarmavg.aio.dht_facade import DHT
 
-    async with DHT(initial_peers, host_maddrs=listen, identity=identity) as dht:
+    async with DHT(
+        initial_peers, host_maddrs=listen, identity=identity, announce_maddrs=announce or None
+    ) as dht:
         print(f"DHT peer {dht.peer_id} (identity in {identity})")
         print("other peers join with initial_peers=[...] any of:")
         for maddr in dht.get_visible_maddrs():
@@ -462,6 +465,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="address of a running DHT peer to join (repeatable)",
     )
     dht.add_argument(
+        "--announce",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="address to tell other peers instead of the listening ones, e.g. the public "
+        "address of a router that forwards the port here (repeatable)",
+    )
+    dht.add_argument(
         "--log-interval", type=float, default=60.0, help="seconds between status log lines"
     )
     dht.add_argument("--until-stdin-closes", action="store_true", help=argparse.SUPPRESS)
@@ -574,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 listen,
                 args.identity,
                 args.initial_peers,
+                args.announce,
                 args.log_interval,
                 args.until_stdin_closes,
             )

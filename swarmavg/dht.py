@@ -45,7 +45,8 @@ class DHT:
 
     Takes the arguments of :class:`swarmavg.aio.DHT` (``initial_peers``, ``client_mode``,
     ``transport``, ``host``, ``port``, ``identity``, ``host_maddrs``, ``identity_path``,
-    ``transport_options``, ``record_validators`` and the DHT options), and:
+    ``announce_maddrs``, ``transport_options``, ``record_validators`` and the DHT options),
+    and:
 
     :param start: start at once (otherwise call :meth:`run_in_background`).
     :param await_ready: with ``start``, block until the DHT has bootstrapped (and raise its
@@ -70,6 +71,7 @@ class DHT:
         identity: Identity | str | os.PathLike[str] | None = None,
         host_maddrs: Sequence[str | Address] | None = None,
         identity_path: str | os.PathLike[str] | None = None,
+        announce_maddrs: Sequence[str | Address] | None = None,
         record_validators: Sequence[RecordValidator] = (),
         **options: Any,
     ) -> None:
@@ -101,6 +103,7 @@ class DHT:
                 identity=identity,
                 host_maddrs=host_maddrs,
                 identity_path=identity_path,
+                announce_maddrs=announce_maddrs,
                 record_validators=record_validators,
                 **options,
             )

@@ -78,6 +78,10 @@ class DHT:
         ``transport``, ``host`` and ``port``.
     :param identity_path: hivemind's spelling of ``identity=<path>`` (the key file is
         swarmavg's own format, not libp2p's).
+    :param announce_maddrs: where other peers can dial us, announced instead of the listening
+        addresses (hivemind's name): addresses or multiaddrs, e.g. a router's public address
+        that forwards a port to us, ``["/ip4/203.0.113.5/tcp/31337"]``; our PeerID is added.
+        Default: the listening addresses, a wildcard expanded to this machine's interfaces.
     :param transport_options: options for the transport, e.g. ``{"network": memory_network}``
         for ``"memory"`` or ``{"encryption": False}`` for ``"tcp"``.
     :param node: a running node to attach to instead of making one (its owner closes it; the
@@ -99,6 +103,7 @@ class DHT:
         identity: Identity | str | os.PathLike[str] | None = None,
         host_maddrs: Sequence[str | Address] | None = None,
         identity_path: str | os.PathLike[str] | None = None,
+        announce_maddrs: Sequence[str | Address] | None = None,
         transport_options: Mapping[str, Any] | None = None,
         node: Node | None = None,
         record_validators: Sequence[RecordValidator] = (),
@@ -114,6 +119,9 @@ class DHT:
             raise ValueError(f"port must be an int in 0..65535, not {port!r}")
         if identity is not None and identity_path is not None:
             raise ValueError("pass identity or identity_path, not both")
+        if isinstance(announce_maddrs, str | Address):
+            raise TypeError("announce_maddrs must be a list of addresses, not a single address")
+        announced = [Address.parse(a) for a in announce_maddrs or ()]
         unknown = sorted(set(dht_options) - _DHT_OPTIONS)
         if unknown:
             raise TypeError(
@@ -130,6 +138,10 @@ class DHT:
                 transports=options,
             )
         self.node = node
+        for address in announced:
+            if address.peer_id not in (None, node.peer_id):
+                raise ValueError(f"announce_maddrs: {address} names another peer's PeerID")
+        self._announced = [a.with_peer_id(node.peer_id) for a in announced]
         #: The Kademlia node (for :meth:`run_coroutine` functions and advanced use).
         self.dht_node = DHTNode(
             node,
@@ -193,10 +205,13 @@ class DHT:
         return self.dht_node.client_mode
 
     def visible_addresses(self) -> list[Address]:
-        """Where other peers can dial us (wildcard listeners expanded to this machine's
-        interface addresses; empty in client mode)."""
+        """Where other peers can dial us: ``announce_maddrs`` if given, else the listening
+        addresses with wildcards expanded to this machine's interface addresses; empty in
+        client mode."""
         if self.client_mode:
             return []
+        if self._announced:
+            return list(self._announced)
         if self._visible is None or len(self._visible) < len(self.node.addresses):
             self._visible = visible_addresses(self.node.addresses)
         return list(self._visible)

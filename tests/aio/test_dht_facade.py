@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -304,3 +305,60 @@ async def test_wildcard_host_over_tcp_shows_dialable_addresses() -> None:
                 assert first.peer_id in second.dht_node.protocol.routing
                 assert await second.store("over tcp", 1.5, get_dht_time() + 30)
                 assert (await first.get("over tcp")).value == 1.5  # type: ignore[union-attr]
+
+
+async def test_announce_maddrs_is_what_others_dial_a_port_forward() -> None:
+    """A peer behind a port forward (here: a TCP relay on 127.0.0.2 to the peer's port on
+    127.0.0.1) announces the forward's address with ``announce_maddrs``: its visible maddrs
+    and its DHT records name it, and a peer bootstrapping from them reaches it through the
+    forward (the TCP handshake proves the PeerID end to end)."""
+    target: list[int] = []
+    relayed = 0
+
+    async def pipe(source: anyio.abc.ByteStream, sink: anyio.abc.ByteStream) -> None:
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError
+        ):
+            async for chunk in source:
+                await sink.send(chunk)
+        with contextlib.suppress(Exception):
+            await sink.aclose()
+
+    async def relay(client: anyio.abc.SocketStream) -> None:
+        nonlocal relayed
+        relayed += 1
+        server = await anyio.connect_tcp("127.0.0.1", target[0])
+        async with client, server, anyio.create_task_group() as tg:
+            tg.start_soon(pipe, client, server)
+            tg.start_soon(pipe, server, client)
+
+    with anyio.fail_after(STEP):
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.2", local_port=0)
+        forward_port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with listener, anyio.create_task_group() as relays:
+            relays.start_soon(listener.serve, relay)
+            forwarded = f"/ip4/127.0.0.2/tcp/{forward_port}"
+            async with DHT(announce_maddrs=[forwarded]) as hidden:
+                target.append(hidden.node.addresses[0].port)
+                maddrs = hidden.get_visible_maddrs()
+                assert maddrs == [f"{forwarded}/p2p/{hidden.peer_id}"]
+                assert hidden.dht_node.announced_addresses() == [Address.parse(maddrs[0])]
+                own = hidden.dht_node.protocol.own_info()
+                assert own is not None
+                assert [Address.parse(a) for a in own.addresses] == [Address.parse(maddrs[0])]
+                async with DHT(maddrs) as outside:
+                    assert hidden.peer_id in outside.dht_node.protocol.routing
+                    assert await outside.store("via the forward", 7, get_dht_time() + 30)
+                    assert (await hidden.get("via the forward")).value == 7  # type: ignore[union-attr]
+            relays.cancel_scope.cancel()
+    assert relayed >= 1
+
+
+async def test_announce_maddrs_are_checked() -> None:
+    with pytest.raises(TypeError, match="announce_maddrs"):
+        DHT(announce_maddrs="/ip4/127.0.0.1/tcp/1")
+    other = Identity.generate().peer_id
+    with pytest.raises(ValueError, match="announce_maddrs"):
+        DHT(announce_maddrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{other}"])
+    with pytest.raises(ValueError):
+        DHT(announce_maddrs=["not an address"])
