@@ -40,11 +40,14 @@ class DecentralizedAverager:
     """Averages ``averaged_tensors`` with other peers (hivemind's ``DecentralizedAverager``).
 
     Takes the arguments of :class:`swarmavg.aio.DecentralizedAverager` (``prefix``,
-    ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``,
-    ``request_timeout``, ``averaging_alpha``, ``part_size_bytes``, ``allreduce_timeout``,
-    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``, ``allow_state_sharing``,
-    ``state_sharing_priority``, ``declare_state_period``, ``next_chunk_timeout``,
-    ``max_state_size``, ``state_compression``, ``state_max_donors``) and:
+    ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``
+    or ``min_matchmaking_time``, ``request_timeout``, ``averaging_alpha``, ``part_size_bytes``,
+    ``allreduce_timeout``, ``sender_timeout``, ``reducer_timeout``, ``clip_norm``,
+    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``, ``compression``,
+    ``tensor_infos``, ``error_feedback``, ``matchmaker``, ``allreduce``,
+    ``allow_state_sharing``, ``state_sharing_priority``, ``declare_state_period``,
+    ``next_chunk_timeout``, ``max_state_size``, ``state_compression``, ``state_max_donors``)
+    and:
 
     :param averaged_tensors: any iterable of floating-point tensors (a list, or
         ``model.parameters()``).

@@ -321,7 +321,8 @@ class DecentralizedAverager:
     members), ``min_group_size`` (a group begins at its declared time if it has at least this
     many; default ``min(2, target_group_size)``, at most ``target_group_size``),
     ``initial_group_bits``, ``averaging_expiration``
-    (the longest a peer waits for its group to fill, not a wait), ``request_timeout``,
+    (the longest a peer waits for its group to fill, not a wait; ``min_matchmaking_time`` is
+    hivemind 1.1's name for it, accepted instead), ``request_timeout``,
     ``averaging_alpha``, ``part_size_bytes`` (default ``None``: chosen from the tensors' size and
     the group's; a number must be the same on every peer), ``allreduce_timeout`` (finite by
     default), ``sender_timeout`` and ``reducer_timeout`` (a member silent that long is done
@@ -396,6 +397,7 @@ class DecentralizedAverager:
         compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: bool = False,
+        min_matchmaking_time: float | None = None,
     ) -> None:
         # Every argument is checked before anything is made (the matchmaker claims the prefix
         # on the node): a bad one raises TypeError/ValueError naming it and leaves nothing.
@@ -427,6 +429,13 @@ class DecentralizedAverager:
         _check_bool("auxiliary", auxiliary)
         if client_mode is not None:
             _check_bool("client_mode", client_mode)
+        if min_matchmaking_time is not None:
+            if averaging_expiration != 15.0:
+                raise ValueError(
+                    "pass averaging_expiration or min_matchmaking_time (hivemind 1.1's name for "
+                    "it), not both"
+                )
+            averaging_expiration = _check_seconds("min_matchmaking_time", min_matchmaking_time)
         averaging_expiration = _check_seconds("averaging_expiration", averaging_expiration)
         request_timeout = _check_seconds("request_timeout", request_timeout)
         allreduce_timeout = _check_seconds("allreduce_timeout", allreduce_timeout, optional=True)

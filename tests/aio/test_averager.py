@@ -159,6 +159,10 @@ async def test_argument_errors_name_what_the_user_passed() -> None:
             (TypeError, "declare_state_period must be a number of seconds", None,
              {"declare_state_period": False}),
             (ValueError, "state_max_donors must be an int >= 1", None, {"state_max_donors": 0}),
+            (ValueError, "min_matchmaking_time must be a positive, finite", None,
+             {"min_matchmaking_time": 0}),
+            (ValueError, "pass averaging_expiration or min_matchmaking_time", None,
+             {"min_matchmaking_time": 5.0, "averaging_expiration": 3.0}),
         ]  # fmt: skip
         for error, message, tensors, options in checks:
             with pytest.raises(error, match=message):
@@ -172,6 +176,8 @@ async def test_argument_errors_name_what_the_user_passed() -> None:
         assert len(averager._tensors) == 2
         assert (averager.target_group_size, averager.min_group_size) == (1, 1)
         assert make(prefix="y").min_group_size == 2
+        # hivemind 1.1's name for the matchmaking window
+        assert make(prefix="z", min_matchmaking_time=4.0).averaging_expiration == 4.0
 
 
 class _FixedGroup(Matchmaker):
