@@ -50,7 +50,6 @@ from swarmavg.optim.state_averager import (
     _Refused,
 )
 from swarmavg.proto.diloco import (
-    FAILURE_POLICIES,
     WEIGHTINGS,
     DiLoCoSchedule,
     RoundReport,
@@ -390,9 +389,7 @@ class DiLoCo:
         if self._closed:
             raise RuntimeError("this DiLoCo was shut down")
         due = self.schedule.inner_step_done()
-        if not due and self.schedule.should_load_state(
-            self.tracker.global_epoch, time.monotonic()
-        ):
+        if not due and self.schedule.should_load_state(self.tracker.global_epoch, time.monotonic()):
             self._catch_up()  # (the swarm moved on: this peer's steps since θ_global are stale)
         self._drive_scheduler()
         self.tracker.report_local_progress(
@@ -411,11 +408,10 @@ class DiLoCo:
             self._fail(f"the swarm is at outer epoch {self.tracker.global_epoch}", started)
             self._catch_up(force=True)
             return
-        with self._state_lock:
-            with torch.no_grad(), self.averager.get_tensors() as deltas:
-                for delta, backup, param in zip(deltas, self.backup, self.params, strict=True):
-                    delta.copy_(backup)
-                    delta.sub_(param.detach().to("cpu", torch.float32))
+        with self._state_lock, torch.no_grad(), self.averager.get_tensors() as deltas:
+            for delta, backup, param in zip(deltas, self.backup, self.params, strict=True):
+                delta.copy_(backup)
+                delta.sub_(param.detach().to("cpu", torch.float32))
         group_size = 1
         if plan == "average":
             weight = round_weight(self.weighting, self.schedule.inner_step, self.batch_size)
@@ -446,9 +442,7 @@ class DiLoCo:
             how = "no other peer: its own pseudo-gradient"
         else:
             how = f"averaged with {group_size - 1} peers in {report.seconds:.2f} s"
-        logger.log(
-            self.status_loglevel, "%s outer epoch %d: %s", self.run_id, report.epoch, how
-        )
+        logger.log(self.status_loglevel, "%s outer epoch %d: %s", self.run_id, report.epoch, how)
 
     @torch.no_grad()
     def _outer_step(self) -> None:
@@ -585,7 +579,10 @@ class DiLoCo:
         self.schedule.state_loaded(epoch)
         self._after_epoch_change()
         logger.log(
-            self.status_loglevel, "%s: loaded the swarm's state at outer epoch %d", self.run_id, epoch
+            self.status_loglevel,
+            "%s: loaded the swarm's state at outer epoch %d",
+            self.run_id,
+            epoch,
         )
         return True
 

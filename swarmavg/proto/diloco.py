@@ -238,7 +238,7 @@ class DiLoCoSchedule:
         """A download failed at ``now``: the next one waits, doubling from
         ``LOAD_BACKOFF[0]`` up to ``LOAD_BACKOFF[1]`` seconds. Returns the wait."""
         self._load_failures += 1
-        wait = min(LOAD_BACKOFF[0] * 2 ** (self._load_failures - 1), LOAD_BACKOFF[1])
+        wait = min(LOAD_BACKOFF[0] * 2.0 ** (self._load_failures - 1), LOAD_BACKOFF[1])
         self._load_not_before = now + wait
         return wait
 
