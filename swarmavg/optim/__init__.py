@@ -8,6 +8,8 @@
 * :class:`GradientAverager` — accumulates gradients and averages them, weighted by samples.
 * :class:`TrainingStateAverager` — averages parameters, optimizer statistics and extra tensors,
   runs (delayed) optimizer steps, shares and loads the training state.
+* :class:`DiLoCo` — DiLoCo's outer optimization: ``sync_every`` steps of a local inner
+  optimizer, then an outer (Nesterov) step on the averaged pseudo-gradient.
 * :class:`GradScaler` — ``torch.amp.GradScaler`` for float16 AMP with :class:`Optimizer`.
 
 This package imports torch; ``import swarmavg`` does not (``swarmavg.Optimizer`` is resolved on
@@ -20,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from swarmavg.optim.diloco import DiLoCo
     from swarmavg.optim.grad_averager import GradientAverager
     from swarmavg.optim.grad_scaler import GradScaler
     from swarmavg.optim.optimizer import Optimizer
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from swarmavg.optim.state_averager import TrainingStateAverager
 
 __all__ = [
+    "DiLoCo",
     "GradScaler",
     "GradientAverager",
     "Optimizer",
@@ -35,6 +39,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "DiLoCo": "swarmavg.optim.diloco",
     "GradScaler": "swarmavg.optim.grad_scaler",
     "GradientAverager": "swarmavg.optim.grad_averager",
     "Optimizer": "swarmavg.optim.optimizer",

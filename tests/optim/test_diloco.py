@@ -1,0 +1,432 @@
+"""``swarmavg.optim.DiLoCo``: the sign of Δ, the single-process reference loop, synchronous
+averaging with H=1, and every peer holding the same θ_global and outer state after a join, a
+leave and a failed round (spec E.3).
+
+Peers run in threads of one process, each with its own :class:`swarmavg.DHT` over TCP on
+127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from optim_helpers import FAST, run_threads, swarm
+
+import swarmavg.optim
+from swarmavg import DHT
+from swarmavg.compression import Float16Compression
+from swarmavg.optim import DiLoCo
+
+pytestmark = pytest.mark.timeout(120)
+
+TRACKER = {"min_refresh_period": 0.05, "default_refresh_period": 0.1, "max_refresh_period": 0.2}
+
+
+def _sgd(lr: float) -> Any:
+    return partial(torch.optim.SGD, lr=lr)
+
+
+def _flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().flatten().float().cpu() for t in tensors])
+
+
+def _outer_state(diloco: DiLoCo) -> list[torch.Tensor]:
+    """The outer optimizer's tensors, in parameter order."""
+    state = diloco.outer_optimizer.state
+    return [state[p][name].clone() for p in diloco.params for name in sorted(state.get(p, {}))]
+
+
+def _wait_for_peers(diloco: DiLoCo, count: int, timeout: float = 30) -> None:
+    """Until this peer's progress records show ``count`` peers (bounded). A peer publishes its
+    record with its first inner step; with H=1 that step is already a round, so the record is
+    published here first."""
+    diloco.tracker.report_local_progress(diloco.outer_epoch, 1)
+    deadline = time.monotonic() + timeout
+    while diloco.tracker.global_progress.num_peers < count:
+        assert time.monotonic() < deadline, "the peers did not see each other"
+        time.sleep(0.02)
+
+
+# -- one peer ------------------------------------------------------------------------------------
+
+
+def test_public_name_is_lazy() -> None:
+    assert swarmavg.optim.DiLoCo is DiLoCo
+
+
+def test_pseudo_gradient_sign_is_backup_minus_local() -> None:
+    """torchft's test_gradient_correctness: parameters +2 after the backup, an all-reduce that
+    doubles (here: two peers with Δ = −2 and Δ = −6 averaging to −4): the outer step sees
+    grad = −4, and steps from θ_global."""
+    seen: list[torch.Tensor] = []
+    with swarm(1) as (dht,):
+        param = torch.nn.Parameter(torch.zeros(3))
+        inner = torch.optim.SGD([param], lr=1.0)
+
+        def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+            opt = torch.optim.SGD(params, lr=0.5)
+            opt.register_step_pre_hook(
+                lambda o, *_: seen.extend(p.grad.clone() for p in o.param_groups[0]["params"])
+            )
+            return opt
+
+        with DiLoCo(
+            [param],
+            inner_optimizer=inner,
+            outer_optimizer=outer,
+            dht=dht,
+            run_id="sign",
+            sync_every=1,
+            averager_opts=FAST,
+        ) as diloco:
+            param.grad = torch.full((3,), -2.0)  # an inner step: θ_local = θ_global + 2
+            inner.step()
+            assert diloco.last_round is not None
+            assert diloco.last_round.outcome == "alone"
+            torch.testing.assert_close(seen[0], torch.full((3,), -2.0))  # Δ = 0 − 2
+            # θ_global' = θ_global − lr·Δ = 0 − 0.5·(−2) = 1, the new backup
+            torch.testing.assert_close(param.detach(), torch.full((3,), 1.0))
+            torch.testing.assert_close(diloco.backup[0], torch.full((3,), 1.0))
+            assert param.grad is not None  # the user's gradient is given back
+            torch.testing.assert_close(param.grad, torch.full((3,), -2.0))
+
+
+def _reference_loop(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sync_every: int
+) -> None:
+    """OpenDiLoCo's ``train_diloco_torch.py`` loop with world size 1 (no all-reduce)."""
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: 1 / (1 + 0.1 * t))
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    offloaded = [p.detach().clone() for p in model.parameters()]
+    for step, (x, y) in enumerate(batches, 1):
+        F.mse_loss(model(x), y).backward()
+        inner.step()
+        scheduler.step()
+        inner.zero_grad()
+        if step % sync_every == 0:
+            for param, backup in zip(model.parameters(), offloaded, strict=True):
+                param.grad = backup - param.data
+                param.data = backup.clone()
+            outer.step()
+            outer.zero_grad()
+            offloaded = [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_one_peer_equals_the_single_process_loop(hook: bool) -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(26 * 4, 5), torch.randn(26 * 4, 2)
+    batches = [(x[i * 4 : i * 4 + 4], y[i * 4 : i * 4 + 4]) for i in range(26)]
+    _reference_loop(reference, batches, sync_every=5)
+    with swarm(1) as (dht,):
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+        with DiLoCo(
+            model.parameters(),
+            inner_optimizer=inner,
+            dht=dht,
+            run_id="one",
+            sync_every=5,
+            scheduler=partial(
+                torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda t: 1 / (1 + 0.1 * t)
+            ),
+            hook=hook,
+            averager_opts=FAST,
+        ) as diloco:
+            for xb, yb in batches:
+                F.mse_loss(model(xb), yb).backward()
+                if hook:
+                    inner.step()
+                    inner.zero_grad()
+                else:
+                    diloco.step()
+                    diloco.zero_grad()
+            assert diloco.outer_epoch == 5
+            assert diloco.inner_step == 1
+            assert diloco.global_step == 26
+            assert diloco.inner_optimizer.param_groups[0]["lr"] == pytest.approx(0.05 / 3.6)
+            assert diloco.rounds_failed == 0
+    torch.testing.assert_close(
+        _flat(model.parameters()), _flat(reference.parameters()), atol=1e-6, rtol=0
+    )
+
+
+# -- several peers -------------------------------------------------------------------------------
+
+
+def _peer_batches(peer: int, count: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + peer)
+    x = torch.randn(count * 4, dim, generator=generator)
+    y = x @ (torch.arange(1.0, dim + 1) / dim).unsqueeze(1) + 0.5 * peer
+    return [(x[i * 4 : i * 4 + 4], y[i * 4 : i * 4 + 4]) for i in range(count)]
+
+
+def _make(dht: DHT, model: torch.nn.Module, run_id: str, **kwargs: Any) -> DiLoCo:
+    options: dict[str, Any] = {
+        "inner_optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "dht": dht,
+        "run_id": run_id,
+        "sync_every": 1,
+        "matchmaking_time": 2.0,
+        "averaging_timeout": 20.0,
+        "load_state_timeout": 20.0,
+        "averager_opts": FAST,
+        "tracker_opts": TRACKER,
+    }
+    options.update(kwargs)
+    return DiLoCo(model.parameters(), **options)
+
+
+@pytest.mark.parametrize("compression", [None, Float16Compression()])
+def test_two_peers_with_h1_equal_synchronous_parameter_averaging(compression: Any) -> None:
+    """H=1, inner SGD, outer SGD lr 1 without momentum: θ' = θ − mean(θ − θ_i) = mean(θ_i),
+    i.e. each step of synchronous parameter averaging (with fp16 Δ: to fp16's precision)."""
+    dim, rounds, count = 3, 6, 2
+    torch.manual_seed(2)
+    initial = torch.nn.Linear(dim, 1)
+    data = [_peer_batches(peer, rounds, dim) for peer in range(count)]
+    finals: dict[int, torch.Tensor] = {}
+    reports: dict[int, list[Any]] = {}
+    ready = threading.Barrier(count)
+
+    def train(peer: int, dht: DHT) -> None:
+        model = copy.deepcopy(initial)
+        with _make(dht, model, "h1", outer_optimizer=_sgd(1.0), compression=compression) as diloco:
+            inner = diloco.inner_optimizer
+            _wait_for_peers(diloco, count)
+            ready.wait(30)
+            for x, y in data[peer]:
+                F.mse_loss(model(x), y).backward()
+                inner.step()
+                inner.zero_grad()
+                reports.setdefault(peer, []).append(diloco.last_round)
+            finals[peer] = _flat(model.parameters())
+
+    with swarm(count) as dhts:
+        run_threads([partial(train, i, dht) for i, dht in enumerate(dhts)])
+
+    reference = copy.deepcopy(initial)
+    for step in range(rounds):
+        locals_ = []
+        for peer in range(count):
+            local = copy.deepcopy(reference)
+            x, y = data[peer][step]
+            F.mse_loss(local(x), y).backward()
+            with torch.no_grad():
+                for p in local.parameters():
+                    p -= 0.1 * p.grad  # type: ignore[operator]
+            locals_.append(_flat(local.parameters()))
+        mean = torch.stack(locals_).mean(0)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(mean, reference.parameters())
+    atol = 1e-6 if compression is None else 2e-3
+    for peer in range(count):
+        assert [r.outcome for r in reports[peer]] == ["averaged"] * rounds
+        assert all(r.group_size == count for r in reports[peer])
+        torch.testing.assert_close(finals[peer], _flat(reference.parameters()), atol=atol, rtol=0)
+
+
+def test_join_leave_and_failed_round_keep_one_global_state(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three peers, H=2, the default outer optimizer (Nesterov momentum: a state to share).
+    A and B start; C joins at outer epoch ≥ 2 with other initial weights and downloads the
+    state; B's round at epoch 4 fails for B alone (rollback, then B downloads the state); A
+    leaves at epoch 6; B and C go on to epoch 9. At every outer epoch, every peer that held it
+    has the same θ_global and the same outer optimizer state."""
+    dim, target = 4, 9
+    torch.manual_seed(4)
+    initial = torch.nn.Linear(dim, 1)
+    snapshots: dict[str, dict[int, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+    stats: dict[str, Any] = {}
+    c_may_join = threading.Event()
+    done = {name: threading.Event() for name in "ABC"}
+
+    def record(name: str, diloco: DiLoCo) -> None:
+        mine = snapshots.setdefault(name, {})
+        if diloco.outer_epoch not in mine:
+            mine[diloco.outer_epoch] = (_flat(diloco.backup), _outer_state(diloco))
+
+    def train(name: str, dht: DHT) -> None:
+        if name == "C":
+            assert c_may_join.wait(60)
+            model = torch.nn.Linear(dim, 1)  # other initial weights
+        else:
+            model = copy.deepcopy(initial)
+        generator = torch.Generator().manual_seed(ord(name))
+        with _make(dht, model, "churn", sync_every=2) as diloco:
+            inner = diloco.inner_optimizer
+            if name == "C":
+                stats["C_joined_at"] = diloco.outer_epoch
+                stats["C_loads_at_join"] = diloco.schedule.state_loads
+                torch.testing.assert_close(_flat(model.parameters()), _flat(diloco.backup))
+            else:
+                _wait_for_peers(diloco, 2)
+            if name == "B":
+                real_step = diloco.averager.step
+
+                def failing_step(*args: Any, **kwargs: Any) -> Any:
+                    result = real_step(*args, **kwargs)
+                    if diloco.outer_epoch == 4 and "B_failed" not in stats:
+                        # the others' round succeeded, B's failed (as if its last part was
+                        # lost): B rolls back to θ_global of epoch 4 and must catch up
+                        stats["B_failed"] = True
+                        raise RuntimeError("injected failure")
+                    return result
+
+                diloco.averager.step = failing_step  # type: ignore[method-assign]
+            record(name, diloco)
+            stop_at = 6 if name == "A" else target
+            for _ in range(2000):
+                if diloco.outer_epoch >= stop_at:
+                    break
+                time.sleep(0.01)  # the compute of a batch
+                x = torch.randn(4, dim, generator=generator)
+                F.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+                inner.step()
+                inner.zero_grad()
+                record(name, diloco)
+                if name == "A" and diloco.outer_epoch >= 2:
+                    c_may_join.set()
+            assert diloco.outer_epoch == stop_at, f"{name} stopped at {diloco.outer_epoch}"
+            stats[name] = diloco.schedule
+            done[name].set()
+            if name != "A":  # (serve the state until the other one is done too)
+                assert done["B" if name == "C" else "C"].wait(60)
+
+    with swarm(3) as dhts:
+        run_threads([partial(train, name, dht) for name, dht in zip("ABC", dhts, strict=True)])
+
+    assert stats["C_joined_at"] >= 2
+    assert stats["C_loads_at_join"] == 1
+    b = stats["B"]
+    assert b.rounds_failed >= 1
+    assert b.state_loads >= 1
+    failed = [r for r in caplog.records if "the round failed (RuntimeError: injected" in r.message]
+    assert len(failed) == 1
+    assert failed[0].levelname == "WARNING"
+    compared = 0
+    for epoch in range(target + 1):
+        held = {name: snap[epoch] for name, snap in snapshots.items() if epoch in snap}
+        names = sorted(held)
+        for other in names[1:]:
+            torch.testing.assert_close(held[other][0], held[names[0]][0], atol=0, rtol=0)
+            assert len(held[other][1]) == len(held[names[0]][1])
+            for mine, theirs in zip(held[other][1], held[names[0]][1], strict=True):
+                torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+            compared += 1
+    assert compared >= target  # (several peers held most epochs)
+    assert set(snapshots["C"]) >= {target}
+    assert set(snapshots["B"]) >= {target}
+
+
+# -- arguments and lifecycle ---------------------------------------------------------------------
+
+
+def test_bad_arguments_are_named() -> None:
+    model = torch.nn.Linear(2, 1)
+    other = torch.nn.Linear(2, 1)
+    with swarm(1) as (dht,):
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        common: dict[str, Any] = {"inner_optimizer": inner, "dht": dht, "run_id": "args"}
+        cases: list[tuple[type[Exception], str, dict[str, Any]]] = [
+            (ValueError, "sync_every", {"sync_every": 0}),
+            (TypeError, "sync_every", {"sync_every": 2.0}),
+            (ValueError, "on_round_failure", {"sync_every": 2, "on_round_failure": "retry"}),
+            (ValueError, "weighting", {"sync_every": 2, "weighting": "tokens"}),
+            (ValueError, "batch_size", {"sync_every": 2, "batch_size": 0}),
+            (TypeError, "compression", {"sync_every": 2, "compression": "fp16"}),
+            (ValueError, "averaging_timeout", {"sync_every": 2, "averaging_timeout": 0}),
+            (TypeError, "hook", {"sync_every": 2, "hook": 1}),
+            (TypeError, "outer_optimizer", {"sync_every": 2, "outer_optimizer": inner}),
+            (TypeError, "scheduler", {"sync_every": 2, "scheduler": 3}),
+            (ValueError, "run_id", {"sync_every": 2, "run_id": ""}),
+            (TypeError, "inner_optimizer", {"sync_every": 2, "inner_optimizer": "adam"}),
+            (TypeError, "dht", {"sync_every": 2, "dht": object()}),
+        ]
+        for error, name, kwargs in cases:
+            with pytest.raises(error, match=name):
+                DiLoCo(model.parameters(), **{**common, **kwargs})
+        with pytest.raises(ValueError, match="inner_optimizer"):
+            DiLoCo(other.parameters(), **common, sync_every=2)
+        # nothing was left running: the same run_id works
+        with DiLoCo(model.parameters(), **common, sync_every=2, averager_opts=FAST):
+            pass
+
+
+def test_shutdown_is_idempotent_and_unhooks() -> None:
+    model = torch.nn.Linear(2, 1)
+    with swarm(1) as (dht,):
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = DiLoCo(
+            model.parameters(),
+            inner_optimizer=inner,
+            dht=dht,
+            run_id="bye",
+            sync_every=1,
+            averager_opts=FAST,
+        )
+        diloco.shutdown()
+        diloco.shutdown()
+        assert not diloco.is_alive()
+        model(torch.ones(1, 2)).sum().backward()
+        inner.step()  # the hook is gone: no round, no error
+        assert diloco.outer_epoch == 0
+        assert diloco.last_round is None
+        with pytest.raises(RuntimeError, match="shut down"):
+            diloco.step()
+        with pytest.raises(RuntimeError, match="shut down"):
+            diloco.load_state_from_peers()
+
+
+@pytest.mark.parametrize("policy", ["rollback", "keep_local"])
+def test_a_failed_round_rolls_back_or_keeps_local(policy: str) -> None:
+    """A round that fails among several peers (here: the other peer never averages)."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    with swarm(2) as (dht, other_dht):
+        inner = torch.optim.SGD([param], lr=1.0)
+        with (
+            _make(other_dht, torch.nn.Linear(1, 1), "fail", sync_every=2) as silent,
+            DiLoCo(
+                [param],
+                inner_optimizer=inner,
+                dht=dht,
+                run_id="fail",
+                sync_every=2,
+                on_round_failure=policy,
+                matchmaking_time=0.5,
+                averaging_timeout=2.0,
+                averager_opts=FAST,
+                tracker_opts=TRACKER,
+            ) as diloco,
+        ):
+            silent.tracker.report_local_progress(0, 1)
+            _wait_for_peers(diloco, 2)
+            _wait_for_peers(silent, 2)
+            for _ in range(2):
+                param.grad = torch.ones(2)
+                inner.step()
+            report = diloco.last_round
+            assert report is not None
+            assert report.outcome == "failed"
+            assert report.error
+            assert diloco.rounds_failed == 1
+            assert diloco.outer_epoch == 0
+            torch.testing.assert_close(diloco.backup[0], torch.zeros(2))
+            if policy == "rollback":
+                assert report.action == "rollback"
+                assert diloco.inner_step == 0
+                torch.testing.assert_close(param.detach(), torch.zeros(2))
+            else:
+                assert report.action == "keep_local"
+                assert diloco.inner_step == 2
+                torch.testing.assert_close(param.detach(), torch.full((2,), -2.0))

@@ -1,0 +1,113 @@
+"""DiLoCo's rounds and epochs (sans-IO) on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmavg.proto.diloco import LOAD_BACKOFF, DiLoCoSchedule, round_weight
+
+
+def test_a_round_is_due_every_sync_every_inner_steps() -> None:
+    schedule = DiLoCoSchedule(3)
+    assert [schedule.inner_step_done() for _ in range(3)] == [False, False, True]
+    with pytest.raises(RuntimeError, match="no round is due"):
+        DiLoCoSchedule(3).plan_round(2, 0)
+    assert schedule.plan_round(num_peers=2, global_epoch=0) == "average"
+    assert schedule.plan_round(num_peers=1, global_epoch=0) == "alone"
+    assert schedule.plan_round(num_peers=0, global_epoch=0) == "alone"  # (not published yet)
+    assert schedule.plan_round(num_peers=3, global_epoch=1) == "behind"
+    report = schedule.round_succeeded(alone=False, group_size=3, seconds=0.5)
+    assert (report.epoch, report.outcome, report.action, report.group_size) == (
+        0,
+        "averaged",
+        "outer_step",
+        3,
+    )
+    assert report.inner_steps == 3
+    assert schedule.outer_epoch == 1
+    assert schedule.inner_step == 0
+    assert schedule.global_step == 3
+    assert schedule.inner_step_done() is False
+    assert schedule.global_step == 4
+    assert schedule.last_round is report
+    assert schedule.rounds_averaged == 1
+
+
+def test_alone_rounds_count_separately() -> None:
+    schedule = DiLoCoSchedule(1)
+    schedule.inner_step_done()
+    report = schedule.round_succeeded(alone=True, group_size=5)
+    assert report.outcome == "alone"
+    assert report.group_size == 1
+    assert (schedule.rounds_alone, schedule.rounds_averaged) == (1, 0)
+
+
+def test_rollback_discards_local_progress_and_keep_local_keeps_it() -> None:
+    rollback, keep = DiLoCoSchedule(2, "rollback"), DiLoCoSchedule(2, "keep_local")
+    for schedule in (rollback, keep):
+        schedule.inner_step_done()
+        schedule.inner_step_done()
+    report = rollback.round_failed("timed out")
+    assert (report.outcome, report.action, report.error) == ("failed", "rollback", "timed out")
+    assert rollback.inner_step == 0
+    assert rollback.outer_epoch == 0
+    assert rollback.global_step == 0
+    assert rollback.rounds_failed == 1
+    assert rollback.last_round is report
+    report = keep.round_failed("timed out")
+    assert report.action == "keep_local"
+    assert report.inner_steps == 2
+    assert keep.inner_step == 2
+    assert keep.outer_epoch == 0
+    # the next round of keep_local comes after sync_every more steps, with both rounds' steps
+    assert [keep.inner_step_done(), keep.inner_step_done()] == [False, True]
+    assert keep.round_succeeded(alone=False, group_size=2).inner_steps == 4
+    assert keep.outer_epoch == 1
+    assert keep.inner_step == 0
+
+
+def test_gathered_epochs_show_a_peer_ahead() -> None:
+    schedule = DiLoCoSchedule(1, outer_epoch=5)
+    assert not schedule.behind([5, 4, 5])
+    assert schedule.behind([5, 6])
+    assert not schedule.behind([True, "9", None, 7.0, -1])  # (malformed values are ignored)
+
+
+def test_state_download_backoff_on_a_fake_clock() -> None:
+    schedule = DiLoCoSchedule(4)
+    now = 1000.0
+    assert not schedule.should_load_state(global_epoch=0, now=now)
+    assert schedule.should_load_state(global_epoch=2, now=now)
+    assert schedule.state_load_failed(now) == LOAD_BACKOFF[0]
+    assert not schedule.should_load_state(2, now + 0.5)
+    assert schedule.should_load_state(2, now + 1.0)
+    assert schedule.state_load_failed(now + 1.0) == 2 * LOAD_BACKOFF[0]
+    assert not schedule.should_load_state(2, now + 2.5)
+    waits = [schedule.state_load_failed(now) for _ in range(10)]
+    assert waits[-1] == LOAD_BACKOFF[1]
+    schedule.inner_step_done()
+    schedule.state_loaded(7)
+    assert (schedule.outer_epoch, schedule.inner_step, schedule.state_loads) == (7, 0, 1)
+    assert schedule.global_step == 28
+    assert schedule.should_load_state(8, now)  # (the backoff is reset)
+
+
+def test_weights() -> None:
+    assert round_weight("equal", 10, 32) == 1.0
+    assert round_weight("samples", 10, 32) == 320.0
+    with pytest.raises(ValueError, match="weighting"):
+        round_weight("tokens", 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"sync_every": 0}, ValueError, "sync_every"),
+        ({"sync_every": True}, TypeError, "sync_every"),
+        ({"sync_every": 1, "on_round_failure": "retry"}, ValueError, "on_round_failure"),
+        ({"sync_every": 1, "outer_epoch": -1}, ValueError, "outer_epoch"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, object], error: type, name: str) -> None:
+    with pytest.raises(error, match=name):
+        DiLoCoSchedule(**kwargs)  # type: ignore[arg-type]
