@@ -149,7 +149,7 @@ class TrainingAverager(DecentralizedAverager):
     :param initialize_optimizer: create the optimizer's state now if it has none. Unlike
         hivemind (one real ``opt.step()``: weight decay moved the parameters once and Adam's
         step counter started at 1), this changes neither the parameters, nor the gradients, nor
-        any ``step`` counter (see :func:`swarmavg.optim.state_averager._initialize_optimizer_state`).
+        any ``step`` counter: one step with zero gradients and no weight decay, undone.
         An optimizer that already has state is left alone.
     :param dht: a running :class:`swarmavg.DHT`.
     :param kwargs: for :class:`swarmavg.DecentralizedAverager` (``prefix``,
@@ -594,4 +594,3 @@ class TrainingAverager(DecentralizedAverager):
         super().shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-

@@ -97,7 +97,8 @@ class EpochRecord:
             time = float(time)
         if not (isinstance(time, float) and math.isfinite(time)):
             raise RemoteProtocolError("an epoch record needs a finite time")
-        assert isinstance(epoch, int) and isinstance(step, int)
+        assert isinstance(epoch, int)
+        assert isinstance(step, int)
         return cls(epoch, step, time)
 
 
@@ -152,9 +153,7 @@ class EpochAccounting:
         """Replace the others' records with a fresh read (``records`` keyed by peer; the caller
         leaves its own out). Records older than ``expiration`` are dropped."""
         self._others = {
-            peer: record
-            for peer, record in records.items()
-            if now - record.time <= self.expiration
+            peer: record for peer, record in records.items() if now - record.time <= self.expiration
         }
         self._read_at = now
 
@@ -202,7 +201,8 @@ class EpochAccounting:
         """This peer downloaded the state (of a peer at ``epoch``, if known): it moves to the
         highest epoch it knows with zero steps."""
         known = self.view().max_epoch
-        self.local_epoch = max(self.local_epoch, known, epoch if _count(epoch) else 0)
+        given = epoch if epoch is not None and _count(epoch) else 0
+        self.local_epoch = max(self.local_epoch, known, given)
         self.local_step = 0
 
     def adopt(self) -> bool:
@@ -210,8 +210,10 @@ class EpochAccounting:
         (A peer that just joined uses it, so that its epoch and learning rate are right at
         once.)"""
         view = self.view()
-        if self.local_epoch < view.max_epoch <= (
-            self.local_epoch + self.max_allowed_epoch_difference
+        if (
+            self.local_epoch
+            < view.max_epoch
+            <= (self.local_epoch + self.max_allowed_epoch_difference)
         ):
             self.local_epoch, self.local_step = view.max_epoch, 0
             return True

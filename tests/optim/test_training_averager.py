@@ -52,15 +52,19 @@ def test_training_averager_equals_the_mean_after_every_round() -> None:
             assert isinstance(handle1, TrainingStepHandle)
             assert isinstance(handle2, TrainingStepHandle)
             result1, result2 = handle1.result(), handle2.result()
-            assert result1 is not None and result2 is not None
-            assert handle1.done() and len(result1) == 2
+            assert result1 is not None
+            assert result2 is not None
+            assert handle1.done()
+            assert len(result1) == 2
             for x, opt in ((x1, opt1), (x2, opt2)):
                 got = [x.detach(), x.grad, opt.state[x]["exp_avg_sq"]]
                 for value, want in zip(got, expected, strict=True):
                     assert torch.allclose(value, want, atol=1e-6), (value, want)
         assert avgr1.local_step == avgr2.local_step == 10
-        assert avgr1.rounds_succeeded == 10 and avgr1.rounds_failed == 0
-        assert avgr1.last_round is not None and avgr1.last_round.succeeded
+        assert avgr1.rounds_succeeded == 10
+        assert avgr1.rounds_failed == 0
+        assert avgr1.last_round is not None
+        assert avgr1.last_round.succeeded
         assert avgr1.last_round.group_size == 2
 
 
@@ -123,21 +127,32 @@ def test_state_sharing_without_pickle() -> None:
     with swarm(2) as dhts, ExitStack() as stack:
         donor = stack.enter_context(
             TrainingAverager(
-                opt1, average_parameters=True, average_gradients=False,
-                extra_tensors=[extra1], dht=dhts[0], prefix="s", target_group_size=2,
+                opt1,
+                average_parameters=True,
+                average_gradients=False,
+                extra_tensors=[extra1],
+                dht=dhts[0],
+                prefix="s",
+                target_group_size=2,
                 **FAST,  # type: ignore[arg-type]
             )
         )
         donor.local_step = 7
         taker = stack.enter_context(
             TrainingAverager(
-                opt2, average_parameters=True, average_gradients=False,
-                extra_tensors=[extra2], dht=dhts[1], prefix="s", target_group_size=2,
+                opt2,
+                average_parameters=True,
+                average_gradients=False,
+                extra_tensors=[extra2],
+                dht=dhts[1],
+                prefix="s",
+                target_group_size=2,
                 **FAST,  # type: ignore[arg-type]
             )
         )
         assert taker.load_state_from_peers(timeout=30)
-        assert torch.equal(x2, x1) and torch.equal(extra2, extra1)
+        assert torch.equal(x2, x1)
+        assert torch.equal(extra2, extra1)
         assert torch.equal(opt2.state[x2]["exp_avg_sq"], opt1.state[x1]["exp_avg_sq"])
         assert int(opt2.state[x2]["step"]) == int(opt1.state[x1]["step"]) == 1
         assert taker.local_step == 7
@@ -147,14 +162,21 @@ def test_a_failed_round_is_counted_with_a_warning(caplog: pytest.LogCaptureFixtu
     x = torch.zeros(3, requires_grad=True)
     with swarm(1) as dhts:
         averager = TrainingAverager(
-            torch.optim.SGD([x], lr=0.1), average_parameters=True, average_gradients=False,
-            dht=dhts[0], prefix="alone", target_group_size=2, **FAST,  # type: ignore[arg-type]
+            torch.optim.SGD([x], lr=0.1),
+            average_parameters=True,
+            average_gradients=False,
+            dht=dhts[0],
+            prefix="alone",
+            target_group_size=2,
+            **FAST,  # type: ignore[arg-type]
         )
         try:
             with caplog.at_level(logging.WARNING, logger="swarmavg.optim.training_averager"):
                 assert averager.step(timeout=0.5) is None
-            assert averager.rounds_failed == 1 and averager.local_step == 1
-            assert averager.last_round is not None and not averager.last_round.succeeded
+            assert averager.rounds_failed == 1
+            assert averager.local_step == 1
+            assert averager.last_round is not None
+            assert not averager.last_round.succeeded
             assert averager.last_round.error
             assert any("averaging round failed" in r.getMessage() for r in caplog.records)
         finally:
@@ -171,22 +193,36 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(TypeError, match="opt"):
             TrainingAverager(
                 [x],  # type: ignore[arg-type]
-                average_parameters=True, average_gradients=False, dht=dhts[0], prefix="b",
+                average_parameters=True,
+                average_gradients=False,
+                dht=dhts[0],
+                prefix="b",
             )
         with pytest.raises(TypeError, match="average_parameters"):
             TrainingAverager(
-                opt, average_parameters=1,  # type: ignore[arg-type]
-                average_gradients=False, dht=dhts[0], prefix="b",
+                opt,
+                average_parameters=1,  # type: ignore[arg-type]
+                average_gradients=False,
+                dht=dhts[0],
+                prefix="b",
             )
         with pytest.raises(ValueError, match="exp_avg_sq"):
             TrainingAverager(
-                opt, average_parameters=True, average_gradients=False,
-                average_opt_statistics=("exp_avg_sq",), dht=dhts[0], prefix="b",
+                opt,
+                average_parameters=True,
+                average_gradients=False,
+                average_opt_statistics=("exp_avg_sq",),
+                dht=dhts[0],
+                prefix="b",
             )
         with pytest.raises(TypeError, match="tensor_infos"):
             TrainingAverager(
-                opt, average_parameters=True, average_gradients=False, dht=dhts[0],
-                prefix="b", tensor_infos=[],
+                opt,
+                average_parameters=True,
+                average_gradients=False,
+                dht=dhts[0],
+                prefix="b",
+                tensor_infos=[],
             )
 
 
@@ -195,12 +231,18 @@ def test_initialize_optimizer_does_not_move_parameters_with_weight_decay() -> No
     opt = torch.optim.AdamW([x], lr=0.1, weight_decay=0.5)
     with swarm(1) as dhts:
         averager = TrainingAverager(
-            opt, average_parameters=True, average_gradients=False,
-            average_opt_statistics=("exp_avg_sq",), dht=dhts[0], prefix="i", target_group_size=2,
+            opt,
+            average_parameters=True,
+            average_gradients=False,
+            average_opt_statistics=("exp_avg_sq",),
+            dht=dhts[0],
+            prefix="i",
+            target_group_size=2,
             start=False,
         )
         try:
-            assert torch.equal(x, torch.ones(3)) and x.grad is None
+            assert torch.equal(x, torch.ones(3))
+            assert x.grad is None
             assert int(opt.state[x]["step"]) == 0
         finally:
             averager.shutdown()
