@@ -42,17 +42,34 @@ from swarmavg.transport import available_transports, resolve_transport
 __version__ = "0.1.0.dev0"
 
 if TYPE_CHECKING:
+    from swarmavg.optim.decentralized import (
+        DecentralizedAdam,
+        DecentralizedOptimizer,
+        DecentralizedSGD,
+    )
     from swarmavg.optim.optimizer import Optimizer
+    from swarmavg.optim.training_averager import TrainingAverager
+
+#: The training classes: they subclass torch classes, so they are resolved on first use
+#: (``import swarmavg`` does not import torch).
+_FROM_OPTIM = frozenset(
+    {
+        "DecentralizedAdam",
+        "DecentralizedOptimizer",
+        "DecentralizedSGD",
+        "Optimizer",
+        "TrainingAverager",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:
-    # swarmavg.Optimizer subclasses torch.optim.Optimizer: resolved on first use, so that
-    # `import swarmavg` does not import torch.
-    if name == "Optimizer":
-        from swarmavg.optim.optimizer import Optimizer
+    if name in _FROM_OPTIM:
+        import swarmavg.optim
 
-        globals()["Optimizer"] = Optimizer
-        return Optimizer
+        value = getattr(swarmavg.optim, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'swarmavg' has no attribute {name!r}")
 
 
@@ -65,7 +82,10 @@ __all__ = [
     "AveragingStage",
     "ConnectError",
     "ConnectionLost",
+    "DecentralizedAdam",
     "DecentralizedAverager",
+    "DecentralizedOptimizer",
+    "DecentralizedSGD",
     "Identity",
     "LoadStateFailed",
     "LocalProtocolError",
@@ -82,6 +102,7 @@ __all__ = [
     "StepResult",
     "StreamReset",
     "SwarmError",
+    "TrainingAverager",
     "TransportError",
     "TransportNotFound",
     "ValueWithExpiration",
