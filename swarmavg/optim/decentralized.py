@@ -509,7 +509,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     self._served_outcome = outcome
                     self._round_state.notify_all()
 
-    def wait_for_round(self, timeout: float | None = None) -> RoundOutcome | None:
+    def wait_for_round(
+        self, timeout: float | None = None, *, request: bool = False
+    ) -> RoundOutcome | None:
         """Wait until the averaging round requested last (running, or asked for and not begun)
         has ended and its result is written into the parameters; return what it did.
 
@@ -517,17 +519,21 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         releases :attr:`lock_parameters` while it waits (the round writes its result
         meanwhile) and takes it back before it returns or raises. Use it at the end of
         training, before an evaluation or a checkpoint, or in tests: after it, nothing changes
-        the parameters until the next ``step()``. It asks for no round itself.
+        the parameters until the next ``step()``.
 
         :param timeout: the most seconds to wait (``None``: until the round ends; a round is
             bounded by ``timeout`` of the constructor or the averager's own bounds).
+        :param request: first ask for a round of the parameters as they are now (as
+            ``step()`` does every ``averaging_steps_period`` steps; it coalesces with one
+            asked for and not begun, and a round running ends first), then wait for it.
         :returns: the round's :class:`~swarmavg.optim.RoundOutcome` (a failed round too:
             ``succeeded`` is ``False``), or ``None`` at once when no round was requested since
-            the last one ended.
+            the last one ended (never with ``request``).
         :raises TimeoutError: the round did not end within ``timeout`` (it goes on; a later
             call waits for it again).
         :raises RuntimeError: the optimizer is or was shut down meanwhile.
         :raises ValueError: ``timeout`` is not ``None`` or a number >= 0.
+        :raises TypeError: ``request`` is not a bool.
         """
         if timeout is not None and (
             isinstance(timeout, bool)
@@ -535,18 +541,23 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             or not timeout >= 0  # (also NaN)
         ):
             raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r:.40}")
+        if not isinstance(request, bool):
+            raise TypeError(f"request must be a bool, not {request!r:.40}")
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} was shut down")
-        with self._round_state:
-            target = self._rounds_requested
-            if self._served >= target:
-                return None
+        if not request:
+            with self._round_state:
+                if self._served >= self._rounds_requested:
+                    return None
         deadline = None if timeout is None else time.monotonic() + timeout
         self.lock_parameters.release()
         try:
+            if request:
+                self._request_round()
             with self._round_state:
+                target = self._rounds_requested
                 while self._served < target:
-                    if self._closed:
+                    if self._closed or self.stop_event.is_set():
                         raise RuntimeError(
                             f"this {type(self).__name__} was shut down while a round was awaited"
                         )

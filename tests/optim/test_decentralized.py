@@ -120,12 +120,10 @@ def _settle(
     outcomes: list[RoundOutcome | None],
 ) -> None:
     """Run by each peer's thread once its parameters change only by rounds and no round of it
-    is in flight: one more round (``step()`` with no gradients only asks for it), awaited; the
-    peers agree once both saw it succeed in a group of 2 (bounded retries: a round may time out
-    on a loaded machine)."""
+    is in flight: one more round, asked for and awaited; the peers agree once both saw it
+    succeed in a group of 2 (bounded retries: a round may time out on a loaded machine)."""
     for _ in range(3):
-        opt.step()
-        outcomes[index] = opt.wait_for_round(timeout=60)
+        outcomes[index] = opt.wait_for_round(timeout=60, request=True)
         barrier.wait()  # (both outcomes written)
         if all(o is not None and o.succeeded and o.group_size == 2 for o in outcomes):
             return
@@ -265,15 +263,23 @@ def test_a_failed_round_is_counted_with_a_warning(caplog: pytest.LogCaptureFixtu
     x = torch.zeros(4, requires_grad=True)
     with swarm(1) as dhts:
         opt = DecentralizedSGD(
-            [x], lr=0.1, dht=dhts[0], prefix="alone", target_group_size=2, timeout=1.0, **FAST
+            [x],
+            lr=0.1,
+            dht=dhts[0],
+            prefix="alone",
+            target_group_size=2,
+            timeout=1.0,
+            averaging_steps_period=2,
+            **FAST,
         )
         try:
             assert opt.wait_for_round() is None  # (no round asked for yet)
             with caplog.at_level(logging.WARNING):
                 x.grad = torch.ones_like(x)
                 opt.step()
+                assert opt.wait_for_round() is None  # (the first of 2 steps asks for none)
                 with pytest.raises(TimeoutError):
-                    opt.wait_for_round(timeout=0)  # (the round lasts up to its 1 s)
+                    opt.wait_for_round(timeout=0, request=True)  # (it lasts up to its 1 s)
                 assert opt.lock_parameters.locked()  # (taken back)
                 outcome = opt.wait_for_round(timeout=60)
             assert outcome is not None
@@ -289,6 +295,8 @@ def test_a_failed_round_is_counted_with_a_warning(caplog: pytest.LogCaptureFixtu
             for bad in (-1, float("nan"), True, "1"):
                 with pytest.raises(ValueError, match="timeout"):
                     opt.wait_for_round(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="request"):
+                opt.wait_for_round(request=1)  # type: ignore[arg-type]
         finally:
             opt.shutdown()
         opt.shutdown()  # idempotent
