@@ -14,7 +14,9 @@ backward. ``step()`` takes the optimizer step, releases the lock, asks for a rou
 coalesce: at most one is pending; when the background thread is idle, ``step()`` waits until
 the round copied the parameters just stepped), waits until a finished round's result is
 written (by the delta rule: local steps taken during the round are kept), and takes the lock
-back.
+back. :meth:`DecentralizedOptimizer.wait_for_round` does the same wait for the round requested
+last (the training thread releases the lock until it ended and was written), so that a caller
+can wait for averaging to settle without sleeping.
 
 Epochs (spec R-B6, :mod:`swarmavg.proto.decentralized`): each peer publishes ``{epoch, step,
 time}`` under ``f"{prefix}.progress"`` with its owner subkey after each step, and reads
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -209,6 +212,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._round_state = threading.Condition()
             self._round_busy = False
             self._rounds_started = 0
+            self._rounds_requested = 0  # (requests counted; the last round served up to _served)
+            self._served = 0
+            self._served_outcome: RoundOutcome | None = None
             self._steps_taken = 0
             self._subkey = owner_marker(dht.peer_id)
 
@@ -453,6 +459,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         with self._round_state:
             wait = not self._round_busy and self.averaging_time_period == 0
             target = self._rounds_started + 1
+            self._rounds_requested += 1
             self.update_event.set()
             if wait:
                 while self._rounds_started < target and not self.stop_event.is_set():
@@ -461,7 +468,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def _average_in_background(self) -> None:
         while not self.stop_event.is_set():
             self.update_event.wait()
-            self.update_event.clear()
+            with self._round_state:  # (a request counted after this sets the event again)
+                self.update_event.clear()
+                serving = self._rounds_requested
             if self.stop_event.is_set():
                 break
             if self.averaging_time_period:
@@ -474,26 +483,91 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.averager.pending_updates_done.clear()
                 self._rounds_started += 1
                 self._round_state.notify_all()
+            outcome = RoundOutcome(False, 0, 0.0, "the round raised an exception")
             try:
                 if self.verbose:
                     logger.info("%s: starting a new averaging round", self.prefix)
-                result = self.averager.step(self.lock_parameters, timeout=self.timeout)
-                outcome = self.averager.last_round
-                if self.verbose and result is not None and outcome is not None:
+                _, outcome = self.averager._step(
+                    self.lock_parameters, None, self.timeout, None, True, None
+                )
+                if self.verbose and outcome.succeeded:
                     logger.info(
                         "%s: finished an averaging round with %d peers in %.2f s",
                         self.prefix,
                         outcome.group_size,
                         outcome.seconds,
                     )
-            except Exception:
+            except Exception as exc:
+                outcome = RoundOutcome(False, 0, 0.0, repr(exc))
                 if not self._closed:
                     logger.exception("%s: the averaging thread failed once", self.prefix)
             finally:
                 self.averager.pending_updates_done.set()
                 with self._round_state:
                     self._round_busy = False
+                    self._served = serving
+                    self._served_outcome = outcome
                     self._round_state.notify_all()
+
+    def wait_for_round(
+        self, timeout: float | None = None, *, request: bool = False
+    ) -> RoundOutcome | None:
+        """Wait until the averaging round requested last (running, or asked for and not begun)
+        has ended and its result is written into the parameters; return what it did.
+
+        Call it from the training thread, outside :meth:`step`, as you call ``step()``: it
+        releases :attr:`lock_parameters` while it waits (the round writes its result
+        meanwhile) and takes it back before it returns or raises. Use it at the end of
+        training, before an evaluation or a checkpoint, or in tests: after it, nothing changes
+        the parameters until the next ``step()``.
+
+        :param timeout: the most seconds to wait (``None``: until the round ends; a round is
+            bounded by ``timeout`` of the constructor or the averager's own bounds).
+        :param request: first ask for a round of the parameters as they are now (as
+            ``step()`` does every ``averaging_steps_period`` steps; it coalesces with one
+            asked for and not begun, and a round running ends first), then wait for it.
+        :returns: the round's :class:`~swarmavg.optim.RoundOutcome` (a failed round too:
+            ``succeeded`` is ``False``), or ``None`` at once when no round was requested since
+            the last one ended (never with ``request``).
+        :raises TimeoutError: the round did not end within ``timeout`` (it goes on; a later
+            call waits for it again).
+        :raises RuntimeError: the optimizer is or was shut down meanwhile.
+        :raises ValueError: ``timeout`` is not ``None`` or a number >= 0.
+        :raises TypeError: ``request`` is not a bool.
+        """
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not timeout >= 0  # (also NaN)
+        ):
+            raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r:.40}")
+        if not isinstance(request, bool):
+            raise TypeError(f"request must be a bool, not {request!r:.40}")
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} was shut down")
+        if not request:
+            with self._round_state:
+                if self._served >= self._rounds_requested:
+                    return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.lock_parameters.release()
+        try:
+            if request:
+                self._request_round()
+            with self._round_state:
+                target = self._rounds_requested
+                while self._served < target:
+                    if self._closed or self.stop_event.is_set():
+                        raise RuntimeError(
+                            f"this {type(self).__name__} was shut down while a round was awaited"
+                        )
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"the averaging round did not end within {timeout} s")
+                    self._round_state.wait(remaining)
+                return self._served_outcome
+        finally:
+            self.lock_parameters.acquire()
 
     # -- state -----------------------------------------------------------------------------------
 

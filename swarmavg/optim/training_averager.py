@@ -333,14 +333,14 @@ class TrainingAverager(DecentralizedAverager):
             raise ValueError(f"weight must be a number >= 0 or None, not {weight!r:.40}")
         args = (data_lock, weight, timeout, gather, allow_retries)
         if wait:
-            return self._step(*args, None)
+            return self._step(*args, None)[0]
         handle = TrainingStepHandle()
         with self._executor_lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="swarmavg-training-averager"
                 )
-            handle._future = self._executor.submit(self._step, *args, handle)
+            handle._future = self._executor.submit(lambda: self._step(*args, handle)[0])
         return handle
 
     @contextlib.contextmanager
@@ -379,12 +379,17 @@ class TrainingAverager(DecentralizedAverager):
         gather: Any,
         allow_retries: bool,
         handle: TrainingStepHandle | None,
-    ) -> StepResult | None:
+    ) -> tuple[StepResult | None, RoundOutcome]:
+        """One round under :attr:`lock_averager_step`: its result and what it did (read under
+        the lock, so it is this round's even when other threads step too)."""
         with self.lock_averager_step:
             try:
-                return self._round(data_lock, weight, timeout, gather, allow_retries, handle)
+                result = self._round(data_lock, weight, timeout, gather, allow_retries, handle)
             finally:
                 self.local_step += 1
+            outcome = self.last_round
+            assert outcome is not None  # (every path of _round sets it)
+            return result, outcome
 
     def _round(
         self,

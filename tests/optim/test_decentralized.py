@@ -5,7 +5,7 @@ logic on a fake clock (:mod:`swarmavg.proto.decentralized`)."""
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
@@ -19,6 +19,7 @@ from swarmavg.optim.decentralized import (
     DecentralizedOptimizer,
     DecentralizedSGD,
 )
+from swarmavg.optim.training_averager import RoundOutcome
 from swarmavg.proto.decentralized import (
     EpochAccounting,
     EpochRecord,
@@ -112,10 +113,30 @@ def test_accounting_arguments_are_named() -> None:
 # -- peers ----------------------------------------------------------------------------------------
 
 
+def _settle(
+    index: int,
+    opt: DecentralizedOptimizer,
+    barrier: threading.Barrier,
+    outcomes: list[RoundOutcome | None],
+) -> None:
+    """Run by each peer's thread once its parameters change only by rounds and no round of it
+    is in flight: one more round, asked for and awaited; the peers agree once both saw it
+    succeed in a group of 2 (bounded retries: a round may time out on a loaded machine)."""
+    for _ in range(3):
+        outcomes[index] = opt.wait_for_round(timeout=60, request=True)
+        barrier.wait()  # (both outcomes written)
+        if all(o is not None and o.succeeded and o.group_size == 2 for o in outcomes):
+            return
+        barrier.wait()  # (both read them before the next try writes)
+    raise AssertionError(f"no round of the two peers succeeded: {outcomes}")
+
+
 @pytest.mark.parametrize("style", CALL_STYLES)
 def test_decentralized_sgd_ends_at_minus_7_05(style: dict[str, Any]) -> None:
     """hivemind's test_decentralized_optimizer_step: only the first step moves the parameters;
-    the round averages them: 0.5 * (0 - 0.1 * 1) + 0.5 * (1 - 0.05 * 300) = -7.05."""
+    the rounds average them: 0.5 * (0 - 0.1 * 1) + 0.5 * (1 - 0.05 * 300) = -7.05. Each peer
+    trains in its own thread (as in its own process) and waits for its rounds instead of
+    sleeping."""
     p1 = torch.zeros(32, 32, requires_grad=True)
     p2 = torch.ones(32, 32, requires_grad=True)
     with swarm(2) as dhts, ExitStack() as stack:
@@ -135,27 +156,29 @@ def test_decentralized_sgd_ends_at_minus_7_05(style: dict[str, Any]) -> None:
         for opt in opts:
             stack.callback(opt.shutdown)
         (p1.sum() + 300 * p2.sum()).backward()
-        for _ in range(5):
-            for opt in opts:
+        barrier = threading.Barrier(2, timeout=90)
+        outcomes: list[RoundOutcome | None] = [None, None]
+
+        def train(index: int, opt: DecentralizedSGD) -> None:
+            for _ in range(5):
                 opt.step()
                 opt.zero_grad()
-            time.sleep(0.1)  # (the pace of training)
-        # the first round (copied right after the first step) may end after the fifth step:
-        # a few more steps (no gradients: they only apply finished rounds), bounded
-        for _ in range(100):
-            if all(opt.rounds_succeeded >= 1 for opt in opts) and torch.equal(p1, p2):
-                break
-            for opt in opts:
-                opt.step()
-            time.sleep(0.05)
+            opt.wait_for_round(timeout=60)  # (the rounds asked for while training)
+            barrier.wait()
+            _settle(index, opt, barrier, outcomes)
+
+        run_threads([partial(train, i, opt) for i, opt in enumerate(opts)])
         assert torch.equal(p1, p2)
         assert torch.allclose(p1, torch.full_like(p1, 0.5 * (0 - 0.1) + 0.5 * (1 - 0.05 * 300)))
         assert float(p1.detach()[0, 0]) == pytest.approx(-7.05)
-        assert all(opt.last_round is not None for opt in opts)
+        assert all(opt.rounds_succeeded >= 1 for opt in opts)
+        assert all(opt.wait_for_round() is None for opt in opts)  # (nothing left in flight)
 
 
 def test_decentralized_adam_peers_agree() -> None:
-    """hivemind's test_decentralized_optimizer_averaging (skipped upstream as unstable)."""
+    """hivemind's test_decentralized_optimizer_averaging (skipped upstream as unstable): 100
+    local steps each, a round asked for after every step; then, once both stopped and their
+    rounds ended, one more round: parameters and ``exp_avg_sq`` agree within 1e-3."""
     torch.manual_seed(0)
     p1 = torch.zeros(16, requires_grad=True)
     p2 = torch.ones(16, requires_grad=True)
@@ -175,26 +198,24 @@ def test_decentralized_adam_peers_agree() -> None:
         for opt in opts:
             stack.callback(opt.shutdown)
         (p1.sum() + 300 * p2.sum()).backward()
+        barrier = threading.Barrier(2, timeout=90)
+        outcomes: list[RoundOutcome | None] = [None, None]
 
-        def train(opt: DecentralizedAdam) -> None:
+        def train(index: int, opt: DecentralizedAdam) -> None:
             for _ in range(100):
                 opt.step()
             opt.zero_grad()  # no more local updates: rounds only pull the peers together
-            before = opt.rounds_succeeded
-            for _ in range(200):  # (bounded)
-                if opt.rounds_succeeded >= before + 2:
-                    break
-                opt.step()
-                time.sleep(0.01)
+            opt.wait_for_round(timeout=60)
+            barrier.wait()
+            _settle(index, opt, barrier, outcomes)
 
-        run_threads([partial(train, opt) for opt in opts])
-        for opt in opts:
-            opt.step()  # (writes a round that ended after the last step)
+        run_threads([partial(train, i, opt) for i, opt in enumerate(opts)])
         assert torch.allclose(p1, p2, atol=1e-3)
         sq1 = opts[0].opt.state[p1]["exp_avg_sq"]
         sq2 = opts[1].opt.state[p2]["exp_avg_sq"]
         assert torch.allclose(sq1, sq2, atol=1e-3)
         assert float(sq1.max()) > 0  # (the statistics did move)
+        assert not torch.allclose(p1, torch.zeros(16), atol=1e-2)  # (and so did the parameters)
 
 
 def test_lr_scheduler_follows_the_epoch_and_a_late_peer_joins_at_it() -> None:
@@ -242,28 +263,47 @@ def test_a_failed_round_is_counted_with_a_warning(caplog: pytest.LogCaptureFixtu
     x = torch.zeros(4, requires_grad=True)
     with swarm(1) as dhts:
         opt = DecentralizedSGD(
-            [x], lr=0.1, dht=dhts[0], prefix="alone", target_group_size=2, timeout=0.3, **FAST
+            [x],
+            lr=0.1,
+            dht=dhts[0],
+            prefix="alone",
+            target_group_size=2,
+            timeout=1.0,
+            averaging_steps_period=2,
+            **FAST,
         )
         try:
+            assert opt.wait_for_round() is None  # (no round asked for yet)
             with caplog.at_level(logging.WARNING):
                 x.grad = torch.ones_like(x)
                 opt.step()
-                for _ in range(200):  # (bounded: the round times out after 0.3 s)
-                    if opt.rounds_failed:
-                        break
-                    time.sleep(0.02)
-            assert opt.rounds_failed >= 1
+                assert opt.wait_for_round() is None  # (the first of 2 steps asks for none)
+                with pytest.raises(TimeoutError):
+                    opt.wait_for_round(timeout=0, request=True)  # (it lasts up to its 1 s)
+                assert opt.lock_parameters.locked()  # (taken back)
+                outcome = opt.wait_for_round(timeout=60)
+            assert outcome is not None
+            assert not outcome.succeeded
+            assert outcome.error
+            assert outcome is opt.last_round
+            assert opt.rounds_failed == 1
             assert opt.rounds_succeeded == 0
-            assert opt.last_round is not None
-            assert not opt.last_round.succeeded
-            assert opt.last_round.error
+            assert opt.lock_parameters.locked()
+            assert opt.wait_for_round() is None  # (that round was the last one asked for)
             assert any("averaging round failed" in r.getMessage() for r in caplog.records)
             assert torch.equal(x, torch.full_like(x, -0.1))  # (the local step stands)
+            for bad in (-1, float("nan"), True, "1"):
+                with pytest.raises(ValueError, match="timeout"):
+                    opt.wait_for_round(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="request"):
+                opt.wait_for_round(request=1)  # type: ignore[arg-type]
         finally:
             opt.shutdown()
         opt.shutdown()  # idempotent
         with pytest.raises(RuntimeError, match="shut down"):
             opt.step()
+        with pytest.raises(RuntimeError, match="shut down"):
+            opt.wait_for_round()
 
 
 def test_the_optimizer_is_a_torch_optimizer() -> None:
