@@ -417,13 +417,15 @@ class DiLoCo:
         start together publish their records at about the same moment, and each one's earlier
         reads may miss the others."""
         progress = self.tracker.global_progress
-        plan = self.schedule.plan_round(progress.num_peers, self.tracker.global_epoch)
+        plan = self.schedule.plan_round(progress.num_peers, progress.epoch, time.monotonic())
         if self._first_round:
             self._first_round = False
             if plan == "alone":
                 self.tracker.fetched_global_progress_this_epoch.wait(self.matchmaking_time)
                 progress = self.tracker.global_progress
-                plan = self.schedule.plan_round(progress.num_peers, self.tracker.global_epoch)
+                plan = self.schedule.plan_round(
+                    progress.num_peers, progress.epoch, time.monotonic()
+                )
         return plan, progress
 
     def _theta_digest(self) -> bytes:
@@ -483,7 +485,7 @@ class DiLoCo:
                     started,
                     diverged=True,
                 )
-                self._catch_up(force=True)
+                self._catch_up(force=True, diverged=True)
                 return
             diverged = check.diverged
             group_size = result.group_size
@@ -677,15 +679,15 @@ class DiLoCo:
         _check_optimizer_state(self.outer_optimizer, state, ())
         return epoch, state
 
-    def _catch_up(self, force: bool = False) -> None:
+    def _catch_up(self, force: bool = False, *, diverged: bool = False) -> None:
         """Download the state because the swarm is at a later epoch (backing off after a
-        failure unless ``force``). Only a later epoch's state is taken: a peer at ours holds
-        nothing newer, and its θ_global may be another one than the swarm's."""
+        failure unless ``force``). After a diverged round (``diverged``), only a later epoch's
+        state is taken: a peer at ours may hold another θ_global than the reference's."""
         now = time.monotonic()
         if not force and not self.schedule.should_load_state(self.tracker.global_epoch, now):
             return
         try:
-            loaded = self._load_state(None, self.outer_epoch + 1)
+            loaded = self._load_state(None, self.outer_epoch + int(diverged))
         except Exception as exc:
             loaded = False
             logger.warning("%s: could not download the state: %s", self.run_id, exc)

@@ -213,16 +213,23 @@ class DiLoCoSchedule:
         self.inner_step += 1
         return self.round_due
 
-    def plan_round(self, num_peers: int, global_epoch: int) -> RoundPlan:
+    def plan_round(self, num_peers: int, global_epoch: int, now: float | None = None) -> RoundPlan:
         """What the due round does, given the run's progress records: ``num_peers`` (the
         peers with a live record, this one included if it published) and ``global_epoch``
         (the highest outer epoch among them).
+
+        With ``now`` (the caller's clock, as for :meth:`should_load_state`), a peer behind
+        the records is ``"behind"`` only when it may try a download: while a failed one asks
+        to wait, it averages with the peers at hand (a record ahead may be a killed peer's,
+        lingering until it expires, or one whose state no donor delivers: failing every round
+        until then would stop this peer). A groupmate at a later epoch still fails the round
+        (:meth:`check_round`).
 
         :raises RuntimeError: no round is due.
         """
         if not self.round_due:
             raise RuntimeError(f"no round is due at inner step {self.inner_step}")
-        if global_epoch > self.outer_epoch:
+        if global_epoch > self.outer_epoch and (now is None or now >= self._load_not_before):
             return "behind"
         if num_peers <= 1:
             return "alone"

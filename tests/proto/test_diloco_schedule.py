@@ -148,6 +148,20 @@ def test_state_download_backoff_on_a_fake_clock() -> None:
     assert schedule.should_load_state(8, now)  # (the backoff is reset)
 
 
+def test_behind_only_when_a_download_may_be_tried() -> None:
+    """A record ahead that no download delivers (a killed peer's, until it expires) does not
+    fail every round: while the backoff runs, the peer averages with the others."""
+    schedule = DiLoCoSchedule(1, outer_epoch=2)
+    schedule.inner_step_done()
+    now = 50.0
+    assert schedule.plan_round(3, 4, now) == "behind"
+    wait = schedule.state_load_failed(now)
+    assert schedule.plan_round(3, 4, now + wait / 2) == "average"
+    assert schedule.plan_round(1, 4, now + wait / 2) == "alone"
+    assert schedule.plan_round(3, 4, now + wait) == "behind"
+    assert schedule.plan_round(3, 4) == "behind"  # (no clock: the backoff is not asked)
+
+
 def test_weights() -> None:
     assert round_weight("equal", 10, 32) == 1.0
     assert round_weight("samples", 10, 32) == 320.0
