@@ -29,6 +29,7 @@ See ``docs/guides/diloco.md``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -50,12 +51,15 @@ from swarmavg.optim.state_averager import (
     _Refused,
 )
 from swarmavg.proto.diloco import (
+    DIGEST_SIZE,
     WEIGHTINGS,
     DiLoCoSchedule,
+    RoundPlan,
     RoundReport,
+    gather_payload,
     round_weight,
 )
-from swarmavg.proto.progress import hyperparameters_digest
+from swarmavg.proto.progress import GlobalTrainingProgress, hyperparameters_digest
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -282,6 +286,9 @@ class DiLoCo:
         except BaseException:
             self.tracker.shutdown()
             raise
+        #: the first round has not been planned yet: it may not go alone on the records read
+        #: before this peer began to train (see :meth:`_plan`)
+        self._first_round = True
         self._closed = False
         if hook:
             self._hook_handle = inner_optimizer.register_step_post_hook(self._post_hook)
@@ -392,6 +399,10 @@ class DiLoCo:
         if not due and self.schedule.should_load_state(self.tracker.global_epoch, time.monotonic()):
             self._catch_up()  # (the swarm moved on: this peer's steps since θ_global are stale)
         self._drive_scheduler()
+        if self._first_round and self.schedule.inner_step == 1:
+            # (the tracker reads the records again soon after this first report of samples;
+            # the first round waits for that read if it would otherwise go alone)
+            self.tracker.fetched_global_progress_this_epoch.clear()
         self.tracker.report_local_progress(
             self.outer_epoch, self.schedule.inner_step * self.batch_size
         )
@@ -400,10 +411,36 @@ class DiLoCo:
 
     # -- rounds ----------------------------------------------------------------------------------
 
+    def _plan(self) -> tuple[RoundPlan, GlobalTrainingProgress]:
+        """What the due round does. A peer's first round goes alone only on records read after
+        it began to train (it waits for that read, at most ``matchmaking_time``): peers that
+        start together publish their records at about the same moment, and each one's earlier
+        reads may miss the others."""
+        progress = self.tracker.global_progress
+        plan = self.schedule.plan_round(progress.num_peers, progress.epoch, time.monotonic())
+        if self._first_round:
+            self._first_round = False
+            if plan == "alone":
+                self.tracker.fetched_global_progress_this_epoch.wait(self.matchmaking_time)
+                progress = self.tracker.global_progress
+                plan = self.schedule.plan_round(
+                    progress.num_peers, progress.epoch, time.monotonic()
+                )
+        return plan, progress
+
+    def _theta_digest(self) -> bytes:
+        """A digest of θ_global (its shapes and fp32 bytes): equal on two peers exactly when
+        they hold the same θ_global."""
+        digest = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        with self._state_lock:
+            for backup in self.backup:
+                digest.update(repr(tuple(backup.shape)).encode())
+                digest.update(backup.contiguous().numpy().data)
+        return digest.digest()
+
     def _round(self) -> None:
         started = time.perf_counter()
-        progress = self.tracker.global_progress
-        plan = self.schedule.plan_round(progress.num_peers, self.tracker.global_epoch)
+        plan, progress = self._plan()
         if plan == "behind":
             self._fail(f"the swarm is at outer epoch {self.tracker.global_epoch}", started)
             self._catch_up(force=True)
@@ -412,13 +449,15 @@ class DiLoCo:
             for delta, backup, param in zip(deltas, self.backup, self.params, strict=True):
                 delta.copy_(backup)
                 delta.sub_(param.detach().to("cpu", torch.float32))
-        group_size = 1
+        group_size, diverged = 1, 0
         if plan == "average":
             weight = round_weight(self.weighting, self.schedule.inner_step, self.batch_size)
             self.averager.expected_group_size = max(1, progress.num_active_peers)
             try:
                 result = self.averager.step(
-                    gather=self.outer_epoch, weight=weight, timeout=self.averaging_timeout
+                    gather=gather_payload(self.outer_epoch, self._theta_digest()),
+                    weight=weight,
+                    timeout=self.averaging_timeout,
                 )
             except Exception as exc:
                 self._fail(f"{type(exc).__name__}: {exc}"[:200], started)
@@ -428,10 +467,27 @@ class DiLoCo:
                 who = ", ".join(f"{peer}: {why}" for peer, why in result.local_spans[:3])
                 self._fail(f"the all-reduce was partial ({who})"[:200], started)
                 return
-            if self.schedule.behind(list(result.gathered.values())):
+            members = {peer.to_bytes(): peer for peer in result.gathered}
+            check = self.schedule.check_round(
+                {peer.to_bytes(): value for peer, value in result.gathered.items()},
+                self._theta_digest(),
+            )
+            if check.verdict == "behind":
                 self._fail("a groupmate is at a later outer epoch", started)
                 self._catch_up(force=True)
                 return
+            if check.verdict == "diverged":
+                assert check.reference is not None
+                reference = members[check.reference]
+                self._fail(
+                    f"this peer's θ_global differs from that of {reference.short()}, the "
+                    "round's reference; taking its next state",
+                    started,
+                    diverged=True,
+                )
+                self._catch_up(force=True, diverged=True)
+                return
+            diverged = check.diverged
             group_size = result.group_size
         self._outer_step()
         report = self.schedule.round_succeeded(
@@ -442,6 +498,8 @@ class DiLoCo:
             how = "no other peer: its own pseudo-gradient"
         else:
             how = f"averaged with {group_size - 1} peers in {report.seconds:.2f} s"
+            if diverged:
+                how += f" ({diverged} held another θ_global and take this one)"
         logger.log(self.status_loglevel, "%s outer epoch %d: %s", self.run_id, report.epoch, how)
 
     @torch.no_grad()
@@ -461,8 +519,8 @@ class DiLoCo:
             for backup, param in zip(self.backup, self.params, strict=True):
                 backup.copy_(param.detach())
 
-    def _fail(self, error: str, started: float) -> None:
-        report = self.schedule.round_failed(error, time.perf_counter() - started)
+    def _fail(self, error: str, started: float, *, diverged: bool = False) -> None:
+        report = self.schedule.round_failed(error, time.perf_counter() - started, diverged=diverged)
         if report.action == "rollback":
             with torch.no_grad(), self._state_lock:
                 for param, backup in zip(self.params, self.backup, strict=True):
@@ -552,6 +610,10 @@ class DiLoCo:
         :returns: whether a state was taken.
         :raises RuntimeError: after :meth:`shutdown`.
         """
+        return self._load_state(timeout, self.outer_epoch)
+
+    def _load_state(self, timeout: float | None, min_epoch: int) -> bool:
+        """:meth:`load_state_from_peers`, refusing a state before ``min_epoch``."""
         if self._closed:
             raise RuntimeError("this DiLoCo was shut down")
         loaded = self.averager.load_state_from_peers(
@@ -562,7 +624,7 @@ class DiLoCo:
             return False
         metadata, tensors = loaded
         try:
-            epoch, outer_state = self._check_state(metadata, tensors)
+            epoch, outer_state = self._check_state(metadata, tensors, min_epoch)
             with torch.no_grad(), self._state_lock:
                 try:
                     self.outer_optimizer.load_state_dict(outer_state)
@@ -586,14 +648,18 @@ class DiLoCo:
         )
         return True
 
-    def _check_state(self, metadata: Any, tensors: list[torch.Tensor]) -> tuple[int, Any]:
+    def _check_state(
+        self, metadata: Any, tensors: list[torch.Tensor], min_epoch: int
+    ) -> tuple[int, Any]:
         if not isinstance(metadata, dict):
             raise _Refused(f"its metadata is a {type(metadata).__name__}, not a mapping")
         epoch = metadata.get("outer_epoch")
         if type(epoch) is not int or epoch < 0:
             raise _Refused(f"its outer epoch is {epoch!r:.40}, not an int >= 0")
-        if epoch < self.outer_epoch:
-            raise _Refused(f"its outer epoch {epoch} is behind ours ({self.outer_epoch})")
+        if epoch < min_epoch:
+            raise _Refused(
+                f"its outer epoch {epoch} is before {min_epoch} (ours is {self.outer_epoch})"
+            )
         if metadata.get("sync_every") != self.schedule.sync_every:
             raise _Refused(
                 f"its sync_every is {metadata.get('sync_every')!r:.40}, "
@@ -613,14 +679,15 @@ class DiLoCo:
         _check_optimizer_state(self.outer_optimizer, state, ())
         return epoch, state
 
-    def _catch_up(self, force: bool = False) -> None:
+    def _catch_up(self, force: bool = False, *, diverged: bool = False) -> None:
         """Download the state because the swarm is at a later epoch (backing off after a
-        failure unless ``force``)."""
+        failure unless ``force``). After a diverged round (``diverged``), only a later epoch's
+        state is taken: a peer at ours may hold another θ_global than the reference's."""
         now = time.monotonic()
         if not force and not self.schedule.should_load_state(self.tracker.global_epoch, now):
             return
         try:
-            loaded = self.load_state_from_peers()
+            loaded = self._load_state(None, self.outer_epoch + int(diverged))
         except Exception as exc:
             loaded = False
             logger.warning("%s: could not download the state: %s", self.run_id, exc)

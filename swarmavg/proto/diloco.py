@@ -21,6 +21,17 @@ own:
   is at a later outer epoch: this peer's θ_global is stale, the round fails and the caller
   downloads the state), ``"alone"`` (no other peer reports progress in the run: the peer
   applies its own Δ, as OpenDiLoCo does) or ``"average"``;
+* each member of a round sends its outer epoch and a digest of its θ_global along
+  (:func:`gather_payload`); :meth:`DiLoCoSchedule.check_round` reads what the members sent:
+  ``"behind"`` (a member is at a later epoch), ``"diverged"`` (this peer's θ_global is not the
+  round's *reference*: the one held by the member with the lowest PeerID among those at the
+  highest epoch) or ``"agree"``. Peers that started from other weights, or that each took a
+  first round alone, hold different θ_global at the same epoch; averaging Δ would keep them
+  apart forever. After such a round the reference member (and every member whose θ_global is
+  the reference's) takes the outer step, and the others roll back and download the state of
+  the next epoch: one θ_global again, without a second round. It cannot loop: the reference
+  never changes its state because of the others, and a peer whose download fails is behind
+  (or diverged) again in its next round;
 * :meth:`DiLoCoSchedule.round_succeeded` moves to the next outer epoch;
   :meth:`DiLoCoSchedule.round_failed` applies ``on_round_failure``: ``"rollback"`` (back to
   θ_global, the local progress is discarded, as torchft does after a failed commit) or
@@ -36,17 +47,22 @@ Every round, whatever its outcome, leaves a :class:`RoundReport` in
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
 __all__ = [
+    "DIGEST_SIZE",
     "FAILURE_POLICIES",
     "WEIGHTINGS",
     "DiLoCoSchedule",
     "RoundAction",
+    "RoundCheck",
     "RoundOutcome",
     "RoundPlan",
     "RoundReport",
+    "gather_payload",
+    "parse_gathered",
     "round_weight",
 ]
 
@@ -57,9 +73,13 @@ WEIGHTINGS: Final = ("equal", "samples")
 #: Backoff after a failed state download: first wait, longest wait (seconds).
 LOAD_BACKOFF: Final = (1.0, 60.0)
 
+#: Bytes of a θ_global digest in a round's gathered metadata.
+DIGEST_SIZE: Final = 16
+
 RoundPlan: TypeAlias = Literal["average", "alone", "behind"]
 RoundOutcome: TypeAlias = Literal["averaged", "alone", "failed"]
 RoundAction: TypeAlias = Literal["outer_step", "rollback", "keep_local"]
+RoundVerdict: TypeAlias = Literal["agree", "behind", "diverged"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +105,43 @@ class RoundReport:
     inner_steps: int
     error: str | None = None
     seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundCheck:
+    """What the members of an averaged round sent, as one peer reads it.
+
+    :ivar verdict: ``"agree"`` (this peer holds the reference θ_global: take the outer step),
+        ``"behind"`` (a member is at a later outer epoch) or ``"diverged"`` (same epoch,
+        another θ_global than the reference's: roll back and download the next epoch's state).
+    :ivar reference: the member whose θ_global the round keeps (the lowest PeerID among the
+        members at the highest epoch), ``None`` when no member sent a valid payload.
+    :ivar diverged: the members at the highest epoch whose θ_global is not the reference's.
+    """
+
+    verdict: RoundVerdict
+    reference: bytes | None
+    diverged: int
+
+
+def gather_payload(outer_epoch: int, digest: bytes) -> dict[str, object]:
+    """What a peer sends with its Δ: its outer epoch and the digest of its θ_global
+    (``DIGEST_SIZE`` bytes)."""
+    return {"epoch": outer_epoch, "theta": digest}
+
+
+def parse_gathered(value: object) -> tuple[int, bytes] | None:
+    """``(outer_epoch, digest)`` from a member's gathered metadata (from the network), or
+    ``None`` when it is not a mapping with an int ``epoch`` ≥ 0 and a ``DIGEST_SIZE``-byte
+    ``theta``."""
+    if not isinstance(value, dict):
+        return None
+    epoch, digest = value.get("epoch"), value.get("theta")
+    if type(epoch) is not int or epoch < 0:  # (not a bool)
+        return None
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_SIZE:
+        return None
+    return epoch, digest
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -134,6 +191,8 @@ class DiLoCoSchedule:
         self.rounds_averaged = 0
         self.rounds_alone = 0
         self.rounds_failed = 0
+        #: failed rounds in which this peer's θ_global was not the round's reference
+        self.rounds_diverged = 0
         self.state_loads = 0
         self._load_failures = 0
         self._load_not_before = -math.inf
@@ -154,28 +213,52 @@ class DiLoCoSchedule:
         self.inner_step += 1
         return self.round_due
 
-    def plan_round(self, num_peers: int, global_epoch: int) -> RoundPlan:
+    def plan_round(self, num_peers: int, global_epoch: int, now: float | None = None) -> RoundPlan:
         """What the due round does, given the run's progress records: ``num_peers`` (the
         peers with a live record, this one included if it published) and ``global_epoch``
         (the highest outer epoch among them).
+
+        With ``now`` (the caller's clock, as for :meth:`should_load_state`), a peer behind
+        the records is ``"behind"`` only when it may try a download: while a failed one asks
+        to wait, it averages with the peers at hand (a record ahead may be a killed peer's,
+        lingering until it expires, or one whose state no donor delivers: failing every round
+        until then would stop this peer). A groupmate at a later epoch still fails the round
+        (:meth:`check_round`).
 
         :raises RuntimeError: no round is due.
         """
         if not self.round_due:
             raise RuntimeError(f"no round is due at inner step {self.inner_step}")
-        if global_epoch > self.outer_epoch:
+        if global_epoch > self.outer_epoch and (now is None or now >= self._load_not_before):
             return "behind"
         if num_peers <= 1:
             return "alone"
         return "average"
 
-    def behind(self, epochs: list[object]) -> bool:
-        """Whether a round's gathered outer epochs (one per member, from the network; values
-        that are not ints ≥ 0 are ignored) show a member at a later epoch than ours."""
-        return any(
-            type(epoch) is int and epoch > self.outer_epoch  # (not a bool)
-            for epoch in epochs
-        )
+    def check_round(self, gathered: Mapping[bytes, object], digest: bytes) -> RoundCheck:
+        """Read an averaged round's gathered metadata: ``gathered`` maps each member's PeerID
+        (bytes) to what it sent (:func:`gather_payload`; malformed values are ignored);
+        ``digest`` is this peer's θ_global digest at :attr:`outer_epoch`.
+
+        The reference is the member with the lowest PeerID among those at the highest epoch.
+        Every member sees the same metadata, so every member picks the same reference.
+        """
+        members = {
+            peer: parsed for peer, raw in gathered.items() if (parsed := parse_gathered(raw))
+        }
+        if not members:
+            return RoundCheck("agree", None, 0)
+        top = max(epoch for epoch, _ in members.values())
+        if top > self.outer_epoch:
+            return RoundCheck("behind", None, 0)
+        at_top = sorted(peer for peer, (epoch, _) in members.items() if epoch == top)
+        reference = at_top[0]
+        kept = members[reference][1]
+        diverged = sum(1 for peer in at_top if members[peer][1] != kept)
+        if top < self.outer_epoch or digest == kept:
+            # (every member is behind us: they fail their round, ours stands)
+            return RoundCheck("agree", reference, diverged)
+        return RoundCheck("diverged", reference, diverged)
 
     def round_succeeded(self, *, alone: bool, group_size: int, seconds: float = 0.0) -> RoundReport:
         """The outer step was taken: next epoch, no local progress."""
@@ -196,10 +279,16 @@ class DiLoCoSchedule:
         self.last_round = report
         return report
 
-    def round_failed(self, error: str, seconds: float = 0.0) -> RoundReport:
+    def round_failed(
+        self, error: str, seconds: float = 0.0, *, diverged: bool = False
+    ) -> RoundReport:
         """The round failed: ``on_round_failure`` says what the parameters do (the report's
-        ``action``); the epoch stays; with ``"rollback"`` the local progress is gone."""
-        action: RoundAction = "rollback" if self.on_round_failure == "rollback" else "keep_local"
+        ``action``); the epoch stays; with ``"rollback"`` the local progress is gone.
+        ``diverged``: the round averaged, but this peer's θ_global was not the reference
+        (:meth:`check_round`): its Δ is in the others' next θ_global already, so it always
+        rolls back (and counts in :attr:`rounds_diverged` too)."""
+        rollback = diverged or self.on_round_failure == "rollback"
+        action: RoundAction = "rollback" if rollback else "keep_local"
         report = RoundReport(
             epoch=self.outer_epoch,
             outcome="failed",
@@ -210,6 +299,8 @@ class DiLoCoSchedule:
             seconds=seconds,
         )
         self.rounds_failed += 1
+        if diverged:
+            self.rounds_diverged += 1
         if action == "rollback":
             self.inner_step = 0
         self.last_round = report

@@ -329,6 +329,61 @@ def test_join_leave_and_failed_round_keep_one_global_state(
     assert set(snapshots["B"]) >= {target}
 
 
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_peers_that_start_together_from_other_weights_agree(
+    sync_every: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two peers start at the same moment (no wait for each other) from other initial
+    weights. Their first round finds them at outer epoch 0 with other θ_global (averaged, or
+    each alone); the one that is not the round's reference rolls back and takes the next
+    state of the other. From outer epoch 2 on, they hold the same θ_global and outer state at
+    every epoch, and at the end."""
+    dim, target = 4, 5
+    snapshots: dict[int, dict[int, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+    schedules: dict[int, Any] = {}
+    start = threading.Barrier(2)
+    done = [threading.Event() for _ in range(2)]
+
+    def train(peer: int, dht: DHT) -> None:
+        torch.manual_seed(10 + peer)
+        model = torch.nn.Linear(dim, 1)  # other initial weights
+        generator = torch.Generator().manual_seed(20 + peer)
+        mine = snapshots.setdefault(peer, {})
+        start.wait(30)
+        with _make(dht, model, "together", sync_every=sync_every) as diloco:
+            inner = diloco.inner_optimizer
+            for _ in range(2000):
+                if diloco.outer_epoch >= target:
+                    break
+                x = torch.randn(4, dim, generator=generator)
+                F.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+                inner.step()
+                inner.zero_grad()
+                if diloco.outer_epoch not in mine:
+                    mine[diloco.outer_epoch] = (_flat(diloco.backup), _outer_state(diloco))
+            assert diloco.outer_epoch == target, f"peer {peer} stopped at {diloco.outer_epoch}"
+            schedules[peer] = diloco.schedule
+            done[peer].set()
+            assert done[1 - peer].wait(60)  # (serve the state until the other one is done)
+
+    with swarm(2) as dhts:
+        run_threads([partial(train, i, dht) for i, dht in enumerate(dhts)])
+
+    assert target in snapshots[0]
+    assert target in snapshots[1]
+    for epoch in set(snapshots[0]) & set(snapshots[1]) - {0, 1}:
+        a, b = snapshots[0][epoch], snapshots[1][epoch]
+        torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
+        assert len(a[1]) == len(b[1]) == 2  # (the momentum buffers of the weight and bias)
+        for mine, theirs in zip(a[1], b[1], strict=True):
+            torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert sum(s.state_loads for s in schedules.values()) >= 1
+    assert sum(s.rounds_diverged for s in schedules.values()) >= 1
+    diverged = [r for r in caplog.records if "the round's reference" in r.message]
+    assert diverged
+    assert all(r.levelname == "WARNING" for r in diverged)
+
+
 # -- arguments and lifecycle ---------------------------------------------------------------------
 
 

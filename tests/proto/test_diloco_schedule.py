@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from swarmavg.proto.diloco import LOAD_BACKOFF, DiLoCoSchedule, round_weight
+from swarmavg.proto.diloco import (
+    DIGEST_SIZE,
+    LOAD_BACKOFF,
+    DiLoCoSchedule,
+    gather_payload,
+    parse_gathered,
+    round_weight,
+)
+
+A, B, C = b"\x01peer-a", b"\x02peer-b", b"\x03peer-c"
+X, Y = b"x" * DIGEST_SIZE, b"y" * DIGEST_SIZE
 
 
 def test_a_round_is_due_every_sync_every_inner_steps() -> None:
@@ -68,9 +78,55 @@ def test_rollback_discards_local_progress_and_keep_local_keeps_it() -> None:
 
 def test_gathered_epochs_show_a_peer_ahead() -> None:
     schedule = DiLoCoSchedule(1, outer_epoch=5)
-    assert not schedule.behind([5, 4, 5])
-    assert schedule.behind([5, 6])
-    assert not schedule.behind([True, "9", None, 7.0, -1])  # (malformed values are ignored)
+    gathered = {A: gather_payload(5, X), B: gather_payload(4, Y), C: gather_payload(5, X)}
+    check = schedule.check_round(gathered, X)
+    assert (check.verdict, check.reference, check.diverged) == ("agree", A, 0)
+    assert schedule.check_round({A: gather_payload(5, X), B: gather_payload(6, X)}, X).verdict == (
+        "behind"
+    )
+    malformed: list[object] = [
+        True,
+        "9",
+        None,
+        7,
+        {"epoch": True, "theta": X},
+        {"epoch": 7.0, "theta": X},
+        {"epoch": -1, "theta": X},
+        {"epoch": 9, "theta": b"short"},
+        {"epoch": 9, "theta": "x" * DIGEST_SIZE},
+        {"epoch": 9},
+    ]
+    for value in malformed:  # (ignored: neither behind nor the reference)
+        assert parse_gathered(value) is None
+        check = schedule.check_round({A: value, B: gather_payload(5, Y)}, Y)
+        assert (check.verdict, check.reference) == ("agree", B)
+    assert schedule.check_round({}, X).verdict == "agree"
+
+
+def test_the_reference_is_the_lowest_peer_at_the_highest_epoch() -> None:
+    """Members at the same epoch with other θ_global: the one with the lowest PeerID holds
+    the reference; every member whose digest is not the reference's has diverged."""
+    schedule = DiLoCoSchedule(1, outer_epoch=3)
+    gathered = {C: gather_payload(3, X), B: gather_payload(3, Y), A: gather_payload(3, X)}
+    check = schedule.check_round(gathered, X)
+    assert (check.verdict, check.reference, check.diverged) == ("agree", A, 1)
+    check = schedule.check_round(gathered, Y)
+    assert (check.verdict, check.reference, check.diverged) == ("diverged", A, 1)
+    # a member behind us does not count: it fails its own round
+    behind = {A: gather_payload(2, Y), B: gather_payload(3, X)}
+    assert schedule.check_round(behind, X).reference == B
+    assert schedule.check_round(behind, X).verdict == "agree"
+
+
+def test_a_diverged_round_always_rolls_back() -> None:
+    for policy in ("rollback", "keep_local"):
+        schedule = DiLoCoSchedule(2, policy, outer_epoch=1)
+        schedule.inner_step_done()
+        schedule.inner_step_done()
+        report = schedule.round_failed("another θ_global", diverged=True)
+        assert (report.outcome, report.action, report.inner_steps) == ("failed", "rollback", 2)
+        assert (schedule.inner_step, schedule.outer_epoch) == (0, 1)
+        assert (schedule.rounds_failed, schedule.rounds_diverged) == (1, 1)
 
 
 def test_state_download_backoff_on_a_fake_clock() -> None:
@@ -90,6 +146,20 @@ def test_state_download_backoff_on_a_fake_clock() -> None:
     assert (schedule.outer_epoch, schedule.inner_step, schedule.state_loads) == (7, 0, 1)
     assert schedule.global_step == 28
     assert schedule.should_load_state(8, now)  # (the backoff is reset)
+
+
+def test_behind_only_when_a_download_may_be_tried() -> None:
+    """A record ahead that no download delivers (a killed peer's, until it expires) does not
+    fail every round: while the backoff runs, the peer averages with the others."""
+    schedule = DiLoCoSchedule(1, outer_epoch=2)
+    schedule.inner_step_done()
+    now = 50.0
+    assert schedule.plan_round(3, 4, now) == "behind"
+    wait = schedule.state_load_failed(now)
+    assert schedule.plan_round(3, 4, now + wait / 2) == "average"
+    assert schedule.plan_round(1, 4, now + wait / 2) == "alone"
+    assert schedule.plan_round(3, 4, now + wait) == "behind"
+    assert schedule.plan_round(3, 4) == "behind"  # (no clock: the backoff is not asked)
 
 
 def test_weights() -> None:
