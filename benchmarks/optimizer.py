@@ -965,7 +965,7 @@ def _plot_curves(path: Path, curves: dict[str, dict[str, Any]], title: str, G: i
     ax.set_ylim(top=3.5)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
