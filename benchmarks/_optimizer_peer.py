@@ -35,10 +35,10 @@ with batch ``peers x batch_size``):
   warmup as its ``scheduler``, driven by the global step), the outer optimizer SGD at
   ``--outer-lr`` (0.7), ``--outer-momentum`` (0.9), Nesterov, ``sync_every=--sync-every``,
   ``compression`` ``--compression none|fp16`` (``Float16Compression()``), ``matchmaking_time``
-  and ``averaging_timeout`` from the flags, ``tracker_opts={"max_refresh_period":
-  --tracker-refresh}`` (1 s: the tracker's default, 10 s, lets a peer made before the others
-  miss them at its first round and take it alone). ``--start-delay`` (seconds after the go)
-  lets peer 0 start before the others.
+  and ``averaging_timeout`` from the flags, ``tracker_opts`` reading the others' records
+  every 0.1 s to ``--tracker-refresh`` (1 s; with the tracker's defaults, 0.5-10 s, a peer
+  that waited idle for the others read last before they were made, and took its first rounds
+  alone). ``--start-delay`` (seconds after the go) lets this peer start later than the go.
 
 The workload module is loaded by file path (it imports torch and numpy only), so this script
 needs nothing of swarmavg under hivemind's Python. Each peer draws its own stream of batches
