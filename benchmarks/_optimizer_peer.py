@@ -1,8 +1,9 @@
 """One training process of ``benchmarks/optimizer.py``: the workload of
-``swarmavg/testing/workload.py`` trained with ``swarmavg.Optimizer``, ``hivemind.Optimizer``, or
-alone.
+``swarmavg/testing/workload.py`` trained with ``swarmavg.Optimizer``, ``hivemind.Optimizer``,
+``swarmavg.DecentralizedSGD`` / ``DecentralizedAdam``, ``swarmavg.optim.DiLoCo``, or alone.
 
-    python benchmarks/_optimizer_peer.py --system swarmavg|hivemind|local [options]
+    python benchmarks/_optimizer_peer.py \
+        --system swarmavg|hivemind|dsgd|dadam|diloco|local [options]
 
 ``--system swarmavg`` runs under the project's Python (``swarmavg.DHT`` + ``swarmavg.Optimizer``),
 ``--system hivemind`` under a Python with hivemind 1.1.12 (``hivemind.DHT`` +
@@ -13,7 +14,31 @@ get the same keyword arguments: ``dht``, ``run_id``, ``target_batch_size``,
 ``matchmaking_time``, ``averaging_timeout``, the ``delay_*`` flags that are given (the others keep
 the library's default) and ``verbose``. ``--system local`` accumulates the gradients of its
 batches of ``--batch-size`` until ``--target-batch-size`` samples, then steps Adam and the
-scheduler: exactly one process training with batch T (the epoch is one optimizer step there).
+scheduler: exactly one process training with batch T (the epoch is one optimizer step there);
+``--local-optimizer sgd`` makes it SGD at ``--sgd-lr`` with ``--momentum`` instead of Adam.
+
+The per-step systems (``dsgd``, ``dadam``, ``diloco``) take an optimizer step on every batch of
+``--batch-size``; their epoch is only a reporting unit: ``--steps-per-epoch`` local steps
+(default ``target_batch_size / (batch_size x num_peers)``, so that an epoch of all the peers
+is T samples as for the collaborative optimizer). Their learning rate follows the same warmup
+per local step (one local step of a peer stands for one optimizer step of a process alone
+with batch ``peers x batch_size``):
+
+- ``--system dsgd``: ``swarmavg.DecentralizedSGD`` (SGD at ``--sgd-lr``, ``--momentum``);
+  ``--system dadam``: ``swarmavg.DecentralizedAdam`` (Adam at ``--lr``; the parameters and
+  ``exp_avg_sq`` averaged). Both: ``target_group_size=--group-size`` (default the peers),
+  ``averaging_steps_period=--averaging-steps-period``, ``timeout=--averaging-timeout``,
+  ``averaging_expiration=--matchmaking-time``; the warmup is a ``LambdaLR`` on the wrapped
+  torch optimizer stepped per local step (the library's epochs, ``total_steps_in_epoch``, are
+  left at a size the run never reaches: no epoch change, no resync).
+- ``--system diloco``: ``swarmavg.optim.DiLoCo`` as a hook on an inner Adam at ``--lr`` (the
+  warmup as its ``scheduler``, driven by the global step), the outer optimizer SGD at
+  ``--outer-lr`` (0.7), ``--outer-momentum`` (0.9), Nesterov, ``sync_every=--sync-every``,
+  ``compression`` ``--compression none|fp16`` (``Float16Compression()``), ``matchmaking_time``
+  and ``averaging_timeout`` from the flags, ``tracker_opts`` reading the others' records
+  every 0.1 s to ``--tracker-refresh`` (1 s; with the tracker's defaults, 0.5-10 s, a peer
+  that waited idle for the others read last before they were made, and took its first rounds
+  alone). ``--start-delay`` (seconds after the go) lets this peer start later than the go.
 
 The workload module is loaded by file path (it imports torch and numpy only), so this script
 needs nothing of swarmavg under hivemind's Python. Each peer draws its own stream of batches
@@ -33,7 +58,11 @@ Protocol: JSON lines on stdout (logs go to stderr), one object per line:
   ``--eval-every``, is that of the initial model).
 - ``{"event": "done", "peer", "epoch", "t", "samples", "steps", "timed_out", "val_loss"?,
   "train_s"}`` when the local epoch reached ``--epochs`` (or ``--max-samples`` were fed, or
-  ``--deadline`` seconds passed: ``timed_out``). ``val_loss``: with ``--final-eval``.
+  ``--deadline`` seconds passed: ``timed_out``). ``val_loss``: with ``--final-eval``. The swarm
+  systems of swarmavg add what this peer's averagers did until then: ``bytes_sent``,
+  ``bytes_received`` (all-reduce payloads of completed rounds), ``rounds`` (all-reduce rounds
+  completed), ``rounds_failed`` (averaging steps that failed), ``state_bytes`` (state
+  downloaded and served).
 - Then, with ``--wait-go``, the peer keeps its DHT and optimizer up (so that peers still
   finishing can average with it or load its state) until a line ``stop`` or EOF on stdin (at
   most ``--linger`` seconds), shuts down and prints ``{"event": "exit", "shutdown_s"}``. With
@@ -88,7 +117,7 @@ def warmup_lambda(warmup_epochs: int) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--system", choices=("swarmavg", "hivemind", "local"), required=True)
+    p.add_argument("--system", choices=SYSTEMS, required=True)
     p.add_argument("--peer", type=int, default=0)
     p.add_argument("--num-peers", type=int, default=1)
     p.add_argument("--initial-peers", nargs="*", default=[])
@@ -119,17 +148,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after done, go on training (uncounted) until told to stop, as in a longer run",
     )
     p.add_argument("--startup-timeout", type=float, default=120.0)
-    return p.parse_args(argv)
+    p.add_argument("--local-optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD (dsgd, --local-optimizer sgd)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
+    p.add_argument("--steps-per-epoch", type=int, default=0, help="per-step systems; 0: T/(b x n)")
+    p.add_argument("--group-size", type=int, default=0, help="dsgd/dadam; 0: --num-peers")
+    p.add_argument("--averaging-steps-period", type=int, default=4, help="dsgd/dadam")
+    p.add_argument("--sync-every", type=int, default=10, help="diloco: H")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none", help="diloco's Δ")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco (Nesterov)")
+    p.add_argument("--start-delay", type=float, default=0.0, help="s after the go (--wait-go)")
+    p.add_argument("--tracker-refresh", type=float, default=1.0, help="diloco: max_refresh_period")
+    args = p.parse_args(argv)
+    if args.steps_per_epoch <= 0:
+        per_epoch = args.target_batch_size // (args.batch_size * max(1, args.num_peers))
+        args.steps_per_epoch = max(1, per_epoch)
+    return args
 
 
 # -- the systems ----------------------------------------------------------------------------------
+
+#: the collaborative optimizers (an epoch is the swarm's T samples)
+COLLABORATIVE = ("swarmavg", "hivemind")
+#: the optimizers whose peers step on every batch
+PER_STEP = ("dsgd", "dadam", "diloco")
+SYSTEMS = (*COLLABORATIVE, *PER_STEP, "local")
 
 
 class _Local:
     """Training alone: accumulate ``batch_size`` batches until ``target`` samples, then step."""
 
     def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
-        self.opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        self.opt: torch.optim.Optimizer
+        if args.local_optimizer == "sgd":
+            self.opt = torch.optim.SGD(model.parameters(), lr=args.sgd_lr, momentum=args.momentum)
+        else:
+            self.opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.opt, warmup_lambda(args.warmup_epochs)
         )
@@ -149,8 +204,128 @@ class _Local:
             self.accumulated = 0
             self.local_epoch += 1
 
+    def traffic(self) -> dict[str, Any]:
+        return {}
+
     def shutdown(self) -> None:
         pass
+
+
+def _averager_traffic(metrics: Any) -> dict[str, int]:
+    """What one ``swarmavg`` averager did (an ``AveragerMetrics`` snapshot)."""
+    return {
+        "bytes_sent": int(metrics.bytes_sent),
+        "bytes_received": int(metrics.bytes_received),
+        "rounds": int(metrics.rounds_completed),
+        "rounds_failed": int(metrics.steps_failed),
+        "state_bytes": int(metrics.state_bytes_served + metrics.state_bytes_downloaded),
+    }
+
+
+def _swarmavg_dht(args: argparse.Namespace) -> Any:
+    import swarmavg
+
+    return swarmavg.DHT(
+        initial_peers=args.initial_peers,
+        host="127.0.0.1",
+        port=0,
+        startup_timeout=args.startup_timeout,
+    )
+
+
+class _PerStep:
+    """``DecentralizedSGD`` / ``DecentralizedAdam`` / ``DiLoCo``: an optimizer step on every
+    batch; the reported epoch is ``--steps-per-epoch`` local steps."""
+
+    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+        try:
+            from swarmavg.compression import Float16Compression
+            from swarmavg.optim import DecentralizedAdam, DecentralizedSGD, DiLoCo
+        except ImportError as exc:
+            raise SystemUnavailable(f"{args.system} is not available here: {exc}") from exc
+        self.system = args.system
+        self.steps = 0
+        self.steps_per_epoch = args.steps_per_epoch
+        warmup = warmup_lambda(args.warmup_epochs)
+        self.dht = _swarmavg_dht(args)
+        self.scheduler: Any = None
+        try:
+            if args.system == "diloco":
+                self.inner = torch.optim.Adam(model.parameters(), lr=args.lr)
+                outer_lr, momentum = args.outer_lr, args.outer_momentum
+                compression = Float16Compression() if args.compression == "fp16" else None
+                self.opt: Any = DiLoCo(
+                    model.parameters(),
+                    inner_optimizer=self.inner,
+                    outer_optimizer=lambda params: torch.optim.SGD(
+                        params, lr=outer_lr, momentum=momentum, nesterov=momentum > 0
+                    ),
+                    dht=self.dht,
+                    run_id=args.run_id,
+                    sync_every=args.sync_every,
+                    scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, warmup),
+                    batch_size=args.batch_size,
+                    compression=compression,
+                    matchmaking_time=args.matchmaking_time,
+                    averaging_timeout=args.averaging_timeout,
+                    # (reads the others' records often: a peer made before the others must
+                    # see them before its first round, else it takes it alone)
+                    tracker_opts={
+                        "min_refresh_period": min(0.1, args.tracker_refresh),
+                        "max_refresh_period": args.tracker_refresh,
+                    },
+                )
+            else:
+                common: dict[str, Any] = dict(
+                    dht=self.dht,
+                    prefix=args.run_id,
+                    target_group_size=args.group_size or args.num_peers,
+                    averaging_steps_period=args.averaging_steps_period,
+                    timeout=args.averaging_timeout,
+                    verbose=args.verbose,
+                    total_steps_in_epoch=1 << 40,  # (never reached: no epoch change, no resync)
+                    averaging_expiration=args.matchmaking_time,
+                )
+                if args.system == "dsgd":
+                    self.opt = DecentralizedSGD(
+                        model.parameters(), lr=args.sgd_lr, momentum=args.momentum, **common
+                    )
+                else:
+                    self.opt = DecentralizedAdam(model.parameters(), lr=args.lr, **common)
+                self.inner = self.opt.opt
+                self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, warmup)
+        except BaseException:
+            self.dht.shutdown()
+            raise
+
+    @property
+    def local_epoch(self) -> int:
+        return self.steps // self.steps_per_epoch
+
+    def backward(self, loss: torch.Tensor, batch: int) -> None:
+        loss.backward()
+
+    def step(self, batch: int) -> None:
+        if self.system == "diloco":
+            self.inner.step()  # (DiLoCo's hook: every sync_every-th step runs a round)
+            self.inner.zero_grad()
+        else:
+            self.opt.step()
+            self.opt.zero_grad()
+            self.scheduler.step()
+        self.steps += 1
+
+    def maddrs(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def traffic(self) -> dict[str, Any]:
+        return _averager_traffic(self.opt.averager.metrics)
+
+    def shutdown(self) -> None:
+        try:
+            self.opt.shutdown()
+        finally:
+            self.dht.shutdown()
 
 
 class _Swarm:
@@ -169,15 +344,8 @@ class _Swarm:
             self.dht.wait_until_ready(args.startup_timeout)
             optimizer_class: Any = hivemind.Optimizer
         else:
-            import swarmavg
-
             optimizer_class = _swarmavg_optimizer()
-            self.dht = swarmavg.DHT(
-                initial_peers=args.initial_peers,
-                host="127.0.0.1",
-                port=0,
-                startup_timeout=args.startup_timeout,
-            )
+            self.dht = _swarmavg_dht(args)
         lr, warmup = args.lr, args.warmup_epochs
         delays = {
             name: getattr(args, name)
@@ -215,6 +383,17 @@ class _Swarm:
 
     def maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def traffic(self) -> dict[str, Any]:
+        metrics = getattr(self.opt, "metrics", None)  # (hivemind's optimizer has none)
+        if metrics is None:
+            return {}
+        parts = [m for m in (metrics.gradients, metrics.state) if m is not None]
+        totals: dict[str, Any] = {}
+        for part in parts:
+            for key, value in _averager_traffic(part).items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
 
     def shutdown(self) -> None:
         try:
@@ -268,7 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     corpus = workload.load_corpus(root=args.stdlib)
     model = workload.make_model(args.model_seed)
     try:
-        system: Any = _Swarm(model, args) if args.system != "local" else _Local(model, args)
+        system: Any
+        if args.system in COLLABORATIVE:
+            system = _Swarm(model, args)
+        elif args.system in PER_STEP:
+            system = _PerStep(model, args)
+        else:
+            system = _Local(model, args)
     except SystemUnavailable as exc:
         emit(event="error", peer=args.peer, error=str(exc))
         return 3
@@ -288,7 +473,7 @@ def _train(
     system: Any,
     began: float,
 ) -> int:
-    maddrs = system.maddrs() if isinstance(system, _Swarm) else []
+    maddrs = system.maddrs() if isinstance(system, _Swarm | _PerStep) else []
     emit(
         event="ready",
         peer=args.peer,
@@ -300,7 +485,7 @@ def _train(
         line = _stdin_line(args.startup_timeout + 600)
         if not line:
             raise SystemExit("no go from the driver")
-        go = float(json.loads(line)["go"])
+        go = float(json.loads(line)["go"]) + args.start_delay
         time.sleep(max(0.0, go - time.monotonic()))
     start = time.monotonic()
 
@@ -348,7 +533,7 @@ def _train(
             )
             epoch_samples = epoch_steps = 0
     train_s = time.monotonic() - start
-    final: dict[str, Any] = {}
+    final: dict[str, Any] = dict(system.traffic())
     if args.final_eval:
         final["val_loss"] = evaluate()
     emit(

@@ -1,8 +1,11 @@
-"""Collaborative-training benchmarks (issue 23's figures): ``swarmavg.Optimizer`` beside
-``hivemind.Optimizer`` 1.1.12 and beside training alone, on the workload of
-``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard library's source).
+"""Collaborative-training benchmarks (issue 23's and 25's figures): ``swarmavg.Optimizer``
+beside ``hivemind.Optimizer`` 1.1.12 and beside training alone; ``DecentralizedSGD`` /
+``DecentralizedAdam`` and ``DiLoCo`` beside training alone and ``swarmavg.Optimizer``; on the
+workload of ``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard
+library's source).
 
     python benchmarks/optimizer.py [--quick] [--parts convergence,speed,overhead]
+                                   [--parts decentralized,diloco]
                                    [--systems swarmavg,hivemind] [--peers 4]
                                    [--target-batch-size 256] [--batch-size 16]
                                    [--convergence-epochs 100] [--speed-epochs 20]
@@ -32,7 +35,7 @@ peer fed to ``step()`` until then (their sum per epoch is the swarm's samples pe
 peer 0's validation loss (``workload.evaluate``: 8 batches of 64 x 64 fixed validation
 windows) every ``--eval-every`` epochs.
 
-Parts (``--parts``, default all three):
+Parts (``--parts``, default the first three; ``decentralized`` and ``diloco`` on request):
 
 - **convergence**: for each system in ``--convergence-systems`` (default swarmavg), ``--peers``
   (4) peers for ``--convergence-epochs`` (E, 100; ``--quick`` 20) epochs, evaluated every
@@ -57,6 +60,37 @@ Parts (``--parts``, default all three):
   peers). Reported: samples/s of each (all samples over the wall-clock) and the overhead
   1 - swarm / alone (goal: <= 20% with the delays). Identical configurations (a speed run at
   the same matchmaking time and epochs) are run once and reused.
+- **decentralized** (issue 25): ``--peers`` (4) peers of each of ``--decentralized-systems``
+  (``dsgd``: ``swarmavg.DecentralizedSGD``, SGD ``--sgd-lr`` 0.1 momentum 0.9; ``dadam``:
+  ``swarmavg.DecentralizedAdam``, Adam ``--lr``), each peer stepping on every batch of 16,
+  ``target_group_size=--group-size`` (default the peers), ``averaging_steps_period=
+  --averaging-steps-period`` (4), ``averaging_expiration=--decentralized-matchmaking-time``
+  (1 s), for ``--decentralized-epochs`` (E, 100; ``--quick`` 25) epochs of T samples of all
+  the peers (T / (peers x 16) = 4 local steps each: 400 steps, 25,600 samples in all);
+  their reference is one process with the same global batch G = peers x 16 = 64 (``--system
+  local --target-batch-size 64``, with SGD for dsgd, Adam for dadam; one of its steps stands
+  for one local step of each peer: the same warmup per step). Beside them
+  ``swarmavg.Optimizer`` (T, as the convergence part: the same run when E is the same) and
+  its reference alone with batch T. Reported: peer 0's validation loss after E epochs, the
+  reference's at the same samples, the ratio (goal: <= 1.05), ``swarmavg.Optimizer``'s at the
+  same samples.
+- **diloco** (issue 25): ``swarmavg.optim.DiLoCo`` with ``--peers`` peers for each H in
+  ``--sync-every`` (10, 50), and with ``Float16Compression()`` for each H in
+  ``--fp16-sync-every`` (10): inner Adam ``--lr`` with the same warmup per step, outer SGD lr
+  0.7, momentum 0.9, Nesterov, ``matchmaking_time=--diloco-matchmaking-time`` (5 s), for E
+  epochs as above (raised until every peer's steps are a multiple of every H: the run ends
+  with a round, and the final loss is θ_global's). Every peer starts from the same model
+  seed and at the same instant, 4 s after all are ready, with a progress tracker that reads
+  the others' records every 0.1-1 s: none takes a round alone (see ``DILOCO_STAGGER``).
+  Reference: the same process alone with batch G (Adam). Reported: the ratio at equal
+  samples (goal: <= 1.03), all-reduce rounds and bytes sent per peer, bytes per round, what
+  averaging the same Δ after every step would send (bytes per round x steps: the rounds and
+  bytes are H times fewer), fp16 against fp32 (goal: within 0.5%).
+
+  Both parts then print a **cost** table (wall-clock, samples/s, all-reduce bytes sent and
+  received per peer, rounds and failed rounds per peer, state bytes) of every swarm, and draw
+  all the curves in ``--plot-decentralized`` (``optimizer-decentralized.png``). The losses at
+  equal samples do not depend on the machine's load; the wall-clock does.
 
 What it prints: one table per part (markdown), then notes (the machine's CPUs and load, the
 corpus, the runs that failed and why). ``--out FILE`` writes JSON lines (replacing FILE): a
@@ -109,6 +143,29 @@ EXIT_TIMEOUT = 15.0
 GOAL_CONVERGENCE = 1.02
 GOAL_SPEEDUP = 3.0
 GOAL_OVERHEAD = 0.20
+#: goals (issue 25)
+GOAL_DECENTRALIZED = 1.05
+GOAL_DILOCO = 1.03
+GOAL_FP16 = 0.005
+#: DiLoCo: peers 1.. start this long after peer 0 (0: together; a stagger makes peer 0 take
+#: its first rounds alone, since a peer's record counts only once it stepped: the others then
+#: download its state and drop their first steps), and every peer waits DILOCO_GO_DELAY after
+#: all are ready. Peers made at different moments but starting together, with trackers that
+#: read every 0.1-1 s (the peer script's --tracker-refresh), all see each other before their
+#: first round (H >= 2; docs/guides/diloco.md, "Limits").
+DILOCO_STAGGER = 0.0
+DILOCO_GO_DELAY = 4.0
+#: configuration keys passed to the peer as flags of the same name
+PER_STEP_OPTIONS = (
+    "steps_per_epoch",
+    "group_size",
+    "averaging_steps_period",
+    "sync_every",
+    "compression",
+    "local_optimizer",
+    "outer_lr",
+    "outer_momentum",
+)
 
 
 def _progress(message: str) -> None:
@@ -241,6 +298,11 @@ def _common_argv(args: argparse.Namespace, config: dict[str, Any]) -> list[str]:
         argv.append("--keep-stepping")
         if args.verbose:
             argv.append("--verbose")
+    for key in PER_STEP_OPTIONS:  # (the per-step systems' and the reference's options)
+        if config.get(key) is not None:
+            argv.append(f"--{key.replace('_', '-')}={config[key]}")
+    if config["system"] == "dsgd" or config.get("local_optimizer") == "sgd":
+        argv += [f"--sgd-lr={args.sgd_lr}", f"--momentum={args.momentum}"]
     for flag in config.get("delays", ()):
         argv.append(f"--{flag}")
     if config.get("max_samples"):
@@ -307,9 +369,10 @@ def run_config(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, An
         corpora = {event["corpus"] for event in ready.values()}
         if len(corpora) != 1:
             raise RunFailed(f"the peers loaded different corpora: {sorted(corpora)}")
-        go = time.monotonic() + GO_DELAY
-        for peer in peers:
-            peer.send(json.dumps({"go": go}))
+        go = time.monotonic() + config.get("go_delay", GO_DELAY)
+        for peer in peers:  # (peer 0 first by config["stagger"] s: see DILOCO_STAGGER)
+            offset = config.get("stagger", 0.0) if peer.index else 0.0
+            peer.send(json.dumps({"go": go + offset}))
         busy_go = machine_busy_seconds()
         done = wait_for("done", set(range(n)), args.run_timeout + 60)
         busy_end = machine_busy_seconds()
@@ -365,7 +428,14 @@ def _summarize(
         if "val_loss" in event:
             curve.append({"epoch": epoch, "samples": cumulative, "val_loss": event["val_loss"]})
     epoch_times = epoch_times[1:]  # the first epoch includes the first matchmaking
+    traffic = {  # per peer, until it was done (the mean over the peers)
+        key: sum(float(done[i][key]) for i in range(n)) / n
+        for key in ("bytes_sent", "bytes_received", "rounds", "rounds_failed", "state_bytes")
+        if all(key in done[i] for i in range(n))
+    }
     return {
+        "traffic": traffic,
+        "steps_per_peer": sum(int(done[i]["steps"]) for i in range(n)) / n,
         "config": config,
         "wall_s": wall,
         "samples": samples,
@@ -394,6 +464,8 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.results: dict[str, dict[str, Any]] = {}
+        #: per part: label -> run, for the plot of the parameter-averaging optimizers
+        self.curves: dict[str, dict[str, dict[str, Any]]] = {}
 
     def run(self, **config: Any) -> dict[str, Any]:
         key = json.dumps(config, sort_keys=True)
@@ -618,6 +690,288 @@ def part_overhead(runner: Runner, args: argparse.Namespace) -> list[dict[str, An
     return rows
 
 
+# -- the parameter-averaging optimizers (issue 25) ------------------------------------------------
+
+
+def _per_step_plan(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(G, K, E)``: the global batch of the per-step systems (peers x batch per step), the
+    local steps per reported epoch (an epoch of all peers is T samples) and the epochs."""
+    G = args.peers * args.batch_size
+    K = max(1, args.target_batch_size // G)
+    return G, K, args.decentralized_epochs
+
+
+def _reference(
+    runner: Runner, args: argparse.Namespace, optimizer: str, epochs: int
+) -> dict[str, Any]:
+    """One process alone with batch G (``optimizer``: adam or sgd) for ``epochs`` reported
+    epochs' worth of samples, evaluated at the same samples as the swarms."""
+    G, K, _ = _per_step_plan(args)
+    for result in runner.results.values():  # (a longer run of the same reference will do)
+        config = result["config"]
+        if (
+            "error" not in result
+            and config.get("part") == "reference"
+            and config.get("local_optimizer") == optimizer
+            and config["target"] == G
+            and config.get("eval_every") == args.eval_every * K
+            and config.get("epochs", 0) >= epochs * K
+        ):
+            return result
+    return runner.run(
+        part="reference",
+        system="local",
+        peers=1,
+        target=G,
+        epochs=epochs * K,
+        eval_every=args.eval_every * K,
+        local_optimizer=optimizer,
+    )
+
+
+def _collaborative(runner: Runner, args: argparse.Namespace, epochs: int) -> dict[str, Any]:
+    """``swarmavg.Optimizer`` as in the convergence part (the same run when E is the same)."""
+    return runner.run(
+        part="convergence",
+        system="swarmavg",
+        peers=args.peers,
+        target=args.target_batch_size,
+        epochs=epochs,
+        eval_every=args.eval_every,
+        matchmaking_time=args.convergence_matchmaking_time,
+    )
+
+
+def _final(result: dict[str, Any], epochs: int) -> dict[str, float] | None:
+    """The last evaluated point of a run, if it reached ``epochs``."""
+    if "error" in result or not result.get("curve"):
+        return None
+    last: dict[str, float] = result["curve"][-1]
+    return last if last["epoch"] >= epochs else None
+
+
+def _cost(result: dict[str, Any]) -> dict[str, Any]:
+    """What a swarm run cost: wall-clock, samples/s, bytes and rounds per peer."""
+    traffic = result.get("traffic", {})
+    row: dict[str, Any] = {
+        "wall_s": result.get("wall_s"),
+        "samples_per_s": result.get("samples_per_s"),
+        "steps_per_peer": result.get("steps_per_peer"),
+    }
+    for key in ("bytes_sent", "bytes_received", "state_bytes"):
+        if key in traffic:
+            row[f"mb_{key.removeprefix('bytes_').removesuffix('_bytes')}_per_peer"] = (
+                traffic[key] / 1e6
+            )
+    row["rounds_per_peer"] = traffic.get("rounds")
+    row["rounds_failed_per_peer"] = traffic.get("rounds_failed")
+    return row
+
+
+def part_decentralized(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """DecentralizedSGD/Adam, ``--peers`` peers: validation loss at equal samples beside one
+    process with the same global batch (SGD, Adam) and beside ``swarmavg.Optimizer``."""
+    G, K, E = _per_step_plan(args)
+    T, n = args.target_batch_size, args.peers
+    swarms: dict[str, dict[str, Any]] = {}
+    for system in args.decentralized_systems:
+        swarms[system] = runner.run(
+            part="decentralized",
+            system=system,
+            peers=n,
+            target=T,
+            epochs=E,
+            eval_every=args.eval_every,
+            matchmaking_time=args.decentralized_matchmaking_time,
+            steps_per_epoch=K,
+            group_size=args.group_size or n,
+            averaging_steps_period=args.averaging_steps_period,
+        )
+    collaborative = _collaborative(runner, args, E)
+    most = max([E * T, *(r["samples"] for r in (collaborative,) if "error" not in r)])
+    ref_epochs = math.ceil(most / T / args.eval_every) * args.eval_every + args.eval_every
+    references = {
+        optimizer: _reference(runner, args, optimizer, ref_epochs)
+        for optimizer in sorted({"adam", *("sgd" for s in swarms if s == "dsgd")})
+    }
+    collab_final = _final(collaborative, E)
+    # swarmavg.Optimizer's own reference: alone with batch T (the convergence part's run)
+    alone_epochs = max(E, math.ceil(most / T)) + args.eval_every
+    alone_epochs = math.ceil(alone_epochs / args.eval_every) * args.eval_every
+    alone_T = runner.run(
+        part="convergence",
+        system="local",
+        peers=1,
+        target=T,
+        epochs=alone_epochs,
+        eval_every=args.eval_every,
+    )
+    rows: list[dict[str, Any]] = []
+    for system, swarm in [*swarms.items(), ("swarmavg", collaborative)]:
+        optimizer = "sgd" if system == "dsgd" else "adam"
+        batch = T if system == "swarmavg" else G
+        reference = alone_T if system == "swarmavg" else references[optimizer]
+        row: dict[str, Any] = {
+            "part": "decentralized",
+            "system": _label(system),
+            "peers": n,
+            "global_batch": batch,
+            "reference": f"alone, {optimizer}, batch {batch}",
+        }
+        final = _final(swarm, E)
+        if final is None or "error" in reference:
+            row["error"] = swarm.get("error") or reference.get("error") or "did not reach E"
+            rows.append(row)
+            continue
+        at_samples = _interpolate(reference["curve"], final["samples"])
+        row |= {
+            "samples": final["samples"],
+            "val_loss": final["val_loss"],
+            "reference_val_loss": at_samples,
+            "ratio": None if at_samples is None else final["val_loss"] / at_samples,
+        }
+        if system != "swarmavg" and collab_final is not None:
+            collab = _interpolate(collaborative["curve"], final["samples"])
+            row["collaborative_val_loss"] = collab
+            row["ratio_collaborative"] = None if collab is None else final["val_loss"] / collab
+        row |= _cost(swarm)
+        rows.append(row)
+    runner.curves["decentralized"] = {
+        **{_label(s): r for s, r in swarms.items()},
+        f"swarmavg.Optimizer, T={T}": collaborative,
+        **{f"alone, {o}, batch {G}": r for o, r in references.items()},
+        f"alone, adam, batch {T}": alone_T,
+    }
+    return rows
+
+
+def _label(system: str, sync_every: int | None = None, compression: str = "none") -> str:
+    names = {
+        "dsgd": "DecentralizedSGD",
+        "dadam": "DecentralizedAdam",
+        "diloco": "DiLoCo",
+        "swarmavg": "swarmavg.Optimizer",
+    }
+    label = names.get(system, system)
+    if sync_every is not None:
+        label += f" H={sync_every}" + (" fp16" if compression == "fp16" else "")
+    return label
+
+
+def part_diloco(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """DiLoCo, ``--peers`` peers, H in ``--sync-every``: validation loss at equal samples
+    beside one process with batch G (Adam), bytes and rounds per peer, fp16 Δ beside fp32."""
+    G, K, E0 = _per_step_plan(args)
+    T, n = args.target_batch_size, args.peers
+    E = E0  # (the last round ends the run: all its local steps are a multiple of every H)
+    while any((E * K) % H for H in args.sync_every):
+        E += 1
+    outer = {  # (only when not DiLoCo's defaults: the configuration names the run)
+        key: value
+        for key, value, default in (
+            ("outer_lr", args.outer_lr, 0.7),
+            ("outer_momentum", args.outer_momentum, 0.9),
+        )
+        if value != default
+    }
+    configs = [(H, "none") for H in args.sync_every]
+    configs += [(H, "fp16") for H in args.fp16_sync_every if H > 0]
+    runs: dict[tuple[int, str], dict[str, Any]] = {}
+    for H, compression in configs:
+        runs[H, compression] = runner.run(
+            part="diloco",
+            system="diloco",
+            peers=n,
+            target=T,
+            epochs=E,
+            eval_every=args.eval_every,
+            matchmaking_time=args.diloco_matchmaking_time,
+            steps_per_epoch=K,
+            sync_every=H,
+            compression=compression,
+            stagger=DILOCO_STAGGER,
+            go_delay=DILOCO_GO_DELAY,
+            **outer,
+        )
+    ref_epochs = math.ceil(E / args.eval_every) * args.eval_every + args.eval_every
+    reference = _reference(runner, args, "adam", ref_epochs)
+    rows: list[dict[str, Any]] = []
+    for (H, compression), run in runs.items():
+        row: dict[str, Any] = {
+            "part": "diloco",
+            "system": _label("diloco", H, compression),
+            "sync_every": H,
+            "compression": compression,
+            "peers": n,
+            "global_batch": G,
+        }
+        final = _final(run, E)
+        if final is None or "error" in reference:
+            row["error"] = run.get("error") or reference.get("error") or "did not reach E"
+            rows.append(row)
+            continue
+        at_samples = _interpolate(reference["curve"], final["samples"])
+        row |= {
+            "samples": final["samples"],
+            "val_loss": final["val_loss"],
+            "reference_val_loss": at_samples,
+            "ratio": None if at_samples is None else final["val_loss"] / at_samples,
+        }
+        row |= _cost(run)
+        rounds, sent = row.get("rounds_per_peer"), row.get("mb_sent_per_peer")
+        if rounds and sent is not None:
+            row["mb_per_round"] = sent / rounds
+            row["steps_per_round"] = row["steps_per_peer"] / rounds
+            # what averaging the same tensors after every local step would send
+            row["mb_per_step_averaging"] = sent / rounds * row["steps_per_peer"]
+        if compression != "none" and (H, "none") in runs:
+            fp32 = _final(runs[H, "none"], E)
+            if fp32 is not None:
+                row["vs_fp32"] = final["val_loss"] / fp32["val_loss"] - 1
+        rows.append(row)
+    runner.curves["diloco"] = {
+        **{_label("diloco", H, c): r for (H, c), r in runs.items()},
+        f"alone, adam, batch {G}": reference,
+    }
+    return rows
+
+
+def _plot_curves(path: Path, curves: dict[str, dict[str, Any]], title: str, G: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _progress(f"matplotlib is not installed: no plot ({path})")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, result in curves.items():
+        curve = result.get("curve")
+        if not curve:
+            continue
+        style = "-"
+        if label.startswith("alone"):
+            style = "k:" if "sgd" in label else "k--" if label.endswith(f"batch {G}") else "k-."
+        ax.plot(
+            [p["samples"] for p in curve],
+            [p["val_loss"] for p in curve],
+            style,
+            marker=None if label.startswith("alone") else ".",
+            label=label,
+        )
+    ax.set_xlabel("samples, all peers (windows of 64 bytes)")
+    ax.set_ylabel("validation cross-entropy (nats/byte)")
+    ax.set_ylim(top=3.5)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    _progress(f"plot written to {path}")
+
+
 # -- output ---------------------------------------------------------------------------------------
 
 
@@ -693,6 +1047,67 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 ("overhead", "overhead"),
             ],
         )
+    G = args.peers * args.batch_size
+    dec = [r for r in rows if r["part"] == "decentralized"]
+    if dec:
+        _table(
+            f"Decentralized: {args.peers} peers, {args.decentralized_epochs} x "
+            f"{args.target_batch_size} samples, validation loss at equal samples vs one process "
+            f"with the same global batch ({G}; goal: ratio <= {GOAL_DECENTRALIZED}; "
+            f"swarmavg.Optimizer: T={args.target_batch_size} beside alone with batch T)",
+            dec,
+            [
+                ("system", "system"),
+                ("global batch", "global_batch"),
+                ("samples", "samples"),
+                ("val loss", "val_loss"),
+                ("reference", "reference"),
+                ("reference, same samples", "reference_val_loss"),
+                ("ratio", "ratio"),
+                ("swarmavg.Optimizer, same samples", "collaborative_val_loss"),
+                ("ratio (Optimizer)", "ratio_collaborative"),
+            ],
+        )
+    diloco = [r for r in rows if r["part"] == "diloco"]
+    if diloco:
+        _table(
+            f"DiLoCo: {args.peers} peers vs one process with batch {G} (Adam) at equal samples "
+            f"(goal: ratio <= {GOAL_DILOCO}; fp16 within {GOAL_FP16:.1%} of fp32; rounds H times "
+            "fewer than averaging every step)",
+            diloco,
+            [
+                ("run", "system"),
+                ("samples", "samples"),
+                ("val loss", "val_loss"),
+                ("alone, same samples", "reference_val_loss"),
+                ("ratio", "ratio"),
+                ("fp16 vs fp32", "vs_fp32"),
+                ("steps/peer", "steps_per_peer"),
+                ("rounds/peer", "rounds_per_peer"),
+                ("steps/round", "steps_per_round"),
+                ("MB sent/peer", "mb_sent_per_peer"),
+                ("MB/round", "mb_per_round"),
+                ("MB if every step", "mb_per_step_averaging"),
+            ],
+        )
+    cost = [r for r in rows if r["part"] in ("decentralized", "diloco") and "wall_s" in r]
+    if cost:
+        _table(
+            f"Cost per peer ({args.peers} peer processes on this machine; wall-clock depends on "
+            "its load, the losses above do not)",
+            cost,
+            [
+                ("optimizer", "system"),
+                ("samples", "samples"),
+                ("wall s", "wall_s"),
+                ("samples/s", "samples_per_s"),
+                ("MB sent/peer", "mb_sent_per_peer"),
+                ("MB received/peer", "mb_received_per_peer"),
+                ("all-reduce rounds/peer", "rounds_per_peer"),
+                ("failed/peer", "rounds_failed_per_peer"),
+                ("state MB/peer", "mb_state_per_peer"),
+            ],
+        )
 
 
 def _parse_list(kind: type, choices: tuple[str, ...] = ()) -> Any:
@@ -707,14 +1122,17 @@ def _parse_list(kind: type, choices: tuple[str, ...] = ()) -> Any:
     return parse
 
 
-PARTS = ("convergence", "speed", "overhead")
+PARTS = ("convergence", "speed", "overhead", "decentralized", "diloco")
+#: what runs without --parts (the parts of issue 23)
+DEFAULT_PARTS = ("convergence", "speed", "overhead")
 SYSTEMS = ("swarmavg", "hivemind")
+DECENTRALIZED_SYSTEMS = ("dsgd", "dadam")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~2-3 min: fewer epochs and runs")
-    parser.add_argument("--parts", type=_parse_list(str, PARTS), default=list(PARTS))
+    parser.add_argument("--parts", type=_parse_list(str, PARTS), default=list(DEFAULT_PARTS))
     parser.add_argument("--systems", type=_parse_list(str, SYSTEMS), default=list(SYSTEMS))
     parser.add_argument("--convergence-systems", type=_parse_list(str, SYSTEMS))
     parser.add_argument("--overhead-systems", type=_parse_list(str, SYSTEMS))
@@ -741,7 +1159,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON lines: meta, rows, raw runs")
     parser.add_argument("--logs", type=Path, help="the peers' stderr (default: a new tmp dir)")
     parser.add_argument("--verbose", action="store_true", help="the optimizers log at INFO")
+    group = parser.add_argument_group("decentralized and diloco parts (issue 25)")
+    group.add_argument("--decentralized-epochs", type=int, help="E: default 100 (--quick 25)")
+    group.add_argument(
+        "--decentralized-systems",
+        type=_parse_list(str, DECENTRALIZED_SYSTEMS),
+        default=list(DECENTRALIZED_SYSTEMS),
+    )
+    group.add_argument("--decentralized-matchmaking-time", type=float, default=1.0)
+    group.add_argument("--group-size", type=int, default=0, help="dsgd/dadam; 0: --peers")
+    group.add_argument("--averaging-steps-period", type=int, default=4, help="dsgd/dadam")
+    group.add_argument("--sgd-lr", type=float, default=0.1, help="dsgd and its reference")
+    group.add_argument("--momentum", type=float, default=0.9, help="dsgd and its reference")
+    group.add_argument("--sync-every", type=_parse_list(int), default=[10, 50], help="DiLoCo H")
+    group.add_argument(
+        "--fp16-sync-every",
+        type=_parse_list(int),
+        default=[10],
+        help="the H with a Float16Compression run too (0: none)",
+    )
+    group.add_argument("--diloco-matchmaking-time", type=float, default=5.0)
+    group.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD")
+    group.add_argument("--outer-momentum", type=float, default=0.9, help="(Nesterov)")
+    group.add_argument(
+        "--plot-decentralized", type=Path, default=Path("optimizer-decentralized.png")
+    )
     args = parser.parse_args(argv)
+    if args.decentralized_epochs is None:
+        args.decentralized_epochs = 25 if args.quick else 100
     if args.convergence_epochs is None:
         args.convergence_epochs = 20 if args.quick else 100
     if args.speed_epochs is None:
@@ -784,15 +1229,44 @@ def _main(args: argparse.Namespace) -> int:
             rows += part_speed(runner, args)
         if "overhead" in args.parts:
             rows += part_overhead(runner, args)
+        if "decentralized" in args.parts:
+            rows += part_decentralized(runner, args)
+        if "diloco" in args.parts:
+            rows += part_diloco(runner, args)
     except KeyboardInterrupt:  # every process was stopped on the way out
         _progress("interrupted")
         return 130
     print_tables(rows, args)
+    curves = {
+        label: run
+        for part in ("decentralized", "diloco")
+        for label, run in runner.curves.get(part, {}).items()
+    }
+    if curves and args.plot and args.plot_decentralized:
+        G = args.peers * args.batch_size
+        _plot_curves(
+            args.plot_decentralized,
+            curves,
+            f"{args.peers} peers, batch {args.batch_size} per step (global {G}) vs alone",
+            G,
+        )
     notes = [
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, peers' stderr in {args.logs}",
         f"batch_size_per_step {args.batch_size}, Adam lr {args.lr}, warmup "
         f"{args.warmup_epochs} epochs, averaging_timeout {args.averaging_timeout} s",
     ]
+    if {"decentralized", "diloco"} & set(args.parts):
+        G, K, _ = _per_step_plan(args)
+        notes.append(
+            f"per-step systems: {K} local steps of {args.batch_size} per reported epoch, warmup "
+            f"over {args.warmup_epochs} local steps; DecentralizedSGD/Adam: target_group_size "
+            f"{args.group_size or args.peers}, averaging_steps_period "
+            f"{args.averaging_steps_period}, SGD lr {args.sgd_lr} momentum {args.momentum}; "
+            f"DiLoCo: inner Adam lr {args.lr}, outer SGD lr {args.outer_lr} momentum "
+            f"{args.outer_momentum} Nesterov, "
+            f"matchmaking_time {args.diloco_matchmaking_time} s, peer 0 starts "
+            f"{DILOCO_STAGGER} s before the others"
+        )
     busy = [r["machine_busy_cpus"] for r in runner.results.values() if "machine_busy_cpus" in r]
     if busy:
         notes.append(

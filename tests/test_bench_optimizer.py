@@ -1,6 +1,7 @@
 """``benchmarks/optimizer.py`` and its peer script: a process training alone reports its epochs
-and learns; two ``swarmavg.Optimizer`` peers finish their epochs (skipped until
-``swarmavg.Optimizer`` exists); the convergence figure's interpolation."""
+and learns; two ``swarmavg.Optimizer`` peers finish their epochs; two peers of
+``DecentralizedSGD``, ``DecentralizedAdam`` and ``DiLoCo`` (``--system dsgd|dadam|diloco``)
+finish theirs, average and report their traffic; the convergence figure's interpolation."""
 
 from __future__ import annotations
 
@@ -93,6 +94,54 @@ def test_two_swarmavg_peers_finish_their_epochs(
     assert result["samples"] >= 3 * 64
     assert [p["epoch"] for p in result["curve"]] == [0, 3]
     assert result["curve"][1]["val_loss"] < result["curve"][0]["val_loss"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("system", ["dsgd", "dadam", "diloco"])
+def test_two_peers_of_each_parameter_averaging_system(
+    system: str, load_benchmark: Callable[[str], ModuleType], tmp_path: Path
+) -> None:
+    """Per-step systems: an epoch is T / (batch x peers) = 2 local steps of each peer, so 3
+    epochs are exactly 3 x 64 samples; the peers average (bytes sent, rounds) and learn."""
+    bench = load_benchmark("optimizer.py")
+    args = argparse.Namespace(
+        batch_size=16,
+        lr=2e-3,
+        warmup_epochs=1,
+        sgd_lr=0.1,
+        momentum=0.9,
+        stdlib=sysconfig.get_paths()["stdlib"],
+        run_timeout=60.0,
+        averaging_timeout=20.0,
+        verbose=False,
+        hivemind_python="/nonexistent",
+        logs=tmp_path,
+    )
+    config = {
+        "name": system,
+        "run_id": f"test-bench-{system}",
+        "system": system,
+        "peers": 2,
+        "target": 64,
+        "epochs": 3,
+        "eval_every": 3,
+        "matchmaking_time": 2.0,
+        "steps_per_epoch": 2,
+    }
+    if system == "diloco":
+        config |= {"sync_every": 2, "compression": "fp16", "go_delay": 2.0}
+    else:
+        config |= {"group_size": 2, "averaging_steps_period": 2}
+    result = bench.run_config(args, config)
+    assert result["epochs_reached"] == 3
+    assert not result["timed_out"]
+    assert result["samples"] == 3 * 64
+    assert result["steps_per_peer"] == 6
+    assert [p["epoch"] for p in result["curve"]] == [0, 3]
+    assert result["curve"][1]["val_loss"] < result["curve"][0]["val_loss"]
+    traffic = result["traffic"]
+    assert traffic["rounds"] >= 1
+    assert traffic["bytes_sent"] > 0
 
 
 def test_interpolate(load_benchmark: Callable[[str], ModuleType]) -> None:
