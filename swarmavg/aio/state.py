@@ -10,10 +10,12 @@ half ``declare_state_period`` with an expiration one period ahead, and withdraws
 (:meth:`~swarmavg.aio.DecentralizedAverager.get_current_state`: by default copies of the averaged
 tensors, taken under their lock), encoded (``state_compression``) and hashed in a worker thread:
 the transfer reads only the snapshot, so the donor's own averaging goes on. A snapshot is
-shared by the calls that ask within :data:`_SNAPSHOT_REUSE` seconds of it, kept while calls
-read it and :data:`_SNAPSHOT_IDLE` seconds after the last one (so that a taker can fetch its
-ranges over several calls), and at most :data:`_MAX_SNAPSHOTS` are held (past that, new calls
-share the newest).
+shared by the calls that ask within :data:`_SNAPSHOT_REUSE` seconds of it while the sharer's
+priority is unchanged (a training peer's priority is its epoch: a new epoch is a new state),
+kept while calls read it and :data:`_SNAPSHOT_IDLE` seconds after the last one (so that a
+taker can fetch its ranges over several calls), and at most :data:`_MAX_SNAPSHOTS` are held
+(past that, a new snapshot replaces the oldest that no call reads; new calls share the newest
+only while every one held is being read).
 
 **Downloading.** A taker reads the key and ranks the donors by priority (highest first, ties
 at random, never itself). It *probes* the best ``max_donors`` at once (a header, no bytes),
@@ -176,6 +178,9 @@ class _Snapshot:
     created: float = 0.0
     last_used: float = 0.0
     active: int = 0  # calls reading it
+    #: the sharer's priority when it was taken (a training peer's epoch: a new one means a
+    #: new state, so the snapshot is not shared with later calls)
+    priority: float = 0.0
 
     @property
     def id(self) -> bytes:
@@ -451,10 +456,19 @@ class StateSharer:
             self._expire()
             newest = next(reversed(self._snapshots.values()), None)
             now = anyio.current_time()
-            if newest is not None and (
-                now - newest.created < _SNAPSHOT_REUSE or len(self._snapshots) >= _MAX_SNAPSHOTS
+            if (
+                newest is not None
+                and now - newest.created < _SNAPSHOT_REUSE
+                and newest.priority == self._priority
             ):
                 return newest
+            if len(self._snapshots) >= _MAX_SNAPSHOTS:
+                idle = next((k for k, s in self._snapshots.items() if not s.active), None)
+                if idle is None:
+                    assert newest is not None
+                    return newest  # (every one is being read: share, bounded memory)
+                del self._snapshots[idle]
+            priority = self._priority
             metadata, tensors, infos = _unpack_state(await self.provider())
             try:
                 packed: bytes = msgpack.packb(metadata, use_bin_type=True)
@@ -466,6 +480,7 @@ class StateSharer:
                 _take_snapshot, packed, tensors, infos, self.compression, self.block_size
             )
             snap.created = snap.last_used = anyio.current_time()
+            snap.priority = priority
             if not self.enabled:
                 raise ValueError("state sharing was turned off")
             self._snapshots.pop(snap.id, None)  # (the same state again: now the newest)
