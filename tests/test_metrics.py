@@ -225,7 +225,7 @@ def test_failed_and_cancelled_steps_are_counted_by_cause() -> None:
             with pytest.raises(MatchmakingFailed):
                 await lonely.step(timeout=0.5, allow_retries=False)
             control = await lonely.step(wait=False, timeout=30)
-            await anyio.sleep(0.1)  # (it is looking for a group)
+            await anyio.wait_all_tasks_blocked()  # (it is looking for a group)
             assert control.cancel()
             with pytest.raises(concurrent.futures.CancelledError):
                 await control

@@ -49,9 +49,13 @@ def _wait_for_peers(diloco: DiLoCo, count: int, timeout: float = 30) -> None:
     published here first."""
     diloco.tracker.report_local_progress(diloco.outer_epoch, 1)
     deadline = time.monotonic() + timeout
-    while diloco.tracker.global_progress.num_peers < count:
-        assert time.monotonic() < deadline, "the peers did not see each other"
-        time.sleep(0.02)
+    fetched = diloco.tracker.fetched_global_progress_this_epoch
+    while diloco.tracker.global_progress.num_peers < count:  # (woken by each fetch)
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, "the peers did not see each other"
+        fetched.clear()
+        if diloco.tracker.global_progress.num_peers < count:
+            fetched.wait(min(remaining, 1.0))
 
 
 # -- one peer ------------------------------------------------------------------------------------
