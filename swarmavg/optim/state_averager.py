@@ -981,25 +981,15 @@ class TrainingStateAverager(DecentralizedAverager):
             raise _Refused(f"its epoch is {epoch!r:.40}, not an int >= 0")
         if epoch < self.local_epoch:
             raise _Refused(f"its epoch {epoch} is behind ours ({self.local_epoch})")
-        local = [*self._optimizer_parameters(), *self.extra_tensors]
-        if len(tensors) < len(local):
-            raise _Refused(
-                f"it holds {len(tensors)} tensors, fewer than our {len(local)} parameters and "
-                "extra tensors"
-            )
-        for index, (mine, theirs) in enumerate(zip(local, tensors, strict=False)):
-            what = (
-                f"parameter {self.parameter_names[index]!r}"
-                if index < len(self.main_parameters)
-                else f"extra tensor {index - len(self.main_parameters)}"
-            )
-            if tuple(theirs.shape) != tuple(mine.shape):
-                raise _Refused(
-                    f"its {what} has shape {tuple(theirs.shape)}, ours {tuple(mine.shape)}"
-                )
-            _check_finite(what, theirs)
-        state = _decode_tree(metadata.get("optimizer_metadata"), list(tensors[len(local) :]))
-        _check_optimizer_state(self.optimizer, state, self.average_opt_statistics)
+        state = _check_training_state(
+            metadata,
+            tensors,
+            self._optimizer_parameters(),
+            self.extra_tensors,
+            self.parameter_names,
+            self.optimizer,
+            self.average_opt_statistics,
+        )
         return epoch, state
 
     @torch.no_grad()
@@ -1237,6 +1227,43 @@ def _kind(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "sequence"
     return type(value).__name__
+
+
+def _check_training_state(
+    metadata: Mapping[str, Any],
+    tensors: Sequence[torch.Tensor],
+    parameters: Sequence[torch.Tensor],
+    extra_tensors: Sequence[torch.Tensor],
+    parameter_names: Sequence[str],
+    optimizer: torch.optim.Optimizer,
+    statistics: Sequence[str],
+) -> dict[str, Any]:
+    """The optimizer state dict of a downloaded training state (tensors: the parameters, the
+    extra tensors, then the state dict's), after checking that every tensor fits ours and is
+    finite and that the state dict fits ``optimizer`` (shared by the training averagers).
+
+    :raises _Refused: it does not fit (the message says how).
+    """
+    local = [*parameters, *extra_tensors]
+    if len(tensors) < len(local):
+        raise _Refused(
+            f"it holds {len(tensors)} tensors, fewer than our {len(local)} parameters and "
+            "extra tensors"
+        )
+    for index, (mine, theirs) in enumerate(zip(local, tensors, strict=False)):
+        what = (
+            f"parameter {parameter_names[index]!r}"
+            if index < len(parameters)
+            else f"extra tensor {index - len(parameters)}"
+        )
+        if tuple(theirs.shape) != tuple(mine.shape):
+            raise _Refused(f"its {what} has shape {tuple(theirs.shape)}, ours {tuple(mine.shape)}")
+        _check_finite(what, theirs)
+    state: dict[str, Any] = _decode_tree(
+        metadata.get("optimizer_metadata"), list(tensors[len(local) :])
+    )
+    _check_optimizer_state(optimizer, state, statistics)
+    return state
 
 
 def _check_finite(what: str, tensor: torch.Tensor) -> None:

@@ -53,9 +53,7 @@ import torch
 from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.compression import TensorInfo
 from swarmavg.optim.state_averager import (
-    _check_finite,
-    _check_optimizer_state,
-    _decode_tree,
+    _check_training_state,
     _encode_tree,
     _flat_copies,
     _initialize_optimizer_state,
@@ -562,26 +560,15 @@ class TrainingAverager(DecentralizedAverager):
         epoch = metadata.get("epoch")
         if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 2**62):
             raise _Refused(f"its epoch is {epoch!r:.40}, not an int >= 0")
-        params = self._parameters()
-        local = [*params, *self.extra_tensors]
-        if len(tensors) < len(local):
-            raise _Refused(
-                f"it holds {len(tensors)} tensors, fewer than our {len(local)} parameters and "
-                "extra tensors"
-            )
-        for index, (mine, theirs) in enumerate(zip(local, tensors, strict=False)):
-            what = (
-                f"parameter {self.parameter_names[index]!r}"
-                if index < len(params)
-                else f"extra tensor {index - len(params)}"
-            )
-            if tuple(theirs.shape) != tuple(mine.shape):
-                raise _Refused(
-                    f"its {what} has shape {tuple(theirs.shape)}, ours {tuple(mine.shape)}"
-                )
-            _check_finite(what, theirs)
-        state = _decode_tree(metadata.get("optimizer_metadata"), list(tensors[len(local) :]))
-        _check_optimizer_state(self.opt, state, self.average_opt_statistics)
+        state = _check_training_state(
+            metadata,
+            tensors,
+            self._parameters(),
+            self.extra_tensors,
+            self.parameter_names,
+            self.opt,
+            self.average_opt_statistics,
+        )
         return step, state
 
     # -- lifecycle -------------------------------------------------------------------------------
