@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from swarmavg.errors import AddressInUse
-from swarmavg.metrics import AveragerMetrics, OptimizerMetrics
+from swarmavg.metrics import AveragerMetrics, DiLoCoMetrics, OptimizerMetrics
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -78,7 +78,7 @@ class _Server6(WSGIServer):
     address_family = socket.AF_INET6
 
 
-Snapshot = AveragerMetrics | OptimizerMetrics
+Snapshot = AveragerMetrics | OptimizerMetrics | DiLoCoMetrics
 
 
 class MetricsServer:
@@ -143,6 +143,9 @@ class _Collector:
         if isinstance(snapshot, OptimizerMetrics):
             yield from _optimizer_families(snapshot)
             averagers = [m for m in (snapshot.gradients, snapshot.state) if m is not None]
+        elif isinstance(snapshot, DiLoCoMetrics):
+            yield from _diloco_families(snapshot)
+            averagers = [snapshot.averager]
         else:
             averagers = [snapshot]
         yield from _averager_families(averagers)
@@ -253,6 +256,44 @@ def _optimizer_families(m: OptimizerMetrics) -> Iterator[Any]:
     loads = core.CounterMetricFamily(
         "swarmavg_optimizer_state_loads",
         "load_state_from_peers() calls, by outcome",
+        labels=["run_id", "outcome"],
+    )
+    loads.add_metric([m.run_id, "succeeded"], m.state_loads)
+    loads.add_metric([m.run_id, "failed"], m.state_load_failures)
+    yield loads
+
+
+def _diloco_families(m: DiLoCoMetrics) -> Iterator[Any]:
+    core = importlib.import_module("prometheus_client.core")
+
+    labels = [m.run_id]
+    for name, doc, value in (
+        ("outer_epoch", "this peer's outer epoch", m.outer_epoch),
+        ("global_step", "outer_epoch * sync_every + inner steps since theta_global", m.global_step),
+        ("last_round_seconds", "seconds the last round took", m.last_round_seconds),
+    ):
+        gauge = core.GaugeMetricFamily(f"swarmavg_diloco_{name}", doc, labels=["run_id"])
+        gauge.add_metric(labels, value)
+        yield gauge
+    rounds = core.CounterMetricFamily(
+        "swarmavg_diloco_rounds",
+        "rounds, by outcome (averaged, alone, failed)",
+        labels=["run_id", "outcome"],
+    )
+    rounds.add_metric([m.run_id, "averaged"], m.rounds_averaged)
+    rounds.add_metric([m.run_id, "alone"], m.rounds_alone)
+    rounds.add_metric([m.run_id, "failed"], m.rounds_failed)
+    yield rounds
+    diverged = core.CounterMetricFamily(
+        "swarmavg_diloco_rounds_diverged",
+        "failed rounds where this peer held another theta_global than the reference",
+        labels=["run_id"],
+    )
+    diverged.add_metric(labels, m.rounds_diverged)
+    yield diverged
+    loads = core.CounterMetricFamily(
+        "swarmavg_diloco_state_loads",
+        "downloads of theta_global and the outer state, by outcome",
         labels=["run_id", "outcome"],
     )
     loads.add_metric([m.run_id, "succeeded"], m.state_loads)

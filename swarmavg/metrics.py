@@ -3,8 +3,9 @@
 :attr:`swarmavg.aio.DecentralizedAverager.metrics` (and the sync facade's,
 :attr:`swarmavg.DecentralizedAverager.metrics`) returns an :class:`AveragerMetrics`;
 :attr:`swarmavg.Optimizer.metrics` returns an :class:`OptimizerMetrics`, which holds the
-snapshots of its two averagers. A snapshot is a frozen dataclass of plain numbers taken at one
-moment: counters only grow (from 0 when the averager was made), ``last_*`` fields are gauges.
+snapshots of its two averagers; :attr:`swarmavg.optim.DiLoCo.metrics` a :class:`DiLoCoMetrics`.
+A snapshot is a frozen dataclass of plain numbers taken at one moment: counters only grow (from
+0 when the averager was made), ``last_*`` fields are gauges.
 ``as_dict()`` gives the same as a dict of plain values (for JSON or a log line).
 ``docs/guides/metrics.md`` describes every field, and the Prometheus exporter (``metrics_port=``).
 
@@ -33,6 +34,7 @@ __all__ = [
     "STEP_FAILURE_CAUSES",
     "AveragerCounter",
     "AveragerMetrics",
+    "DiLoCoMetrics",
     "OptimizerCounter",
     "OptimizerMetrics",
     "step_failure_cause",
@@ -473,3 +475,58 @@ class OptimizerCounter:
             state=state,
             **counts,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class DiLoCoMetrics:
+    """What a :class:`swarmavg.optim.DiLoCo` did since it was made (a snapshot; see
+    ``docs/guides/metrics.md``): its rounds by outcome, its state downloads, and its
+    averager's snapshot (the all-reduces of the pseudo-gradient; state sharing)."""
+
+    #: the run's ``run_id``
+    run_id: str
+    #: this peer's outer epoch now (a gauge: it jumps when the state is downloaded)
+    outer_epoch: int
+    #: inner steps since θ_global (a gauge)
+    inner_step: int
+    #: where the inner schedule is: ``outer_epoch · sync_every + inner_step`` (a gauge)
+    global_step: int
+    #: rounds whose pseudo-gradient was averaged with other peers (an outer step followed)
+    rounds_averaged: int
+    #: rounds that stepped on this peer's own pseudo-gradient: no other peer in the run
+    rounds_alone: int
+    #: rounds that failed (no outer step; rolled back or kept local, see ``on_round_failure``)
+    rounds_failed: int
+    #: failed rounds in which this peer's θ_global was not the round's reference (it rolled
+    #: back and downloaded the reference's next state); also in ``rounds_failed``
+    rounds_diverged: int
+    #: downloads of θ_global and the outer state that were taken
+    state_loads: int
+    #: downloads that failed or were refused
+    state_load_failures: int
+    #: seconds the last round took (0 before the first)
+    last_round_seconds: float
+    #: the averager's snapshot (all-reduces of Δ, state served and downloaded)
+    averager: AveragerMetrics
+
+    @property
+    def rounds(self) -> int:
+        """Rounds in all: averaged, alone and failed."""
+        return self.rounds_averaged + self.rounds_alone + self.rounds_failed
+
+    @property
+    def bytes_sent(self) -> int:
+        """All-reduce bytes sent (the averager's)."""
+        return self.averager.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """All-reduce bytes received (the averager's)."""
+        return self.averager.bytes_received
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field by name as plain values; the averager's snapshot as its own
+        :meth:`AveragerMetrics.as_dict`."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["averager"] = self.averager.as_dict()
+        return out

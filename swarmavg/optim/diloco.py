@@ -41,6 +41,7 @@ import torch
 
 from swarmavg.averager import DecentralizedAverager
 from swarmavg.compression import CompressionBase, NoCompression, TensorInfo
+from swarmavg.metrics import DiLoCoMetrics
 from swarmavg.optim.progress_tracker import ProgressTracker
 from swarmavg.optim.state_averager import (
     EVERYONE,
@@ -64,6 +65,7 @@ from swarmavg.proto.progress import GlobalTrainingProgress, hyperparameters_dige
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
+    from swarmavg._prometheus import MetricsServer
     from swarmavg.dht import DHT
 
 __all__ = ["DiLoCo"]
@@ -134,10 +136,15 @@ class DiLoCo:
     :param load_state_on_join: download θ_global and the outer state at once when another
         peer is at a later outer epoch (default ``True``).
     :param status_loglevel: the level of the per-round status lines (INFO).
+    :param metrics_port: serve :attr:`metrics` over HTTP in Prometheus' text format on this
+        port (0: a free one, see :attr:`metrics_address`); needs ``pip install
+        "swarmavg[prometheus]"``. Default: no server. See ``docs/guides/metrics.md``.
+    :param metrics_host: the address the metrics server listens on (default loopback only).
     :raises TypeError: an argument has the wrong type (the message names it).
     :raises ValueError: an argument is out of range, or a parameter is not in
         ``inner_optimizer`` (the message names the argument).
     :raises RuntimeError: the DHT is not running.
+    :raises ImportError: ``metrics_port`` is given and prometheus-client is not installed.
     """
 
     def __init__(
@@ -165,11 +172,15 @@ class DiLoCo:
         hook: bool = True,
         load_state_on_join: bool = True,
         status_loglevel: int = logging.INFO,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
+        from swarmavg._prometheus import check_metrics_options
         from swarmavg.dht import DHT as SyncDHT
 
         self._closed = True  # (until made: shutdown() of a half-made one does nothing)
         self._hook_handle: RemovableHandle | None = None
+        self._metrics_server: MetricsServer | None = None
         given: object = dht
         if not isinstance(given, SyncDHT):
             raise TypeError(f"dht must be a swarmavg.DHT, not {type(given).__name__}")
@@ -215,6 +226,7 @@ class DiLoCo:
         for name, maybe in (("error_feedback", error_feedback), ("client_mode", client_mode)):
             if maybe is not None and not isinstance(maybe, bool):
                 raise TypeError(f"{name} must be a bool or None, not {maybe!r:.40}")
+        check_metrics_options(metrics_port, metrics_host)
         self.matchmaking_time = _check_seconds("matchmaking_time", matchmaking_time)
         self.averaging_timeout = _check_seconds("averaging_timeout", averaging_timeout)
         self.load_state_timeout = _check_seconds("load_state_timeout", load_state_timeout)
@@ -292,6 +304,16 @@ class DiLoCo:
         self._closed = False
         if hook:
             self._hook_handle = inner_optimizer.register_step_post_hook(self._post_hook)
+        if metrics_port is not None:
+            from swarmavg._prometheus import MetricsServer
+
+            try:
+                self._metrics_server = MetricsServer(
+                    lambda: self.metrics, port=metrics_port, host=metrics_host
+                )
+            except BaseException:
+                self.shutdown()
+                raise
         self.tracker.report_local_progress(0, 0)
         if load_state_on_join and self.tracker.global_epoch > 0:
             self._catch_up(force=True)
@@ -359,6 +381,36 @@ class DiLoCo:
     @property
     def rounds_failed(self) -> int:
         return self.schedule.rounds_failed
+
+    @property
+    def metrics(self) -> DiLoCoMetrics:
+        """What this peer did so far: rounds by outcome, state downloads, and its averager's
+        :class:`~swarmavg.metrics.AveragerMetrics` (a :class:`swarmavg.metrics.DiLoCoMetrics`
+        snapshot, see ``docs/guides/metrics.md``). Any thread may read it; the counters are
+        written by the training thread, so a snapshot taken during a round may show the
+        round's counters before its outer epoch."""
+        schedule = self.schedule
+        last = schedule.last_round
+        return DiLoCoMetrics(
+            run_id=self.run_id,
+            outer_epoch=schedule.outer_epoch,
+            inner_step=schedule.inner_step,
+            global_step=schedule.global_step,
+            rounds_averaged=schedule.rounds_averaged,
+            rounds_alone=schedule.rounds_alone,
+            rounds_failed=schedule.rounds_failed,
+            rounds_diverged=schedule.rounds_diverged,
+            state_loads=schedule.state_loads,
+            state_load_failures=schedule.state_load_failures,
+            last_round_seconds=0.0 if last is None else last.seconds,
+            averager=self.averager.metrics,
+        )
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` where :attr:`metrics` are served (``None``: no ``metrics_port``)."""
+        server = self._metrics_server
+        return None if server is None else (server.host, server.port)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -648,6 +700,105 @@ class DiLoCo:
         )
         return True
 
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this peer (with the model's own
+        ``state_dict()`` for θ_local): ``{"outer_epoch", "inner_step", "sync_every",
+        "theta_global": [fp32 CPU tensors], "outer_optimizer": ..., "inner_optimizer": ...}``
+        (copies; ``torch.save`` it). Error-feedback residues of a lossy ``compression`` are
+        not part of it (a fresh peer starts them at zero).
+
+        :raises RuntimeError: after :meth:`shutdown`.
+        """
+        if self._closed:
+            raise RuntimeError("this DiLoCo was shut down")
+        with self._state_lock:
+            return {
+                "outer_epoch": self.schedule.outer_epoch,
+                "inner_step": self.schedule.inner_step,
+                "sync_every": self.schedule.sync_every,
+                "theta_global": [b.clone() for b in self.backup],
+                "outer_optimizer": _clone_tree(self.outer_optimizer.state_dict()),
+                "inner_optimizer": _clone_tree(self.inner_optimizer.state_dict()),
+            }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s checkpoint: θ_global, both optimizers' states, the
+        outer epoch and the inner steps since θ_global (load the model's parameters, θ_local,
+        yourself). Nothing changes unless every part fits. If the swarm has moved on, the
+        next inner step downloads its state, as for a peer that fell behind.
+
+        :raises TypeError: ``state_dict`` is not a mapping, or a part has the wrong type.
+        :raises ValueError: a part does not fit (another ``sync_every``, shapes, a non-finite
+            θ_global, an optimizer state for other parameters); the message names it.
+        :raises RuntimeError: after :meth:`shutdown`.
+        """
+        if self._closed:
+            raise RuntimeError("this DiLoCo was shut down")
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+        missing = {
+            "outer_epoch",
+            "inner_step",
+            "sync_every",
+            "theta_global",
+            "outer_optimizer",
+            "inner_optimizer",
+        } - state_dict.keys()
+        if missing:
+            raise ValueError(f"state_dict lacks {sorted(missing)}")
+        if state_dict["sync_every"] != self.schedule.sync_every:
+            raise ValueError(
+                f"state_dict's sync_every is {state_dict['sync_every']!r:.40}, ours "
+                f"{self.schedule.sync_every}"
+            )
+        theta = state_dict["theta_global"]
+        if not isinstance(theta, list | tuple) or len(theta) != len(self.backup):
+            raise ValueError(
+                f"state_dict's theta_global must be a list of {len(self.backup)} tensors"
+            )
+        for index, (mine, theirs) in enumerate(zip(self.backup, theta, strict=True)):
+            if not isinstance(theirs, torch.Tensor):
+                raise TypeError(f"state_dict's theta_global[{index}] is not a tensor")
+            if tuple(theirs.shape) != tuple(mine.shape):
+                raise ValueError(
+                    f"state_dict's theta_global[{index}] has shape {tuple(theirs.shape)}, ours "
+                    f"{tuple(mine.shape)}"
+                )
+            try:
+                _check_finite(f"theta_global[{index}]", theirs.to("cpu", torch.float32))
+            except _Refused as exc:
+                raise ValueError(f"state_dict's {exc}") from None
+        checked = DiLoCoSchedule(self.schedule.sync_every)
+        checked.restore(state_dict["outer_epoch"], state_dict["inner_step"])
+        for name, optimizer in (
+            ("outer_optimizer", self.outer_optimizer),
+            ("inner_optimizer", self.inner_optimizer),
+        ):
+            try:
+                _check_optimizer_state(optimizer, state_dict[name], ())
+            except _Refused as exc:
+                raise ValueError(f"state_dict's {name} does not fit: {exc}") from None
+        with torch.no_grad(), self._state_lock:
+            saved = (self.outer_optimizer.state_dict(), self.inner_optimizer.state_dict())
+            try:
+                self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
+                self.inner_optimizer.load_state_dict(state_dict["inner_optimizer"])
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+                self.outer_optimizer.load_state_dict(saved[0])
+                self.inner_optimizer.load_state_dict(saved[1])
+                raise ValueError(
+                    f"state_dict's optimizer states do not load: {exc!r:.200}"
+                ) from None
+            for backup, theirs in zip(self.backup, theta, strict=True):
+                backup.copy_(theirs)
+        self.schedule.restore(checked.outer_epoch, checked.inner_step)
+        self._after_epoch_change()
+        self.tracker.report_local_progress(
+            self.outer_epoch, self.schedule.inner_step * self.batch_size
+        )
+
     def _check_state(
         self, metadata: Any, tensors: list[torch.Tensor], min_epoch: int
     ) -> tuple[int, Any]:
@@ -714,6 +865,8 @@ class DiLoCo:
             self._hook_handle.remove()
             self._hook_handle = None
         try:
+            if self._metrics_server is not None:
+                self._metrics_server.close()
             self.averager.shutdown()
         finally:
             self.tracker.shutdown()
@@ -735,6 +888,20 @@ class DiLoCo:
             f"epoch={self.outer_epoch} inner_step={self.inner_step}"
             f"{' closed' if self._closed else ''}>"
         )
+
+
+def _clone_tree(value: Any) -> Any:
+    """A copy of an optimizer's ``state_dict()`` whose tensors are cloned (the optimizer
+    goes on changing its own)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _clone_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_clone_tree(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_clone_tree(item) for item in value)
+    return value
 
 
 class _DiLoCoAverager(DecentralizedAverager):

@@ -194,6 +194,8 @@ class DiLoCoSchedule:
         #: failed rounds in which this peer's θ_global was not the round's reference
         self.rounds_diverged = 0
         self.state_loads = 0
+        #: downloads that failed (or were refused), in all
+        self.state_load_failures = 0
         self._load_failures = 0
         self._load_not_before = -math.inf
 
@@ -325,10 +327,27 @@ class DiLoCoSchedule:
         self._load_failures = 0
         self._load_not_before = -math.inf
 
+    def restore(self, outer_epoch: int, inner_step: int) -> None:
+        """Continue from a checkpoint: ``outer_epoch`` and the ``inner_step`` steps taken
+        since its θ_global (both ints ≥ 0; ``inner_step`` below :attr:`sync_every`, since a
+        due round ends before a checkpoint can be taken). The counters are kept.
+
+        :raises TypeError: an argument is not an int (named).
+        :raises ValueError: an argument is out of range (named).
+        """
+        epoch = _check_count("outer_epoch", outer_epoch, 0)
+        step = _check_count("inner_step", inner_step, 0)
+        if step >= self.sync_every:
+            raise ValueError(f"inner_step must be below sync_every ({self.sync_every}), not {step}")
+        self.outer_epoch, self.inner_step = epoch, step
+        self._load_failures = 0
+        self._load_not_before = -math.inf
+
     def state_load_failed(self, now: float) -> float:
         """A download failed at ``now``: the next one waits, doubling from
         ``LOAD_BACKOFF[0]`` up to ``LOAD_BACKOFF[1]`` seconds. Returns the wait."""
         self._load_failures += 1
+        self.state_load_failures += 1
         wait = min(LOAD_BACKOFF[0] * 2.0 ** (self._load_failures - 1), LOAD_BACKOFF[1])
         self._load_not_before = now + wait
         return wait

@@ -9,6 +9,7 @@ Peers run in threads of one process, each with its own :class:`swarmavg.DHT` ove
 from __future__ import annotations
 
 import copy
+import io
 import threading
 import time
 from functools import partial
@@ -22,6 +23,7 @@ from optim_helpers import FAST, run_threads, swarm
 import swarmavg.optim
 from swarmavg import DHT
 from swarmavg.compression import Float16Compression
+from swarmavg.metrics import DiLoCoMetrics
 from swarmavg.optim import DiLoCo
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,6 +161,11 @@ def test_one_peer_equals_the_single_process_loop(hook: bool) -> None:
             assert diloco.global_step == 26
             assert diloco.inner_optimizer.param_groups[0]["lr"] == pytest.approx(0.05 / 3.6)
             assert diloco.rounds_failed == 0
+            metrics = diloco.metrics
+            assert (metrics.outer_epoch, metrics.inner_step, metrics.global_step) == (5, 1, 26)
+            assert (metrics.rounds_alone, metrics.rounds_averaged, metrics.rounds) == (5, 0, 5)
+            assert metrics.averager.steps_started == 0  # (alone: no all-reduce)
+            assert metrics.as_dict()["averager"]["prefix"] == "one_diloco"
     torch.testing.assert_close(
         _flat(model.parameters()), _flat(reference.parameters()), atol=1e-6, rtol=0
     )
@@ -200,6 +207,7 @@ def test_two_peers_with_h1_equal_synchronous_parameter_averaging(compression: An
     data = [_peer_batches(peer, rounds, dim) for peer in range(count)]
     finals: dict[int, torch.Tensor] = {}
     reports: dict[int, list[Any]] = {}
+    metrics: dict[int, DiLoCoMetrics] = {}
     ready = threading.Barrier(count)
 
     def train(peer: int, dht: DHT) -> None:
@@ -214,6 +222,7 @@ def test_two_peers_with_h1_equal_synchronous_parameter_averaging(compression: An
                 inner.zero_grad()
                 reports.setdefault(peer, []).append(diloco.last_round)
             finals[peer] = _flat(model.parameters())
+            metrics[peer] = diloco.metrics
 
     with swarm(count) as dhts:
         run_threads([partial(train, i, dht) for i, dht in enumerate(dhts)])
@@ -234,6 +243,10 @@ def test_two_peers_with_h1_equal_synchronous_parameter_averaging(compression: An
             torch.nn.utils.vector_to_parameters(mean, reference.parameters())
     atol = 1e-6 if compression is None else 2e-3
     for peer in range(count):
+        assert metrics[peer].rounds_averaged == rounds
+        assert metrics[peer].averager.steps_succeeded == rounds
+        # every round sends each member's half of Δ (2 bytes per element with fp16, else 4)
+        assert metrics[peer].bytes_sent > 0
         assert [r.outcome for r in reports[peer]] == ["averaged"] * rounds
         assert all(r.group_size == count for r in reports[peer])
         torch.testing.assert_close(finals[peer], _flat(reference.parameters()), atol=atol, rtol=0)
@@ -503,3 +516,138 @@ def test_a_failed_round_rolls_back_or_keeps_local(policy: str) -> None:
                 assert report.action == "keep_local"
                 assert diloco.inner_step == 2
                 torch.testing.assert_close(param.detach(), torch.full((2,), -2.0))
+
+
+# -- checkpoints and metrics ---------------------------------------------------------------------
+
+
+def _checkpoint_run(batches: Any, model: torch.nn.Module, diloco: DiLoCo) -> None:
+    for x, y in batches:
+        F.mse_loss(model(x), y).backward()
+        diloco.inner_optimizer.step()
+        diloco.inner_optimizer.zero_grad()
+
+
+def _diloco_for_checkpoint(dht: DHT, model: torch.nn.Module, run_id: str) -> DiLoCo:
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return DiLoCo(
+        model.parameters(),
+        inner_optimizer=inner,
+        dht=dht,
+        run_id=run_id,
+        sync_every=5,
+        scheduler=partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda t: 1 / (1 + 0.1 * t)),
+        averager_opts=FAST,
+    )
+
+
+def test_a_checkpoint_continues_the_run_exactly() -> None:
+    """state_dict() mid-round (2 outer epochs and 3 inner steps), through torch.save/load
+    (weights_only), into a fresh peer: it continues exactly as the original does (θ_global,
+    Nesterov momentum, AdamW moments, the inner schedule by global step)."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x, y = torch.randn(25 * 4, 5), torch.randn(25 * 4, 2)
+    batches = [(x[i * 4 : i * 4 + 4], y[i * 4 : i * 4 + 4]) for i in range(25)]
+    with swarm(1) as (dht,):
+        with _diloco_for_checkpoint(dht, model, "ckpt") as diloco:
+            _checkpoint_run(batches[:13], model, diloco)
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "diloco": diloco.state_dict()}, buffer)
+            _checkpoint_run(batches[13:], model, diloco)
+            expected = _flat(model.parameters())
+            expected_epoch = diloco.outer_epoch
+            expected_lr = diloco.inner_optimizer.param_groups[0]["lr"]
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        restored = torch.nn.Sequential(
+            torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+        )
+        restored.load_state_dict(saved["model"])
+        with _diloco_for_checkpoint(dht, restored, "ckpt-restored") as again:
+            again.load_state_dict(saved["diloco"])
+            assert (again.outer_epoch, again.inner_step, again.global_step) == (2, 3, 13)
+            _checkpoint_run(batches[13:], restored, again)
+            assert again.outer_epoch == expected_epoch == 5
+            assert again.inner_optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr)
+    torch.testing.assert_close(_flat(restored.parameters()), expected, atol=1e-6, rtol=0)
+
+
+def test_load_state_dict_refuses_what_does_not_fit() -> None:
+    model = torch.nn.Linear(3, 1)
+    with swarm(1) as (dht,), _diloco_for_checkpoint(dht, model, "refuse") as diloco:
+        _checkpoint_run([(torch.randn(4, 3), torch.randn(4, 1))] * 7, model, diloco)
+        good = diloco.state_dict()
+        before = (copy.deepcopy(diloco.state_dict()), diloco.outer_epoch, diloco.inner_step)
+        nan_theta = [t.clone() for t in good["theta_global"]]
+        nan_theta[0][0, 0] = float("nan")
+        cases: list[tuple[type[Exception], str, Any]] = [
+            (TypeError, "state_dict", [1, 2]),
+            (ValueError, "lacks", {k: v for k, v in good.items() if k != "outer_epoch"}),
+            (ValueError, "sync_every", {**good, "sync_every": 4}),
+            (ValueError, "theta_global", {**good, "theta_global": good["theta_global"][:1]}),
+            (
+                ValueError,
+                r"theta_global\[0\] has shape",
+                {**good, "theta_global": [torch.zeros(2, 3), good["theta_global"][1]]},
+            ),
+            (ValueError, "not finite|non-finite|NaN", {**good, "theta_global": nan_theta}),
+            (ValueError, "inner_step", {**good, "inner_step": 5}),
+            (ValueError, "outer_epoch", {**good, "outer_epoch": -1}),
+            (ValueError, "inner_optimizer", {**good, "inner_optimizer": _adam_state_of_4()}),
+        ]
+        for error, match, value in cases:
+            with pytest.raises(error, match=match):
+                diloco.load_state_dict(value)
+        after = diloco.state_dict()
+        assert (diloco.outer_epoch, diloco.inner_step) == before[1:]
+        torch.testing.assert_close(_flat(after["theta_global"]), _flat(before[0]["theta_global"]))
+        assert (
+            after["outer_optimizer"]["state"].keys() == before[0]["outer_optimizer"]["state"].keys()
+        )
+        diloco.load_state_dict(good)  # (a good one still loads)
+
+
+def _adam_state_of_4() -> dict[str, Any]:
+    """An AdamW state dict for a Linear(4, 1): two parameters of other shapes."""
+    layer = torch.nn.Linear(4, 1)
+    adam = torch.optim.AdamW(layer.parameters(), lr=0.05)
+    layer(torch.ones(1, 4)).sum().backward()
+    adam.step()
+    return adam.state_dict()
+
+
+def test_diloco_serves_its_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    model = torch.nn.Linear(3, 1)
+    with swarm(1) as (dht,):
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = DiLoCo(
+            model.parameters(),
+            inner_optimizer=inner,
+            dht=dht,
+            run_id="served",
+            sync_every=2,
+            averager_opts=FAST,
+            metrics_port=0,
+        )
+        with diloco:
+            _checkpoint_run([(torch.randn(4, 3), torch.randn(4, 1))] * 5, model, diloco)
+            address = diloco.metrics_address
+            assert address is not None
+            with urllib.request.urlopen(
+                f"http://{address[0]}:{address[1]}/metrics", timeout=10
+            ) as r:
+                text = r.read().decode()
+        samples = dict(
+            line.rpartition(" ")[::2] for line in text.splitlines() if not line.startswith("#")
+        )
+        assert float(samples['swarmavg_diloco_outer_epoch{run_id="served"}']) == 2
+        assert float(samples['swarmavg_diloco_global_step{run_id="served"}']) == 5
+        assert float(samples['swarmavg_diloco_rounds_total{outcome="alone",run_id="served"}']) == 2
+        assert float(samples['swarmavg_diloco_rounds_total{outcome="failed",run_id="served"}']) == 0
+        assert 'swarmavg_averager_steps_started_total{prefix="served_diloco"}' in samples
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=5)

@@ -181,3 +181,27 @@ def test_weights() -> None:
 def test_bad_arguments_are_named(kwargs: dict[str, object], error: type, name: str) -> None:
     with pytest.raises(error, match=name):
         DiLoCoSchedule(**kwargs)  # type: ignore[arg-type]
+
+
+def test_restore_continues_from_a_checkpoint_and_keeps_counters() -> None:
+    schedule = DiLoCoSchedule(4)
+    for _ in range(4):
+        schedule.inner_step_done()
+    schedule.round_succeeded(alone=True, group_size=1)
+    schedule.state_load_failed(now=0.0)
+    schedule.restore(7, 3)
+    assert (schedule.outer_epoch, schedule.inner_step, schedule.global_step) == (7, 3, 31)
+    assert schedule.rounds_alone == 1
+    assert schedule.state_load_failures == 1
+    assert schedule.should_load_state(8, now=0.0)  # (the backoff was for the old position)
+    assert schedule.inner_step_done()  # the 4th inner step of epoch 7 ends a round
+    for epoch, step, error, name in (
+        (-1, 0, ValueError, "outer_epoch"),
+        (1, 4, ValueError, "inner_step"),
+        (1, -1, ValueError, "inner_step"),
+        (True, 0, TypeError, "outer_epoch"),
+        (1, 1.0, TypeError, "inner_step"),
+    ):
+        with pytest.raises(error, match=name):
+            schedule.restore(epoch, step)  # type: ignore[arg-type]
+    assert (schedule.outer_epoch, schedule.inner_step) == (7, 4)
