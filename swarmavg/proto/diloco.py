@@ -38,7 +38,7 @@ own:
   ``"keep_local"`` (the parameters keep θ_local; the next round's Δ holds both rounds' steps);
   the epoch does not move either way;
 * :meth:`DiLoCoSchedule.state_loaded` takes a downloaded outer epoch; failed downloads back off
-  (:meth:`DiLoCoSchedule.may_load_state`, on the caller's clock, ``now`` in seconds).
+  (:meth:`DiLoCoSchedule.should_load_state`, on the caller's clock, ``now`` in seconds).
 
 Every round, whatever its outcome, leaves a :class:`RoundReport` in
 :attr:`DiLoCoSchedule.last_round` and in the counters.
