@@ -5,20 +5,13 @@ and outer state, and a validation loss below the one they started from."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _jsonl import JsonLinesPeer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -27,79 +20,27 @@ EPOCHS = 8
 SYNC_EVERY = 3
 
 
-class Peer:
-    """A peer process; its JSON lines read by a thread into a queue, its stderr in a file."""
-
-    def __init__(self, index: int, log_dir: Path, initial_peers: list[str]) -> None:
-        self.index = index
-        self.log_path = log_dir / f"peer{index}.log"
-        config = {
-            "index": index,
-            "initial_peers": initial_peers,
-            "run_id": "e2e-diloco",
-            "sync_every": SYNC_EVERY,
-            "epochs": EPOCHS,
-            "batch": 8,
-            "lr": 5e-3,
-            "deadline": 90,
-        }
-        with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(PEER), json.dumps(config)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-        self.events.put({"event": "eof"})
-
-    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"peer {self.index}: no such event within {timeout} s"
-            try:
-                event = self.events.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if event["event"] in ("error", "eof"):
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise AssertionError(f"peer {self.index}: {event}\n{tail}")
-            if predicate(event):
-                return event
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self._reader.join(10)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+def _peer(index: int, log_dir: Path, initial_peers: list[str]) -> JsonLinesPeer:
+    """A DiLoCo peer process of this test's run."""
+    config = {
+        "index": index,
+        "initial_peers": initial_peers,
+        "run_id": "e2e-diloco",
+        "sync_every": SYNC_EVERY,
+        "epochs": EPOCHS,
+        "batch": 8,
+        "lr": 5e-3,
+        "deadline": 90,
+    }
+    return JsonLinesPeer(index, log_dir, [sys.executable, str(PEER), json.dumps(config)])
 
 
 def test_a_peer_killed_mid_run_the_others_agree(tmp_path: Path) -> None:
-    peers: list[Peer] = []
+    peers: list[JsonLinesPeer] = []
     try:
-        peers.append(Peer(0, tmp_path, []))
+        peers.append(_peer(0, tmp_path, []))
         maddrs = peers[0].wait_for(lambda e: e["event"] == "listening", 60)["maddrs"]
-        peers += [Peer(i, tmp_path, maddrs) for i in range(1, 4)]
+        peers += [_peer(i, tmp_path, maddrs) for i in range(1, 4)]
         for peer in peers:
             peer.wait_for(lambda e: e["event"] == "ready", 60)
         for peer in peers:  # (each one's first round waits for a read of the others' records)

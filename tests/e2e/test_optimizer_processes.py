@@ -4,100 +4,48 @@ mid-epoch does not stop the others, and Ctrl+C stops a training process cleanly.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _jsonl import JsonLinesPeer
 
 pytestmark = pytest.mark.timeout(240)
 
 PEER = Path(__file__).resolve().parents[2] / "benchmarks" / "_optimizer_peer.py"
 
 
-class Peer:
-    def __init__(self, index: int, log_dir: Path, *extra: str) -> None:
-        self.index = index
-        self.log_path = log_dir / f"peer{index}.log"
-        log = self.log_path.open("w")
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(PEER),
-                "--system=swarmavg",
-                f"--peer={index}",
-                "--num-peers=3",
-                "--run-id=e2e-optimizer",
-                "--target-batch-size=96",
-                "--batch-size=16",
-                "--matchmaking-time=1.0",
-                "--averaging-timeout=10",
-                "--deadline=150",
-                "--wait-go",
-                "--keep-stepping",
-                *extra,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        log.close()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-        self.events.put({"event": "eof"})
-
-    def wait_for(self, predicate: Any, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"peer {self.index}: no such event within {timeout} s"
-            event = self.events.get(timeout=remaining)
-            if event["event"] in ("error", "eof"):
-                tail = self.log_path.read_text(errors="replace")[-1500:]
-                raise AssertionError(f"peer {self.index}: {event}\n{tail}")
-            if predicate(event):
-                return event
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self._reader.join(10)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+def _peer(index: int, log_dir: Path, *extra: str) -> JsonLinesPeer:
+    """A ``swarmavg.Optimizer`` peer process (the benchmark's peer script) of a run of 3."""
+    argv = [
+        sys.executable,
+        str(PEER),
+        "--system=swarmavg",
+        f"--peer={index}",
+        "--num-peers=3",
+        "--run-id=e2e-optimizer",
+        "--target-batch-size=96",
+        "--batch-size=16",
+        "--matchmaking-time=1.0",
+        "--averaging-timeout=10",
+        "--deadline=150",
+        "--wait-go",
+        "--keep-stepping",
+        *extra,
+    ]
+    return JsonLinesPeer(index, log_dir, argv)
 
 
-def _start(log_dir: Path, count: int, *extra: str) -> list[Peer]:
-    first = Peer(0, log_dir, *extra)
+def _start(log_dir: Path, count: int, *extra: str) -> list[JsonLinesPeer]:
+    first = _peer(0, log_dir, *extra)
     peers = [first]
     try:
         ready = first.wait_for(lambda e: e["event"] == "ready", 120)
         initial = ["--initial-peers", *ready["maddrs"]]
-        peers += [Peer(i, log_dir, *initial, *extra) for i in range(1, count)]
+        peers += [_peer(i, log_dir, *initial, *extra) for i in range(1, count)]
         for peer in peers[1:]:
             peer.wait_for(lambda e: e["event"] == "ready", 120)
         go = json.dumps({"go": time.monotonic() + 0.5})

@@ -1,8 +1,8 @@
 """One peer process of ``tests/optim/test_decentralized_processes.py``:
 ``python -m tests.optim.decentralized_peer CONFIG`` (CONFIG: a JSON object, see :func:`_run`).
 
-It trains the workload of :mod:`swarmavg.testing.workload` with a ``DecentralizedAdam`` over
-TCP on 127.0.0.1, driven by the test in JSON lines (the helpers of ``swarmavg demo``'s
+It trains the workload of :mod:`swarmavg.testing.workload` with a ``DecentralizedAdam``
+(``"optimizer": "sgd"``: a ``DecentralizedSGD``) over TCP on 127.0.0.1, driven by the test in JSON lines (the helpers of ``swarmavg demo``'s
 children: :func:`swarmavg._demo_peer.child_main`):
 
 * commands on stdin: ``join`` (``initial_peers``: every peer but the first, before its DHT
@@ -47,7 +47,7 @@ def _run(config: dict[str, Any], commands: _Commands) -> None:
     import torch
 
     import swarmavg
-    from swarmavg.optim.decentralized import DecentralizedAdam
+    from swarmavg.optim.decentralized import DecentralizedAdam, DecentralizedSGD
     from swarmavg.testing import workload
 
     torch.set_num_threads(1)  # (the peers share the machine's cores)
@@ -67,9 +67,12 @@ def _run(config: dict[str, Any], commands: _Commands) -> None:
     try:
         if index == 0:
             _emit(event="listening", maddrs=[str(a) for a in dht.get_visible_maddrs()])
-        opt = DecentralizedAdam(
+        # Adam at 3e-3, or SGD at 0.1 with momentum 0.9 (as benchmarks/optimizer.py's dsgd)
+        make = DecentralizedAdam if config.get("optimizer", "adam") == "adam" else DecentralizedSGD
+        extra: dict[str, Any] = {} if make is DecentralizedAdam else {"momentum": 0.9}
+        opt = make(
             model.parameters(),
-            lr=3e-3,
+            lr=3e-3 if make is DecentralizedAdam else 0.1,
             dht=dht,
             prefix="killrun",
             target_group_size=4,
@@ -80,6 +83,7 @@ def _run(config: dict[str, Any], commands: _Commands) -> None:
             averaging_expiration=1.0,
             allreduce_timeout=4.0,
             request_timeout=1.0,
+            **extra,
         )
         try:
             _emit(event="ready")

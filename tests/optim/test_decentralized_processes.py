@@ -1,6 +1,7 @@
-"""``DecentralizedAdam`` in four processes over TCP on 127.0.0.1 training the workload; one is
-SIGKILLed mid-run; the three others keep training, average among themselves (rounds begun
-after the kill succeed), and end with the same parameters and a lower validation loss. The
+"""``DecentralizedAdam`` and ``DecentralizedSGD`` in four processes over TCP on 127.0.0.1
+training the workload; one is SIGKILLed mid-run; the three others keep training, average among
+themselves (rounds begun after the kill succeed), and end with the same parameters and a lower
+validation loss. The
 peers are driven by ``tests/optim/decentralized_peer.py`` in JSON lines."""
 
 from __future__ import annotations
@@ -122,8 +123,11 @@ def _peers(tmp_path: Path) -> Iterator[_Peers]:
 
 
 @pytest.mark.timeout(150)
-def test_four_processes_one_killed_the_others_train_and_agree(tmp_path: Path) -> None:
-    config = {"max_steps": 300, "steps_after_kill": 8}
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_four_processes_one_killed_the_others_train_and_agree(
+    tmp_path: Path, optimizer: str
+) -> None:
+    config = {"max_steps": 300, "steps_after_kill": 8, "optimizer": optimizer}
     survivors = [i for i in range(PEERS) if i != VICTIM]
     with _peers(tmp_path) as peers:
         for index in range(PEERS):  # (they import torch at once; the others wait for "join")
