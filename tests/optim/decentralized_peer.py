@@ -2,8 +2,8 @@
 ``python -m tests.optim.decentralized_peer CONFIG`` (CONFIG: a JSON object, see :func:`_run`).
 
 It trains the workload of :mod:`swarmavg.testing.workload` with a ``DecentralizedAdam``
-(``"optimizer": "sgd"``: a ``DecentralizedSGD``) over TCP on 127.0.0.1, driven by the test in JSON lines (the helpers of ``swarmavg demo``'s
-children: :func:`swarmavg._demo_peer.child_main`):
+(``"optimizer": "sgd"``: a ``DecentralizedSGD``) over TCP on 127.0.0.1, driven by the test in
+JSON lines (the helpers of ``swarmavg demo``'s children: :func:`swarmavg._demo_peer.child_main`):
 
 * commands on stdin: ``join`` (``initial_peers``: every peer but the first, before its DHT
   starts), ``go`` (train), ``killed`` (a peer was killed: count the rounds from now on),
