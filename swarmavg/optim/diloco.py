@@ -541,10 +541,11 @@ class DiLoCo:
                 return
             diverged = check.diverged
             group_size = result.group_size
-        self._outer_step()
-        report = self.schedule.round_succeeded(
-            alone=plan == "alone", group_size=group_size, seconds=time.perf_counter() - started
-        )
+        with self._state_lock:  # (a state served meanwhile has θ_global and its epoch together)
+            self._outer_step()
+            report = self.schedule.round_succeeded(
+                alone=plan == "alone", group_size=group_size, seconds=time.perf_counter() - started
+            )
         self._after_epoch_change()
         if report.outcome == "alone":
             how = "no other peer: its own pseudo-gradient"
@@ -556,20 +557,20 @@ class DiLoCo:
 
     @torch.no_grad()
     def _outer_step(self) -> None:
-        """θ_global ← outer step from θ_global on Δ̄ (in the averaged tensors)."""
+        """θ_global ← outer step from θ_global on Δ̄ (in the averaged tensors). The caller
+        holds ``_state_lock`` and moves the epoch under it too."""
         saved = [p.grad for p in self.params]
-        with self._state_lock:
-            with self.averager.get_tensors() as deltas:
-                for param, backup, delta in zip(self.params, self.backup, deltas, strict=True):
-                    param.copy_(backup)
-                    param.grad = delta.to(param.device, param.dtype, copy=True)
-            try:
-                self.outer_optimizer.step()
-            finally:
-                for param, grad in zip(self.params, saved, strict=True):
-                    param.grad = grad
-            for backup, param in zip(self.backup, self.params, strict=True):
-                backup.copy_(param.detach())
+        with self.averager.get_tensors() as deltas:
+            for param, backup, delta in zip(self.params, self.backup, deltas, strict=True):
+                param.copy_(backup)
+                param.grad = delta.to(param.device, param.dtype, copy=True)
+        try:
+            self.outer_optimizer.step()
+        finally:
+            for param, grad in zip(self.params, saved, strict=True):
+                param.grad = grad
+        for backup, param in zip(self.backup, self.params, strict=True):
+            backup.copy_(param.detach())
 
     def _fail(self, error: str, started: float, *, diverged: bool = False) -> None:
         report = self.schedule.round_failed(error, time.perf_counter() - started, diverged=diverged)
@@ -687,10 +688,10 @@ class DiLoCo:
                 for backup, param, theirs in zip(self.backup, self.params, tensors, strict=False):
                     backup.copy_(theirs)
                     param.copy_(theirs)
+                self.schedule.state_loaded(epoch)
         except _Refused as exc:
             logger.warning("%s: refusing the state downloaded from a peer: %s", self.run_id, exc)
             return False
-        self.schedule.state_loaded(epoch)
         self._after_epoch_change()
         logger.log(
             self.status_loglevel,
@@ -793,7 +794,7 @@ class DiLoCo:
                 ) from None
             for backup, theirs in zip(self.backup, theta, strict=True):
                 backup.copy_(theirs)
-        self.schedule.restore(checked.outer_epoch, checked.inner_step)
+            self.schedule.restore(checked.outer_epoch, checked.inner_step)
         self._after_epoch_change()
         self.tracker.report_local_progress(
             self.outer_epoch, self.schedule.inner_step * self.batch_size

@@ -651,3 +651,45 @@ def test_diloco_serves_its_metrics() -> None:
         assert 'swarmavg_averager_steps_started_total{prefix="served_diloco"}' in samples
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=5)
+
+
+def test_a_state_served_during_an_outer_step_has_its_own_epoch() -> None:
+    """θ_global and the outer epoch move together under the state lock: a state served while a
+    round ends is either the old epoch's or the new one's, never new θ_global labelled with the
+    old epoch (a joiner taking that would hold another θ_global than the swarm's)."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    with swarm(1) as (dht,):
+        inner = torch.optim.SGD([param], lr=1.0)
+        with DiLoCo(
+            [param],
+            inner_optimizer=inner,
+            dht=dht,
+            run_id="served",
+            sync_every=1,
+            averager_opts=FAST,
+        ) as diloco:
+            served: list[tuple[int, torch.Tensor]] = []
+            real = diloco.schedule.round_succeeded
+
+            def serve() -> None:
+                metadata, tensors, _ = diloco.state_to_share()
+                served.append((metadata["outer_epoch"], tensors[0].clone()))
+
+            def round_succeeded(**kwargs: Any) -> Any:
+                sharer = threading.Thread(target=serve)
+                sharer.start()
+                sharer.join(0.2)  # (time for a share that does not wait for the round)
+                report = real(**kwargs)
+                threads.append(sharer)
+                return report
+
+            threads: list[threading.Thread] = []
+            diloco.schedule.round_succeeded = round_succeeded  # type: ignore[method-assign]
+            param.grad = torch.ones(2)
+            inner.step()
+            threads[0].join(10)
+            assert diloco.outer_epoch == 1
+            ((epoch, theta),) = served
+            assert epoch == 1
+            torch.testing.assert_close(theta, diloco.backup[0])
+            assert not torch.equal(theta, torch.zeros(2))
