@@ -1,0 +1,471 @@
+"""The accumulator's rounds (sans-IO) among simulated members on a fake clock.
+
+A :class:`Cohort` delivers the members' messages and plays the all-reduce: each member's slot
+holds a number (the sum of its contributed "gradients"); a gradient phase averages
+``slot * scale`` with each member's weight, as ``AllReduceService`` would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from swarmavg.errors import RemoteProtocolError
+from swarmavg.proto.accumulator import (
+    AccumulatorCore,
+    Action,
+    ApplyResult,
+    Count,
+    DropSlots,
+    GradientStats,
+    Hello,
+    MergeSlots,
+    Refresh,
+    RequestState,
+    Send,
+    SlotTotals,
+    StartReduce,
+    epoch_digest,
+    round_group_id,
+)
+
+
+@dataclass
+class Member:
+    core: AccumulatorCore
+    slots: list[float]
+    grad: float | None = None
+    applied: list[tuple[int, GradientStats, float]] = field(default_factory=list)
+    state_requests: list[RequestState] = field(default_factory=list)
+
+
+class Cohort:
+    """Members, their in-flight messages and all-reduces, delivered when the test says."""
+
+    def __init__(self, names: list[str], **options: object) -> None:
+        self.now = 0.0
+        self.members = {
+            n: Member(AccumulatorCore(n, cohort="c", **options), [0.0] * 4)  # type: ignore[arg-type]
+            for n in names
+        }
+        self.queue: list[tuple[str, str, Hello | Count]] = []
+        self.reduces: dict[bytes, dict[str, StartReduce]] = {}
+        self.refreshes: list[tuple[str, str]] = []
+
+    def handle(self, name: str, actions: list[Action]) -> None:
+        member = self.members[name]
+        for action in actions:
+            if isinstance(action, Send):
+                self.queue += [(name, to, action.message) for to in action.to]
+            elif isinstance(action, StartReduce):
+                self.reduces.setdefault(action.group_id, {})[name] = action
+            elif isinstance(action, ApplyResult):
+                member.grad = 0.0 if action.zero else member.grad
+                member.applied.append((action.index, action.stats, member.grad or 0.0))
+                member.slots[action.slot] = 0.0
+            elif isinstance(action, MergeSlots):
+                for slot in action.slots:
+                    member.slots[0] += member.slots[slot]
+                    member.slots[slot] = 0.0
+            elif isinstance(action, DropSlots):
+                member.slots = [0.0] * len(member.slots)
+            elif isinstance(action, RequestState):
+                member.state_requests.append(action)
+            elif isinstance(action, Refresh):
+                self.refreshes.append((name, action.peer))
+
+    def epoch(
+        self, names: list[str], who: list[str] | None = None, epoch: bytes | None = None
+    ) -> None:
+        for name in who or names:
+            core = self.members[name].core
+            self.handle(name, core.new_epoch(names, self.now, epoch=epoch))
+
+    def deliver(self, only_to: set[str] | None = None) -> None:
+        """Deliver every queued message (and those they cause), bounded."""
+        for _ in range(10_000):
+            ready = [m for m in self.queue if only_to is None or m[1] in only_to]
+            if not ready:
+                return
+            sender, to, message = ready[0]
+            self.queue.remove(ready[0])
+            self.handle(to, self.members[to].core.receive(sender, message, self.now))
+        raise AssertionError("messages never settled")
+
+    def finish_reduces(self, ok: bool = True, skip: set[str] = frozenset()) -> None:
+        """Complete every all-reduce whose members all started it (the weighted mean)."""
+        for group_id, started in list(self.reduces.items()):
+            first = next(iter(started.values()))
+            if set(started) != set(first.members):
+                continue
+            del self.reduces[group_id]
+            total_weight = sum(a.weight for a in started.values())
+            mean = (
+                sum(a.weight * self.members[n].slots[a.slot] * a.scale for n, a in started.items())
+                / total_weight
+            )
+            for name, action in started.items():
+                if name in skip:
+                    continue
+                self.members[name].grad = mean
+                core = self.members[name].core
+                self.handle(name, core.reduce_done(action.epoch, action.index, ok))
+
+    def reduce(self, name: str, grad: float, batch_size: int) -> int:
+        member = self.members[name]
+        slot, actions = member.core.contribute(batch_size, self.now)
+        scale = batch_size if member.core.weighting == "samples" else 1
+        member.slots[slot] += grad * scale
+        self.handle(name, actions)
+        return slot
+
+    def skip(self, name: str) -> None:
+        _slot, actions = self.members[name].core.skip(self.now)
+        self.handle(name, actions)
+
+    def zero(self, name: str) -> None:
+        self.handle(name, self.members[name].core.zero_gradients())
+
+
+def connected_cohort(names: list[str], **options: object) -> Cohort:
+    cohort = Cohort(names, **options)
+    cohort.epoch(names)
+    cohort.deliver()
+    leader = max(names)
+    for name in names:
+        assert cohort.members[name].core.leader == leader
+        if name != leader:
+            (request,) = cohort.members[name].state_requests
+            assert request.donors[0] == leader
+            cohort.handle(name, cohort.members[name].core.state_loaded(request.version))
+        assert cohort.members[name].core.connected()
+    return cohort
+
+
+def test_every_member_applies_the_same_mean_with_the_same_stats() -> None:
+    names = ["a", "b", "c"]
+    cohort = connected_cohort(names, virtual_batch_size=10)
+    grads = {"a": 1.0, "b": 2.0, "c": 6.0}
+    # round 1: 4 + 4 samples and a skip: 8 < 10, so everyone must contribute again
+    cohort.reduce("a", 1.0, 4)
+    cohort.reduce("b", 2.0, 4)
+    assert not cohort.members["a"].core.wants_gradients()  # its slot is counting
+    cohort.skip("c")
+    cohort.deliver()
+    assert all(
+        m.core.wants_gradients() and not m.core.has_gradients() for m in cohort.members.values()
+    )
+    for name in names:
+        cohort.reduce(name, grads[name], 3)
+    cohort.deliver()
+    assert all(not m.core.has_gradients() for m in cohort.members.values())
+    cohort.finish_reduces()
+    # contributions: a twice (1, 1), b twice (2, 2), c once (6): mean over 5 contributions
+    expected = (1 + 1 + 2 + 2 + 6) / 5
+    for member in cohort.members.values():
+        assert member.core.has_gradients()
+        assert member.grad == pytest.approx(expected)
+        assert member.core.stats() == GradientStats(num_gradients=5, num_skipped=1, batch_size=17)
+        assert member.core.stats().as_dict() == {
+            "num_gradients": 5,
+            "num_skipped": 1,
+            "batch_size": 17,
+        }
+        assert member.core.model_version == 1
+        assert not member.core.wants_gradients()  # the result was not read yet
+
+
+def test_samples_weighting_gives_the_sample_weighted_mean() -> None:
+    cohort = connected_cohort(["a", "b"], virtual_batch_size=4, weighting="samples")
+    cohort.reduce("a", 1.0, 1)
+    cohort.reduce("b", 4.0, 3)
+    cohort.deliver()
+    cohort.finish_reduces()
+    for member in cohort.members.values():
+        assert member.grad == pytest.approx((1 * 1 + 4 * 3) / 4)
+
+
+def test_model_version_increments_once_per_applied_result_everywhere() -> None:
+    names = ["a", "b"]
+    cohort = connected_cohort(names)
+    for round_ in range(1, 4):
+        for name in names:
+            cohort.reduce(name, float(round_), 1)
+        cohort.deliver()
+        cohort.finish_reduces()
+        for name in names:
+            assert cohort.members[name].core.model_version == round_
+            cohort.zero(name)
+    assert [i for i, _, _ in cohort.members["a"].applied] == [0, 1, 2]
+
+
+def test_all_skips_apply_a_zero_result_without_an_allreduce() -> None:
+    cohort = connected_cohort(["a", "b"])
+    cohort.skip("a")
+    cohort.skip("b")
+    cohort.deliver()
+    assert cohort.reduces == {}  # nothing to average
+    for member in cohort.members.values():
+        # batch 0 < virtual batch 1: no result; skips count only once a result is decided
+        assert not member.core.has_gradients()
+    cohort.reduce("a", 3.0, 1)
+    cohort.skip("b")
+    cohort.deliver()
+    cohort.finish_reduces()
+    for member in cohort.members.values():
+        assert member.core.stats() == GradientStats(num_gradients=1, num_skipped=3, batch_size=1)
+        assert member.grad == 3.0
+
+
+def test_the_leader_is_the_greatest_version_then_name() -> None:
+    cohort = Cohort(["a", "b", "c"])
+    cohort.members["a"].core.set_model_version(7)  # a restored checkpoint
+    cohort.epoch(["a", "b", "c"])
+    cohort.deliver()
+    for member in cohort.members.values():
+        assert member.core.leader == "a"
+    assert cohort.members["a"].core.is_leader()
+    assert cohort.members["a"].core.connected()
+    for name in ["b", "c"]:
+        core = cohort.members[name].core
+        assert not core.connected()
+        assert not core.wants_gradients()
+        assert cohort.members[name].state_requests == [RequestState(("a",), 7)]
+        cohort.handle(name, core.state_loaded(7))
+        assert core.connected()
+        assert core.model_version == 7
+    # equal versions (and no model yet): the greatest name
+    ties = Cohort(["x", "y"])
+    ties.epoch(["x", "y"])
+    ties.deliver()
+    assert ties.members["x"].core.leader == ties.members["y"].core.leader == "y"
+
+
+def test_set_model_version_makes_a_restored_peer_leader_at_the_next_epoch() -> None:
+    cohort = connected_cohort(["a", "b"])
+    for name in ["a", "b"]:
+        cohort.reduce(name, 1.0, 1)
+    cohort.deliver()
+    cohort.finish_reduces()
+    for name in ["a", "b"]:
+        cohort.zero(name)
+    assert cohort.members["b"].core.is_leader()
+    # "a" restarts from a checkpoint of version 10
+    restored = AccumulatorCore("a", cohort="c")
+    restored.set_model_version(10)
+    cohort.members["a"] = Member(restored, [0.0] * 4)
+    # the same names, but "a" is a new incarnation: a new epoch
+    cohort.epoch(["a", "b"], epoch=epoch_digest(["a", "b"], ["restarted", ""]))
+    cohort.deliver()
+    assert cohort.members["b"].core.leader == "a"
+    assert restored.is_leader()
+    assert cohort.members["b"].state_requests[-1] == RequestState(("a",), 10)
+
+
+def test_several_donors_hold_the_leaders_version() -> None:
+    cohort = connected_cohort(["a", "b", "c"])
+    cohort.members["d"] = Member(AccumulatorCore("d", cohort="c"), [0.0] * 4)
+    cohort.epoch(["a", "b", "c", "d"])
+    cohort.deliver()
+    (request,) = cohort.members["d"].state_requests
+    # all at version 0, but d holds no model: c stays leader, and a, b, c can all donate
+    assert request == RequestState(("c", "b", "a"), 0)
+    for name in "abc":
+        assert cohort.members[name].core.connected()  # same version, and a model
+
+
+def test_a_joiner_blocks_rounds_until_it_has_the_state() -> None:
+    cohort = connected_cohort(["a", "b"])
+    cohort.members["c"] = Member(AccumulatorCore("c", cohort="c"), [0.0] * 4)
+    cohort.epoch(["a", "b", "c"])
+    cohort.deliver()
+    joiner = cohort.members["c"].core
+    assert not joiner.connected()
+    with pytest.raises(RuntimeError, match="waiting for the leader's state"):
+        joiner.contribute(1, cohort.now)
+    cohort.reduce("a", 1.0, 1)
+    cohort.reduce("b", 1.0, 1)
+    cohort.deliver()
+    assert cohort.reduces == {}  # count 0 waits for c
+    cohort.handle("c", joiner.state_loaded(0))
+    cohort.reduce("c", 4.0, 1)
+    cohort.deliver()
+    cohort.finish_reduces()
+    for member in cohort.members.values():
+        assert member.grad == 2.0
+        assert member.core.model_version == 1
+
+
+def test_a_member_leaving_mid_round_keeps_the_survivors_contributions() -> None:
+    names = ["a", "b", "c"]
+    cohort = connected_cohort(names, virtual_batch_size=3)
+    cohort.reduce("a", 1.0, 1)
+    cohort.reduce("b", 3.0, 1)
+    cohort.reduce("c", 100.0, 1)
+    cohort.deliver()
+    assert len(cohort.reduces) == 1
+    # c dies during the gradient phase: a and b's all-reduce fails (incomplete)
+    (group_id,) = cohort.reduces
+    started = cohort.reduces.pop(group_id)
+    for name in ["a", "b"]:
+        action = started[name]
+        core = cohort.members[name].core
+        assert core.reduce_done(action.epoch, action.index, ok=False) == []
+        assert not core.has_gradients()
+    # the next epoch: a and b only; their contributions are still in slot 0
+    cohort.epoch(["a", "b"])
+    cohort.queue = [m for m in cohort.queue if m[0] != "c" and m[1] != "c"]
+    cohort.deliver()
+    for name in ["a", "b"]:
+        core = cohort.members[name].core
+        assert core.connected()
+        assert core.wants_gradients()
+    cohort.reduce("a", 1.0, 1)  # one more each: batch 2 + 2 >= 3
+    cohort.reduce("b", 3.0, 1)
+    cohort.deliver()
+    cohort.finish_reduces()
+    for name in ["a", "b"]:
+        member = cohort.members[name]
+        assert member.core.stats() == GradientStats(num_gradients=4, num_skipped=0, batch_size=4)
+        assert member.grad == pytest.approx((1 + 1 + 3 + 3) / 4)
+        assert member.core.model_version == 1
+
+
+def test_a_stale_allreduce_report_of_an_old_epoch_is_ignored() -> None:
+    cohort = connected_cohort(["a", "b"])
+    cohort.reduce("a", 1.0, 1)
+    cohort.reduce("b", 1.0, 1)
+    cohort.deliver()
+    (started,) = cohort.reduces.values()
+    old = started["a"]
+    cohort.epoch(["a"], who=["a"])
+    assert cohort.members["a"].core.reduce_done(old.epoch, old.index, ok=True) == []
+    assert not cohort.members["a"].core.has_gradients()
+
+
+def test_parallel_two_applies_results_in_count_order() -> None:
+    names = ["a", "b"]
+    cohort = connected_cohort(names)
+    for name in names:
+        cohort.members[name].core.set_parallel_gradients(2)
+    assert cohort.reduce("a", 1.0, 1) == 0
+    assert cohort.reduce("b", 1.0, 1) == 0
+    cohort.deliver()
+    # slot 0 is reducing; a second contribution goes to slot 1
+    assert cohort.reduce("a", 5.0, 1) == 1
+    assert cohort.reduce("b", 5.0, 1) == 1
+    cohort.deliver()
+    assert len(cohort.reduces) == 2
+    # slot 1's all-reduce finishes first: nothing is applied before slot 0's
+    later = [g for g, s in cohort.reduces.items() if next(iter(s.values())).index == 1]
+    first = [g for g, s in cohort.reduces.items() if next(iter(s.values())).index == 0]
+    slot1 = {later[0]: cohort.reduces.pop(later[0])}
+    for name, action in slot1[later[0]].items():
+        assert cohort.members[name].core.reduce_done(action.epoch, action.index, True) == []
+    cohort.finish_reduces()
+    assert first[0] not in cohort.reduces
+    for name in names:
+        member = cohort.members[name]
+        assert [i for i, _, _ in member.applied] == [0]
+        assert member.core.model_version == 1
+        assert not member.core.wants_gradients()  # the result is unread
+        cohort.zero(name)  # now count 1's result is applied
+        assert [i for i, _, _ in member.applied] == [0, 1]
+        assert member.core.model_version == 2
+
+
+def test_misuse_raises_instead_of_aborting() -> None:
+    core = AccumulatorCore("a")
+    with pytest.raises(RuntimeError, match="not in a cohort"):
+        core.contribute(1, 0.0)
+    with pytest.raises(RuntimeError, match="wants_gradients"):
+        core.skip(0.0)
+    core.new_epoch(["a", "b"], 0.0)
+    with pytest.raises(RuntimeError, match="electing"):
+        core.contribute(1, 0.0)
+    solo = AccumulatorCore("s")
+    solo.new_epoch(["s"], 0.0)
+    _, actions = solo.contribute(1, 0.0)
+    (start,) = actions
+    assert isinstance(start, StartReduce)
+    assert start.members == ("s",)
+    (applied,) = solo.reduce_done(start.epoch, start.index, ok=True)
+    assert isinstance(applied, ApplyResult)
+    assert solo.has_gradients()
+    with pytest.raises(RuntimeError, match="zero_gradients"):
+        solo.contribute(1, 0.0)
+    for bad, error in [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]:
+        with pytest.raises(error, match="batch_size"):
+            solo.contribute(bad, 0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weighting"):
+        AccumulatorCore("a", weighting="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="virtual_batch_size"):
+        AccumulatorCore("a", virtual_batch_size=0)
+    with pytest.raises(ValueError, match="n must"):
+        solo.set_parallel_gradients(0)
+
+
+def test_set_parallel_gradients_refuses_while_contributions_are_in_flight() -> None:
+    cohort = connected_cohort(["a", "b"])
+    cohort.reduce("a", 1.0, 1)
+    with pytest.raises(RuntimeError, match="in flight"):
+        cohort.members["a"].core.set_parallel_gradients(2)
+
+
+def test_bad_messages_are_protocol_errors() -> None:
+    cohort = connected_cohort(["a", "b"])
+    core = cohort.members["a"].core
+    epoch = core.epoch
+    assert epoch is not None
+    with pytest.raises(RemoteProtocolError, match="not a member"):
+        core.receive("z", Hello(epoch, 0), 0.0)
+    with pytest.raises(RemoteProtocolError, match="twice"):
+        core.receive("b", Hello(epoch, 0), 0.0)
+    with pytest.raises(RemoteProtocolError, match="too far ahead"):
+        core.receive("b", Count(epoch, 5, SlotTotals(1, 1, 0), 1), 0.0)
+    with pytest.raises(RemoteProtocolError, match="virtual_batch_size"):
+        core.receive("b", Count(epoch, 0, SlotTotals(1, 1, 0), 2), 0.0)
+    with pytest.raises(RemoteProtocolError, match="batch_size"):
+        core.receive("b", Count(epoch, 0, SlotTotals(-1, 1, 0), 1), 0.0)
+    core.receive("b", Count(epoch, 0, SlotTotals(1, 1, 0), 1), 0.0)
+    with pytest.raises(RemoteProtocolError, match="twice"):
+        core.receive("b", Count(epoch, 0, SlotTotals(1, 1, 0), 1), 0.0)
+
+
+def test_messages_of_an_unknown_epoch_wait_for_it_and_ask_for_a_refresh() -> None:
+    cohort = connected_cohort(["a", "b"])
+    cohort.members["c"] = Member(AccumulatorCore("c", cohort="c"), [0.0] * 4)
+    # c and a adopt the new view first; b has not read the DHT yet
+    cohort.epoch(["a", "b", "c"], who=["a", "c"])
+    cohort.deliver()
+    assert ("b", "a") in cohort.refreshes or ("b", "c") in cohort.refreshes
+    assert cohort.members["a"].core.leader is None  # b's hello is missing
+    cohort.epoch(["a", "b", "c"], who=["b"])  # b catches up: the kept hellos count
+    cohort.deliver()
+    assert {m.core.leader for m in cohort.members.values()} == {"b"}  # c holds no model
+
+
+def test_stalled_names_the_silent_members_after_the_round_timeout() -> None:
+    cohort = connected_cohort(["a", "b", "c"], round_timeout=30.0)
+    cohort.reduce("a", 1.0, 1)
+    cohort.reduce("b", 1.0, 1)
+    cohort.deliver()
+    core = cohort.members["a"].core
+    assert core.stalled(29.0) == ()
+    assert core.stalled(30.0) == ("c",)
+    # c has not contributed, so it waits on nobody
+    assert cohort.members["c"].core.stalled(100.0) == ()
+
+
+def test_epoch_and_group_ids_are_the_same_for_every_member() -> None:
+    assert epoch_digest(["b", "a"]) == epoch_digest(["a", "b", "a"])
+    assert epoch_digest(["a", "b"]) != epoch_digest(["a", "bc"])
+    assert epoch_digest(["ab", "c"]) != epoch_digest(["a", "bc"])
+    assert epoch_digest(["a", "b"], ["1", "2"]) == epoch_digest(["b", "a"], ["2", "1"])
+    assert epoch_digest(["a", "b"], ["1", "2"]) != epoch_digest(["a", "b"], ["1", "3"])
+    with pytest.raises(ValueError, match="incarnations"):
+        epoch_digest(["a", "b"], ["1"])
+    epoch = epoch_digest(["a"])
+    assert round_group_id("x", epoch, 1) != round_group_id("x", epoch, 2)
+    assert round_group_id("x", epoch, 1) != round_group_id("y", epoch, 1)
