@@ -258,9 +258,8 @@ def test_join_leave_and_failed_round_keep_one_global_state(
     """Three peers, H=2, the default outer optimizer (Nesterov momentum: a state to share).
     A and B start; C joins at outer epoch ≥ 2 with other initial weights and downloads the
     state; B's round at epoch 4 fails for B alone (rollback, then B downloads the state); A
-    leaves at epoch 6; B and C go on to epoch 9. At every outer epoch (but at most one, see
-    below), every peer that held it has the same θ_global and the same outer optimizer state;
-    at the end B and C hold the same."""
+    leaves at epoch 6; B and C go on to epoch 9. At every outer epoch, every peer that held it
+    has the same θ_global and the same outer optimizer state."""
     dim, target = 4, 9
     torch.manual_seed(4)
     initial = torch.nn.Linear(dim, 1)
@@ -332,10 +331,7 @@ def test_join_leave_and_failed_round_keep_one_global_state(
     failed = [r for r in caplog.records if "the round failed (RuntimeError: injected" in r.message]
     assert len(failed) == 1
     assert failed[0].levelname == "WARNING"
-    # Every peer that held an epoch holds the same θ_global and outer state there, but for at
-    # most one epoch: under heavy CPU load a peer behind (B, after its failure) can still meet
-    # a group, and the round's digests then make one of them roll back and download (see
-    # "Diverged" in docs/guides/diloco.md); the swarm agrees again from the next epoch on.
+    # every peer that held an epoch holds the same θ_global and outer state there
     compared = 0
     mismatched: list[tuple[int, str, str]] = []
 
@@ -353,8 +349,7 @@ def test_join_leave_and_failed_round_keep_one_global_state(
             if not same(held[other], held[names[0]]):
                 mismatched.append((epoch, other, names[0]))
             compared += 1
-    assert len(mismatched) <= 1, f"θ_global or outer state differ at {mismatched}"
-    assert not mismatched or mismatched[0][0] not in (target, 0), mismatched
+    assert not mismatched, f"θ_global or outer state differ at (epoch, peer, peer) {mismatched}"
     assert compared >= target  # (several peers held most epochs)
     assert set(snapshots["C"]) >= {target}
     assert set(snapshots["B"]) >= {target}
