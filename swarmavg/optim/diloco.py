@@ -57,6 +57,7 @@ from swarmavg.proto.diloco import (
     DiLoCoSchedule,
     RoundPlan,
     RoundReport,
+    epoch_group_bits,
     gather_payload,
     round_weight,
 )
@@ -470,14 +471,17 @@ class DiLoCo:
         reads may miss the others."""
         progress = self.tracker.global_progress
         plan = self.schedule.plan_round(progress.num_peers, progress.epoch, time.monotonic())
-        if self._first_round:
-            self._first_round = False
-            if plan == "alone":
-                self.tracker.fetched_global_progress_this_epoch.wait(self.matchmaking_time)
-                progress = self.tracker.global_progress
-                plan = self.schedule.plan_round(
-                    progress.num_peers, progress.epoch, time.monotonic()
-                )
+        last = self.schedule.last_round
+        if plan == "alone" and (self._first_round or last is None or last.outcome != "alone"):
+            # (a first round, or the peers of the last one are gone from the records: confirm
+            # it on a read made after the round was due, at most matchmaking_time; a read that
+            # found nothing under load would otherwise split this peer from the swarm)
+            if not self._first_round:
+                self.tracker.fetched_global_progress_this_epoch.clear()
+            self.tracker.fetched_global_progress_this_epoch.wait(self.matchmaking_time)
+            progress = self.tracker.global_progress
+            plan = self.schedule.plan_round(progress.num_peers, progress.epoch, time.monotonic())
+        self._first_round = False
         return plan, progress
 
     def _theta_digest(self) -> bytes:
@@ -505,6 +509,9 @@ class DiLoCo:
         if plan == "average":
             weight = round_weight(self.weighting, self.schedule.inner_step, self.batch_size)
             self.averager.expected_group_size = max(1, progress.num_active_peers)
+            # groups form per outer epoch: a peer behind (its records not read yet) does not
+            # meet the peers ahead, whose mean would take its Δ against an older θ_global
+            self.averager.set_group_bits(epoch_group_bits(self.outer_epoch))
             try:
                 result = self.averager.step(
                     gather=gather_payload(self.outer_epoch, self._theta_digest()),

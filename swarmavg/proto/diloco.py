@@ -61,6 +61,7 @@ __all__ = [
     "RoundOutcome",
     "RoundPlan",
     "RoundReport",
+    "epoch_group_bits",
     "gather_payload",
     "parse_gathered",
     "round_weight",
@@ -122,6 +123,20 @@ class RoundCheck:
     verdict: RoundVerdict
     reference: bytes | None
     diverged: int
+
+
+#: Bits of the outer epoch in a round's group key (epochs this far apart never meet anyway).
+EPOCH_BITS: Final = 16
+
+
+def epoch_group_bits(outer_epoch: int) -> str:
+    """The matchmaking group bits of a round at ``outer_epoch``: its low :data:`EPOCH_BITS`
+    bits, so that peers at different outer epochs look for groups under different keys.
+
+    :raises ValueError: a negative epoch.
+    """
+    epoch = _check_count("outer_epoch", outer_epoch, 0)
+    return format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b")
 
 
 def gather_payload(outer_epoch: int, digest: bytes) -> dict[str, object]:

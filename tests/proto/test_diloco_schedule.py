@@ -6,8 +6,10 @@ import pytest
 
 from swarmavg.proto.diloco import (
     DIGEST_SIZE,
+    EPOCH_BITS,
     LOAD_BACKOFF,
     DiLoCoSchedule,
+    epoch_group_bits,
     gather_payload,
     parse_gathered,
     round_weight,
@@ -205,3 +207,15 @@ def test_restore_continues_from_a_checkpoint_and_keeps_counters() -> None:
         with pytest.raises(error, match=name):
             schedule.restore(epoch, step)  # type: ignore[arg-type]
     assert (schedule.outer_epoch, schedule.inner_step) == (7, 4)
+
+
+def test_epoch_group_bits_differ_between_nearby_epochs() -> None:
+    from swarmavg.proto.matchmaking import validate_bits
+
+    bits = [epoch_group_bits(epoch) for epoch in range(300)]
+    assert len(set(bits)) == 300
+    assert all(validate_bits(b) == b and len(b) == EPOCH_BITS for b in bits)
+    assert epoch_group_bits(5) == "0000000000000101"
+    assert epoch_group_bits(1 << EPOCH_BITS) == epoch_group_bits(0)
+    with pytest.raises(ValueError, match="outer_epoch"):
+        epoch_group_bits(-1)
