@@ -41,8 +41,10 @@ def test_an_unknown_transport_raises_transport_not_found() -> None:
 
 
 def test_bad_arguments_name_what_the_user_passed() -> None:
-    with pytest.raises(TypeError, match="unexpected keyword argument 'listen'"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'listen'") as raised:
         DHT(listen=["tcp://127.0.0.1:0"])
+    assert "request_timeout" in str(raised.value)  # (the options a user may pass are named)
+    assert "clock" not in str(raised.value)  # (internal ones are not)
     with pytest.raises(TypeError, match="start must be a bool"):
         DHT(start="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="startup_timeout"):
