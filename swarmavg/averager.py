@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AveragingStage", "DecentralizedAverager", "StepHandle"]
 
+logger = logging.getLogger(__name__)
+
 
 class DecentralizedAverager:
     """Averages ``averaged_tensors`` with other peers (hivemind's ``DecentralizedAverager``).
@@ -53,6 +57,10 @@ class DecentralizedAverager:
         ``model.parameters()``).
     :param dht: a running :class:`swarmavg.DHT`; the averager shares its node.
     :param start: start at once (otherwise :meth:`run_in_background`).
+    :param daemon: accepted for hivemind's sake, without effect: the averager runs on
+        swarmavg's event-loop thread, not in a process of its own.
+    :param shutdown_timeout: seconds :meth:`shutdown` waits for the averager to close (its
+        steps are cancelled and their groupmates told); past it the closing is cancelled.
     :param metrics_port: serve :attr:`metrics` over HTTP on this TCP port, in Prometheus'
         text format, until :meth:`shutdown` (``None``, the default: off; 0: a free port, see
         :attr:`metrics_address`). Needs the ``prometheus`` extra
@@ -73,6 +81,8 @@ class DecentralizedAverager:
         dht: DHT,
         *,
         start: bool = True,
+        daemon: bool = True,
+        shutdown_timeout: float = 5.0,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         **options: Any,
@@ -86,8 +96,14 @@ class DecentralizedAverager:
             if type(given).__module__ == "swarmavg.aio.dht_facade":
                 hint = " (swarmavg.aio.DHT goes with swarmavg.aio.DecentralizedAverager)"
             raise TypeError(f"dht must be a swarmavg.DHT, not {type(given).__name__}{hint}")
-        if not isinstance(start, bool):
-            raise TypeError(f"start must be a bool, not {start!r:.64}")
+        for name, flag in (("start", start), ("daemon", daemon)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, not {flag!r:.64}")
+        if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, int | float):
+            raise TypeError(f"shutdown_timeout must be a number, not {shutdown_timeout!r:.64}")
+        if not 0 < shutdown_timeout < math.inf:
+            raise ValueError(f"shutdown_timeout must be > 0 seconds, not {shutdown_timeout}")
+        self.shutdown_timeout = float(shutdown_timeout)
         check_metrics_options(metrics_port, metrics_host)
         self.dht = dht
         self._metrics_server: MetricsServer | None = None
@@ -133,7 +149,15 @@ class DecentralizedAverager:
             self._closed = True
             try:
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (exit)
-                    run_sync(self._averager.aclose)
+                    try:
+                        run_sync(self._averager.aclose, timeout=self.shutdown_timeout)
+                    except TimeoutError:
+                        logger.warning(
+                            "%s: the averager did not close within shutdown_timeout=%.1f s; "
+                            "its tasks were cancelled",
+                            self._averager.prefix,
+                            self.shutdown_timeout,
+                        )
             finally:
                 if self._metrics_server is not None:
                     self._metrics_server.close()
