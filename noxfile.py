@@ -40,6 +40,10 @@ OLDEST = {
     "cryptography": "47.0.0",
     "numpy": "1.26.4",
 }
+#: The lower bound of the ``lightning`` extra, installed by ``nox -s oldest`` too (both
+#: namespaces: ``lightning.pytorch`` and ``pytorch_lightning``; tests/test_packaging.py checks
+#: it against the extra). ``tests`` gets the newest release.
+OLDEST_LIGHTNING = {"lightning": "2.4.0", "pytorch-lightning": "2.4.0"}
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:
@@ -84,13 +88,14 @@ def oldest(session: nox.Session) -> None:
     older release lacks."""
     session.install(TORCH)
     constraints = Path(session.create_tmp()) / "oldest.txt"
-    constraints.write_text("".join(f"{name}=={version}\n" for name, version in OLDEST.items()))
+    pins = {**OLDEST, **OLDEST_LIGHTNING}
+    constraints.write_text("".join(f"{name}=={version}\n" for name, version in pins.items()))
     session.install("-c", str(constraints), "-e", ".[test,quic]")
     session.run(
         "python",
         "-c",
         "import importlib.metadata as m, sys; "
-        "sys.exit(any(m.version(n) != v for n, v in " + repr(OLDEST) + ".items()))",
+        "sys.exit(any(m.version(n) != v for n, v in " + repr(pins) + ".items()))",
     )
     session.run(
         "pytest",

@@ -123,3 +123,8 @@ def test_the_oldest_session_installs_the_declared_lower_bounds() -> None:
         for bound in bounds[name]:
             assert version.split(".")[: len(bound.split("."))] == bound.split("."), (name, bound)
     assert {"anyio", "msgpack", "cryptography", "numpy"} <= set(oldest)
+    start = source.index("OLDEST_LIGHTNING = {") + len("OLDEST_LIGHTNING = ")
+    lightning = ast.literal_eval(source[start : source.index("}", start) + 1])
+    extra = _project()["optional-dependencies"]["lightning"]  # type: ignore[index]
+    assert extra == [f"lightning>={'.'.join(lightning['lightning'].split('.')[:2])},<3"], extra
+    assert lightning["pytorch-lightning"] == lightning["lightning"]
