@@ -153,3 +153,43 @@ def test_the_expected_group_size_reaches_the_matchmaker_and_is_checked() -> None
         for bad in (0, -1, True, 2.5):
             with pytest.raises(ValueError, match="expected_group_size"):
                 averager.expected_group_size = bad  # type: ignore[assignment]
+
+
+def test_shutdown_waits_at_most_shutdown_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    """hivemind's ``shutdown_timeout``: a closing that hangs is cancelled after it, with one
+    WARNING; ``daemon`` is accepted (no process of its own). Bad values are named."""
+    import anyio
+
+    from swarmavg.sync import run_sync
+
+    with DHT(host="127.0.0.1") as dht:
+        for bad, error in ((0, ValueError), ("5", TypeError), (True, TypeError)):
+            with pytest.raises(error, match="shutdown_timeout"):
+                DecentralizedAverager(
+                    [torch.zeros(3)], dht, prefix="bad", target_group_size=2, shutdown_timeout=bad
+                )
+        with pytest.raises(TypeError, match="daemon"):
+            DecentralizedAverager(
+                [torch.zeros(3)], dht, prefix="bad", target_group_size=2, daemon=1
+            )  # type: ignore[arg-type]
+        averager = DecentralizedAverager(
+            [torch.zeros(3)],
+            dht,
+            prefix="slow",
+            target_group_size=2,
+            shutdown_timeout=0.5,
+            daemon=False,
+        )
+        real_aclose = averager._averager.aclose
+
+        async def stuck() -> None:
+            await anyio.sleep(60)
+
+        averager._averager.aclose = stuck  # type: ignore[method-assign]
+        started = time.monotonic()
+        averager.shutdown()
+        assert time.monotonic() - started < 30  # (not the 60 s of the stuck closing)
+        run_sync(real_aclose)
+    assert any(
+        "shutdown_timeout=0.5" in r.message and r.levelname == "WARNING" for r in caplog.records
+    )
