@@ -39,9 +39,14 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from swarmavg.errors import RemoteProtocolError
+from swarmavg.proto.codec import Message
+from swarmavg.proto.codec import message as _message
 
 __all__ = [
+    "EPOCH_SIZE",
     "WEIGHTINGS",
+    "AccAck",
+    "AccLeave",
     "AccumulatorCore",
     "Action",
     "ApplyResult",
@@ -64,6 +69,8 @@ WEIGHTINGS: Final[tuple[str, ...]] = ("contributions", "samples")
 #: Messages kept per peer for an epoch this member has not adopted yet.
 _MAX_EARLY_MESSAGES: Final = 64
 _MAX_INT64: Final = (1 << 63) - 1
+#: Bytes of an epoch (a SHA-256).
+EPOCH_SIZE: Final = 32
 
 
 def epoch_digest(members: Sequence[str], incarnations: Sequence[str] | None = None) -> bytes:
@@ -92,8 +99,15 @@ def round_group_id(name: str, epoch: bytes, index: int) -> bytes:
     return digest.digest()
 
 
+def _check_epoch(epoch: bytes) -> None:
+    # (the core refuses any but EPOCH_SIZE; empty is "none" in an AccAck)
+    if len(epoch) > EPOCH_SIZE:
+        raise ValueError(f"an epoch is at most {EPOCH_SIZE} bytes, not {len(epoch)}")
+
+
+@_message("acc.totals")
 @dataclass(frozen=True, slots=True)
-class SlotTotals:
+class SlotTotals(Message):
     """What a slot accumulated: samples of gradient contributions, gradients, skips."""
 
     batch_size: int = 0
@@ -131,8 +145,13 @@ class GradientStats:
 # --- messages between members (the shell encodes them) ---------------------------------------
 
 
+# (registered with the codec: they travel as ``acc.msg`` requests, answered by an AccAck; the
+# core checks the values of what it receives: RemoteProtocolError)
+
+
+@_message("acc.hello")
 @dataclass(frozen=True, slots=True)
-class Hello:
+class Hello(Message):
     """Sent to every member on adopting ``epoch``: our model version and whether we hold the
     cohort's model (loaded a state or led), for the election."""
 
@@ -140,9 +159,13 @@ class Hello:
     version: int
     has_model: bool = False
 
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
 
+
+@_message("acc.count")
 @dataclass(frozen=True, slots=True)
-class Count:
+class Count(Message):
     """Contribution ``index`` of the epoch: the totals of its slot, and our virtual batch size
     (which must be every member's)."""
 
@@ -150,6 +173,32 @@ class Count:
     index: int
     totals: SlotTotals
     virtual_batch_size: int
+
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
+
+
+@_message("acc.leave")
+@dataclass(frozen=True, slots=True)
+class AccLeave(Message):
+    """The sender leaves the cohort (it also stores a tombstone): re-read the records now."""
+
+    epoch: bytes
+
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
+
+
+@_message("acc.ack")
+@dataclass(frozen=True, slots=True)
+class AccAck(Message):
+    """The answer to every ``acc.msg``: the receiver's epoch (empty: none yet). One that is
+    not the sender's says the views differ: the sender re-reads the records."""
+
+    epoch: bytes
+
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
 
 
 Message = Hello | Count
@@ -490,6 +539,8 @@ class AccumulatorCore:
         :raises RemoteProtocolError: a message no honest member sends (a duplicate, an index
             out of range, another virtual batch size, a non-member).
         """
+        if len(message.epoch) != EPOCH_SIZE:
+            raise RemoteProtocolError(f"{peer} sent an epoch of {len(message.epoch)} bytes")
         if message.epoch != self._epoch:
             early = self._early.setdefault(peer, [])
             if early and early[0].epoch != message.epoch:
