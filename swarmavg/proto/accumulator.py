@@ -50,6 +50,7 @@ __all__ = [
     "AccumulatorCore",
     "Action",
     "ApplyResult",
+    "CoreMessage",
     "Count",
     "DropSlots",
     "GradientStats",
@@ -201,7 +202,7 @@ class AccAck(Message):
         _check_epoch(self.epoch)
 
 
-Message = Hello | Count
+CoreMessage = Hello | Count
 
 
 # --- actions for the caller -------------------------------------------------------------------
@@ -212,7 +213,7 @@ class Send:
     """Send ``message`` to each of ``to``."""
 
     to: tuple[str, ...]
-    message: Message
+    message: CoreMessage
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +288,7 @@ class _Slot:
 @dataclass
 class _Exchange:
     started: float
-    got: dict[str, Message] = field(default_factory=dict)
+    got: dict[str, CoreMessage] = field(default_factory=dict)
 
 
 @dataclass
@@ -351,7 +352,7 @@ class AccumulatorCore:
         self._hellos: _Exchange | None = None
         self._waiting_for_state = False
         self._counts: dict[int, _Exchange] = {}
-        self._early: dict[str, list[Message]] = {}
+        self._early: dict[str, list[CoreMessage]] = {}
         self._next_index = 0
         self._pending: dict[int, _Pending] = {}
         self._has_gradients = False
@@ -532,7 +533,7 @@ class AccumulatorCore:
 
     # --- messages -----------------------------------------------------------------------------
 
-    def receive(self, peer: str, message: Message, now: float) -> list[Action]:
+    def receive(self, peer: str, message: CoreMessage, now: float) -> list[Action]:
         """A message from ``peer``. One of another epoch is kept (bounded) until this member
         adopts that epoch, and asks for a :class:`Refresh`.
 

@@ -19,6 +19,7 @@ from swarmavg.proto.accumulator import (
     AccumulatorCore,
     Action,
     ApplyResult,
+    CoreMessage,
     Count,
     DropSlots,
     GradientStats,
@@ -53,7 +54,7 @@ class Cohort:
             n: Member(AccumulatorCore(n, cohort="c", **options), [0.0] * 4)  # type: ignore[arg-type]
             for n in names
         }
-        self.queue: list[tuple[str, str, Hello | Count]] = []
+        self.queue: list[tuple[str, str, CoreMessage]] = []
         self.reduces: dict[bytes, dict[str, StartReduce]] = {}
         self.refreshes: list[tuple[str, str]] = []
 
@@ -97,7 +98,7 @@ class Cohort:
             self.handle(to, self.members[to].core.receive(sender, message, self.now))
         raise AssertionError("messages never settled")
 
-    def finish_reduces(self, ok: bool = True, skip: set[str] = frozenset()) -> None:
+    def finish_reduces(self, ok: bool = True, skip: frozenset[str] = frozenset()) -> None:
         """Complete every all-reduce whose members all started it (the weighted mean)."""
         for group_id, started in list(self.reduces.items()):
             first = next(iter(started.values()))
