@@ -432,6 +432,19 @@ class AccumulatorCore:
     def has_gradients(self) -> bool:
         return self._has_gradients
 
+    @property
+    def next_index(self) -> int:
+        """The index of this epoch's next contribution (its count's)."""
+        return self._next_index
+
+    def counted(self, index: int) -> bool:
+        """Whether count ``index`` of this epoch completed (every member's count held)."""
+        return index < self._next_index and index not in self._counts
+
+    def pending(self, index: int) -> bool:
+        """Whether count ``index`` decided a result that is not applied yet."""
+        return index in self._pending
+
     def stats(self) -> GradientStats:
         return self._stats
 
