@@ -39,12 +39,18 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from swarmavg.errors import RemoteProtocolError
+from swarmavg.proto.codec import Message
+from swarmavg.proto.codec import message as _message
 
 __all__ = [
+    "EPOCH_SIZE",
     "WEIGHTINGS",
+    "AccAck",
+    "AccLeave",
     "AccumulatorCore",
     "Action",
     "ApplyResult",
+    "CoreMessage",
     "Count",
     "DropSlots",
     "GradientStats",
@@ -64,6 +70,8 @@ WEIGHTINGS: Final[tuple[str, ...]] = ("contributions", "samples")
 #: Messages kept per peer for an epoch this member has not adopted yet.
 _MAX_EARLY_MESSAGES: Final = 64
 _MAX_INT64: Final = (1 << 63) - 1
+#: Bytes of an epoch (a SHA-256).
+EPOCH_SIZE: Final = 32
 
 
 def epoch_digest(members: Sequence[str], incarnations: Sequence[str] | None = None) -> bytes:
@@ -92,8 +100,15 @@ def round_group_id(name: str, epoch: bytes, index: int) -> bytes:
     return digest.digest()
 
 
+def _check_epoch(epoch: bytes) -> None:
+    # (the core refuses any but EPOCH_SIZE; empty is "none" in an AccAck)
+    if len(epoch) > EPOCH_SIZE:
+        raise ValueError(f"an epoch is at most {EPOCH_SIZE} bytes, not {len(epoch)}")
+
+
+@_message("acc.totals")
 @dataclass(frozen=True, slots=True)
-class SlotTotals:
+class SlotTotals(Message):
     """What a slot accumulated: samples of gradient contributions, gradients, skips."""
 
     batch_size: int = 0
@@ -131,8 +146,13 @@ class GradientStats:
 # --- messages between members (the shell encodes them) ---------------------------------------
 
 
+# (registered with the codec: they travel as ``acc.msg`` requests, answered by an AccAck; the
+# core checks the values of what it receives: RemoteProtocolError)
+
+
+@_message("acc.hello")
 @dataclass(frozen=True, slots=True)
-class Hello:
+class Hello(Message):
     """Sent to every member on adopting ``epoch``: our model version and whether we hold the
     cohort's model (loaded a state or led), for the election."""
 
@@ -140,9 +160,13 @@ class Hello:
     version: int
     has_model: bool = False
 
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
 
+
+@_message("acc.count")
 @dataclass(frozen=True, slots=True)
-class Count:
+class Count(Message):
     """Contribution ``index`` of the epoch: the totals of its slot, and our virtual batch size
     (which must be every member's)."""
 
@@ -151,8 +175,34 @@ class Count:
     totals: SlotTotals
     virtual_batch_size: int
 
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
 
-Message = Hello | Count
+
+@_message("acc.leave")
+@dataclass(frozen=True, slots=True)
+class AccLeave(Message):
+    """The sender leaves the cohort (it also stores a tombstone): re-read the records now."""
+
+    epoch: bytes
+
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
+
+
+@_message("acc.ack")
+@dataclass(frozen=True, slots=True)
+class AccAck(Message):
+    """The answer to every ``acc.msg``: the receiver's epoch (empty: none yet). One that is
+    not the sender's says the views differ: the sender re-reads the records."""
+
+    epoch: bytes
+
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
+
+
+CoreMessage = Hello | Count
 
 
 # --- actions for the caller -------------------------------------------------------------------
@@ -163,7 +213,7 @@ class Send:
     """Send ``message`` to each of ``to``."""
 
     to: tuple[str, ...]
-    message: Message
+    message: CoreMessage
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +288,7 @@ class _Slot:
 @dataclass
 class _Exchange:
     started: float
-    got: dict[str, Message] = field(default_factory=dict)
+    got: dict[str, CoreMessage] = field(default_factory=dict)
 
 
 @dataclass
@@ -302,7 +352,7 @@ class AccumulatorCore:
         self._hellos: _Exchange | None = None
         self._waiting_for_state = False
         self._counts: dict[int, _Exchange] = {}
-        self._early: dict[str, list[Message]] = {}
+        self._early: dict[str, list[CoreMessage]] = {}
         self._next_index = 0
         self._pending: dict[int, _Pending] = {}
         self._has_gradients = False
@@ -381,6 +431,19 @@ class AccumulatorCore:
 
     def has_gradients(self) -> bool:
         return self._has_gradients
+
+    @property
+    def next_index(self) -> int:
+        """The index of this epoch's next contribution (its count's)."""
+        return self._next_index
+
+    def counted(self, index: int) -> bool:
+        """Whether count ``index`` of this epoch completed (every member's count held)."""
+        return index < self._next_index and index not in self._counts
+
+    def pending(self, index: int) -> bool:
+        """Whether count ``index`` decided a result that is not applied yet."""
+        return index in self._pending
 
     def stats(self) -> GradientStats:
         return self._stats
@@ -483,13 +546,15 @@ class AccumulatorCore:
 
     # --- messages -----------------------------------------------------------------------------
 
-    def receive(self, peer: str, message: Message, now: float) -> list[Action]:
+    def receive(self, peer: str, message: CoreMessage, now: float) -> list[Action]:
         """A message from ``peer``. One of another epoch is kept (bounded) until this member
         adopts that epoch, and asks for a :class:`Refresh`.
 
         :raises RemoteProtocolError: a message no honest member sends (a duplicate, an index
             out of range, another virtual batch size, a non-member).
         """
+        if len(message.epoch) != EPOCH_SIZE:
+            raise RemoteProtocolError(f"{peer} sent an epoch of {len(message.epoch)} bytes")
         if message.epoch != self._epoch:
             early = self._early.setdefault(peer, [])
             if early and early[0].epoch != message.epoch:

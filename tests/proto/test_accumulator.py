@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgpack
 import pytest
 
 from swarmavg.errors import RemoteProtocolError
 from swarmavg.proto.accumulator import (
+    AccAck,
+    AccLeave,
     AccumulatorCore,
     Action,
     ApplyResult,
+    CoreMessage,
     Count,
     DropSlots,
     GradientStats,
@@ -29,6 +33,7 @@ from swarmavg.proto.accumulator import (
     epoch_digest,
     round_group_id,
 )
+from swarmavg.proto.codec import PROTOCOL_VERSION, decode_message, encode_message_bytes
 
 
 @dataclass
@@ -49,7 +54,7 @@ class Cohort:
             n: Member(AccumulatorCore(n, cohort="c", **options), [0.0] * 4)  # type: ignore[arg-type]
             for n in names
         }
-        self.queue: list[tuple[str, str, Hello | Count]] = []
+        self.queue: list[tuple[str, str, CoreMessage]] = []
         self.reduces: dict[bytes, dict[str, StartReduce]] = {}
         self.refreshes: list[tuple[str, str]] = []
 
@@ -93,7 +98,7 @@ class Cohort:
             self.handle(to, self.members[to].core.receive(sender, message, self.now))
         raise AssertionError("messages never settled")
 
-    def finish_reduces(self, ok: bool = True, skip: set[str] = frozenset()) -> None:
+    def finish_reduces(self, ok: bool = True, skip: frozenset[str] = frozenset()) -> None:
         """Complete every all-reduce whose members all started it (the weighted mean)."""
         for group_id, started in list(self.reduces.items()):
             first = next(iter(started.values()))
@@ -428,6 +433,8 @@ def test_bad_messages_are_protocol_errors() -> None:
         core.receive("b", Count(epoch, 0, SlotTotals(1, 1, 0), 2), 0.0)
     with pytest.raises(RemoteProtocolError, match="batch_size"):
         core.receive("b", Count(epoch, 0, SlotTotals(-1, 1, 0), 1), 0.0)
+    with pytest.raises(RemoteProtocolError, match="epoch of 3 bytes"):
+        core.receive("b", Hello(b"abc", 0), 0.0)
     core.receive("b", Count(epoch, 0, SlotTotals(1, 1, 0), 1), 0.0)
     with pytest.raises(RemoteProtocolError, match="twice"):
         core.receive("b", Count(epoch, 0, SlotTotals(1, 1, 0), 1), 0.0)
@@ -469,3 +476,25 @@ def test_epoch_and_group_ids_are_the_same_for_every_member() -> None:
     epoch = epoch_digest(["a"])
     assert round_group_id("x", epoch, 1) != round_group_id("x", epoch, 2)
     assert round_group_id("x", epoch, 1) != round_group_id("y", epoch, 1)
+
+
+def test_messages_travel_through_the_codec_and_bad_encodings_are_protocol_errors() -> None:
+    epoch = epoch_digest(["a", "b"])
+    for msg in (
+        Hello(epoch, 3, True),
+        Count(epoch, 2, SlotTotals(5, 1, 2), 4),
+        AccLeave(epoch),
+        AccAck(b""),
+    ):
+        assert decode_message(encode_message_bytes(msg)) == msg
+    long = encode_message_bytes(Hello(epoch, 3)).replace(epoch, epoch + b"x")
+    with pytest.raises(RemoteProtocolError):
+        decode_message(long)  # (the header's length prefix no longer matches)
+    header = {"v": PROTOCOL_VERSION, "t": "acc.hello", "f": [bytes(33), 1, False]}
+    packed = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(RemoteProtocolError, match="epoch"):
+        decode_message(len(packed).to_bytes(4, "big") + packed)
+    header = {"v": PROTOCOL_VERSION, "t": "acc.count", "f": [epoch, 0, [1, "x", 0], 1]}
+    packed = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(RemoteProtocolError):
+        decode_message(len(packed).to_bytes(4, "big") + packed)

@@ -1,0 +1,765 @@
+"""The moolib-style accumulator's anyio shell: :class:`Group` (the cohort in the DHT) and
+:class:`Accumulator` (a task drives :class:`~swarmavg.proto.accumulator.AccumulatorCore`).
+
+See ``docs/design/accumulator.md``. The core decides; this module moves bytes and tensors:
+
+* :class:`Group` publishes this member's signed record under ``<name>.group`` (subkey
+  ``owner_marker(peer)``: only its owner can write it), renews it, reads the others' and makes
+  the *view* (alive records minus suspects) and its epoch (:func:`epoch_digest` over each
+  member's name and when it joined);
+* :class:`Accumulator` sends the core's messages as ``acc.msg`` unary calls (answered with
+  :class:`~swarmavg.proto.accumulator.AccAck`: the receiver's epoch), keeps one flat CPU
+  buffer per slot, runs each gradient phase with
+  :meth:`~swarmavg.aio.allreduce.AllReduceService.run` over an ``abc.Group`` built from the
+  view (group id :func:`round_group_id`), counts a round only if the all-reduce was complete,
+  and moves states with :class:`~swarmavg.aio.state.StateSharer` (prefix ``<name>.acc``;
+  parameters, buffers, then the user's tensors; the user's skeleton and the version in the
+  metadata) from the donors the election named.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Iterable
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, Final, Self
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from swarmavg._time import get_dht_time
+from swarmavg.abc import Group as AvgGroup
+from swarmavg.abc import GroupMember
+from swarmavg.address import Address
+from swarmavg.errors import RemoteProtocolError, SwarmError
+from swarmavg.identity import PeerID
+from swarmavg.proto.accumulator import (
+    AccAck,
+    AccLeave,
+    AccumulatorCore,
+    Action,
+    ApplyResult,
+    Count,
+    DropSlots,
+    Hello,
+    MergeSlots,
+    Refresh,
+    RequestState,
+    Send,
+    StartReduce,
+    epoch_digest,
+)
+from swarmavg.proto.accumulator_state import join_state, split_state
+from swarmavg.proto.allreduce import FlatLayout, TensorSpec
+from swarmavg.proto.codec import Message
+from swarmavg.proto.dht_validation import owner_marker
+from swarmavg.proto.state_messages import StateDownloadFailed
+
+if TYPE_CHECKING:
+    import torch
+
+    from swarmavg.aio.dht_facade import DHT
+    from swarmavg.aio.node import Node
+    from swarmavg.aio.rpc import CallContext
+
+__all__ = ["METHOD", "Accumulator", "Group", "tensor_dtype"]
+
+logger = logging.getLogger(__name__)
+
+METHOD: Final = "acc.msg"
+_MAX_ADDRESS_LENGTH: Final = 512
+_MAX_MEMBERS: Final = 256
+
+
+def tensor_dtype(obj: object) -> str | None:
+    """For :func:`~swarmavg.proto.accumulator_state.split_state`: ``None`` if ``obj`` is not a
+    torch tensor, else its dtype's name (or why it cannot travel)."""
+    import torch
+
+    if not isinstance(obj, torch.Tensor):
+        return None
+    if obj.layout != torch.strided:
+        return f"a {obj.layout} tensor"
+    return str(obj.dtype).removeprefix("torch.")
+
+
+class Group:
+    """A named cohort in the DHT: this member's record under ``<name>.group`` and the view of
+    the others'. An async context manager (entering publishes and renews the record, leaving
+    stores a tombstone); :meth:`update` reads the records.
+
+    :raises ValueError: a bad argument (named).
+    """
+
+    def __init__(
+        self, name: str, dht: DHT, *, member_ttl: float = 20.0, refresh_period: float = 1.0
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, not {name!r}")
+        for what, value in (("member_ttl", member_ttl), ("refresh_period", refresh_period)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{what} must be a positive number, not {value!r}")
+        self.name = name
+        self.dht = dht
+        self.key = f"{name}.group"
+        self.member_ttl = float(member_ttl)
+        self.refresh_period = float(refresh_period)
+        #: the view: members (sorted by PeerID text), their addresses, the epoch
+        self.members: tuple[PeerID, ...] = ()
+        self.addresses: dict[PeerID, Address] = {}
+        self.epoch: bytes | None = None
+        #: a local counter of epochs (for logs)
+        self.epoch_count = 0
+        self._since = 0.0
+        self._suspects: dict[PeerID, float] = {}  # peer -> its record's expiration then
+        self._expirations: dict[PeerID, float] = {}
+        self._last_read = -math.inf
+        self._stack: AsyncExitStack | None = None
+
+    @property
+    def me(self) -> PeerID:
+        return self.dht.peer_id
+
+    async def __aenter__(self) -> Self:
+        self._since = get_dht_time()
+        async with AsyncExitStack() as stack:
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)
+            await self._publish()
+            tg.start_soon(self._renew_loop)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop renewing and store a tombstone (best effort). Idempotent."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        await stack.aclose()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.refresh_period * 5):
+            try:
+                await self.dht.store(
+                    self.key, None, get_dht_time() + self.member_ttl, owner_marker(self.me)
+                )
+            except (SwarmError, OSError) as exc:
+                logger.debug("could not store the tombstone of %s: %s", self.key, exc)
+
+    async def _publish(self) -> bool:
+        addresses = self.dht.visible_addresses()
+        record = {
+            "peer": self.me.to_bytes(),
+            "address": str(addresses[0]) if addresses else "",
+            "since": self._since,
+        }
+        try:
+            return await self.dht.store(
+                self.key, record, get_dht_time() + self.member_ttl, owner_marker(self.me)
+            )
+        except (SwarmError, OSError) as exc:
+            logger.debug("could not publish %s: %s", self.key, exc)
+            return False
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.member_ttl / 3)
+            await self._publish()
+
+    def suspect(self, peer: PeerID) -> None:
+        """Leave ``peer`` out of the view until its record is renewed (it stopped answering)."""
+        if peer != self.me:
+            self._suspects[peer] = self._expirations.get(peer, math.inf)
+            self._last_read = -math.inf
+
+    def refresh_soon(self) -> None:
+        """Make the next :meth:`update` read the records whatever ``refresh_period`` says."""
+        self._last_read = -math.inf
+
+    async def update(self) -> bool:
+        """Read the records (at most every ``refresh_period`` unless :meth:`refresh_soon`);
+        whether the epoch changed."""
+        now = anyio.current_time()
+        if now - self._last_read < self.refresh_period:
+            return False
+        self._last_read = now
+        try:
+            with anyio.fail_after(max(self.refresh_period * 5, 5.0)):
+                found = await self.dht.get(self.key, latest=True)
+        except (SwarmError, OSError, TimeoutError) as exc:
+            logger.debug("reading %s failed: %s", self.key, exc)
+            return False
+        members: dict[PeerID, tuple[Address | None, float]] = {}
+        entries = found.value if found is not None else None
+        if isinstance(entries, dict):
+            for subkey, item in list(entries.items())[:_MAX_MEMBERS]:
+                parsed = _parse_record(subkey, getattr(item, "value", None))
+                if parsed is not None:
+                    peer, address, since = parsed
+                    members[peer] = (address, since)
+                    self._expirations[peer] = float(item.expiration_time)
+        for peer, until in list(self._suspects.items()):
+            if self._expirations.get(peer, -math.inf) > until or peer not in members:
+                del self._suspects[peer]  # renewed since (or gone anyway)
+        view = {p: v for p, v in members.items() if p not in self._suspects}
+        if self.me not in view:
+            changed = self.epoch is not None
+            self.members, self.addresses, self.epoch = (), {}, None
+            return changed
+        order = sorted(view, key=str)
+        epoch = epoch_digest([str(p) for p in order], [repr(view[p][1]) for p in order])
+        if epoch == self.epoch:
+            return False
+        self.members = tuple(order)
+        self.addresses = {p: a for p, (a, _) in view.items() if a is not None}
+        self.epoch = epoch
+        self.epoch_count += 1
+        logger.info("cohort %s: epoch %d with %d members", self.name, self.epoch_count, len(order))
+        return True
+
+
+def _parse_record(subkey: object, value: object) -> tuple[PeerID, Address | None, float] | None:
+    if not isinstance(value, dict):
+        return None  # (a tombstone, or garbage)
+    raw, address, since = value.get("peer"), value.get("address"), value.get("since")
+    if (
+        not isinstance(raw, bytes)
+        or not isinstance(address, str)
+        or len(address) > _MAX_ADDRESS_LENGTH
+        or isinstance(since, bool)
+        or not isinstance(since, int | float)
+        or not math.isfinite(since)
+    ):
+        return None
+    try:
+        peer = PeerID(raw)
+    except ValueError:
+        return None
+    if subkey != owner_marker(peer):
+        return None  # (the DHT checked the owner's signature on this subkey)
+    parsed: Address | None = None
+    if address:
+        try:
+            parsed = Address.parse(address).with_peer_id(peer)
+        except ValueError:
+            return None
+    return peer, parsed, float(since)
+
+
+# -- the accumulator ---------------------------------------------------------------------------
+
+
+class Accumulator:
+    """moolib's ``Accumulator`` for async code (see the module docstring and the design page).
+
+    ``async with Accumulator(name, parameters, buffers, dht=dht) as acc:`` then
+    ``await acc.wait_state()``; in the loop ``await acc.reduce_gradients(n)`` or
+    ``await acc.skip_gradients()``, read ``.grad`` while :meth:`has_gradients`, then
+    :meth:`zero_gradients`; answer :meth:`wants_state` with :meth:`set_state`.
+
+    :raises TypeError: a parameter or buffer is not a tensor (named by index).
+    :raises ValueError: another bad argument (named).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        parameters: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor] = (),
+        group: Group | None = None,
+        *,
+        dht: DHT,
+        virtual_batch_size: int = 1,
+        parallel_gradients: int = 1,
+        weighting: str = "contributions",
+        model_version: int = 0,
+        round_timeout: float = 60.0,
+        state_timeout: float = 60.0,
+        state_donors: int = 2,
+        refresh_period: float = 1.0,
+    ) -> None:
+        import torch
+
+        self.parameters = list(parameters)
+        self.buffers = list(buffers)
+        for what, tensors in (("parameters", self.parameters), ("buffers", self.buffers)):
+            for i, t in enumerate(tensors):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if group is not None and group.dht is not dht:
+            raise ValueError("group must use the accumulator's dht")
+        if isinstance(state_donors, bool) or not isinstance(state_donors, int) or state_donors < 1:
+            raise ValueError(f"state_donors must be an int >= 1, not {state_donors!r}")
+        self.name = name
+        self.dht = dht
+        self.group = group if group is not None else Group(name, dht, refresh_period=refresh_period)
+        self._owns_group = group is None
+        self.core = AccumulatorCore(
+            str(dht.peer_id),
+            cohort=name,
+            virtual_batch_size=virtual_batch_size,
+            parallel_gradients=parallel_gradients,
+            weighting=weighting,  # type: ignore[arg-type]
+            model_version=model_version,
+            round_timeout=round_timeout,
+        )
+        self.state_timeout = float(state_timeout)
+        self.state_donors = state_donors
+        self.layout = FlatLayout(
+            tuple(
+                TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                for p in self.parameters
+            )
+        )
+        self._slots = [self._empty_slot() for _ in range(self.core.parallel_gradients)]
+        self._results: dict[tuple[bytes, int], list[npt.NDArray[Any]]] = {}
+        self._user_state: tuple[int, bytes, list[Any]] | None = None  # version, skeleton, tensors
+        self._new_state: object = None
+        self._has_new_state = False
+        self._state_set = anyio.Event()
+        self._changed = anyio.Event()  # wakes waiters and the driver
+        self._wake = anyio.Event()
+        self._stack: AsyncExitStack | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._sharer: Any = None
+        self._downloading = False
+        self._state_request: RequestState | None = None
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        from swarmavg.aio.allreduce import AllReduceService
+        from swarmavg.aio.state import StateSharer
+
+        async with AsyncExitStack() as stack:
+            registry = _registry(self.dht)
+            if registry.setdefault(self.name, self) is not self:
+                raise ValueError(f"another accumulator of {self.name!r} runs on this node")
+            stack.callback(registry.pop, self.name, None)
+            self.allreduce = AllReduceService.for_node(self.dht.node)
+            self._sharer = StateSharer(
+                self.dht,
+                f"{self.name}.acc",
+                self._provide_state,
+                enabled=True,
+                priority=0.0,
+                declare_period=3600.0,
+            )
+            self._sharer.start()
+            stack.callback(self._sharer.stop)
+            if self._owns_group:
+                await stack.enter_async_context(self.group)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(self._tg.cancel_scope.cancel)
+            self._tg.start_soon(self._drive)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop: tell the members, withdraw, end every task. Idempotent."""
+        stack, self._stack = self._stack, None
+        self._closed = True
+        self._signal()
+        if stack is None:
+            return
+        epoch = self.core.epoch
+        if epoch is not None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                async with anyio.create_task_group() as tg:
+                    for peer in self.group.members:
+                        if peer != self.dht.peer_id:
+                            tg.start_soon(self._send_one, peer, AccLeave(epoch))
+        await stack.aclose()
+
+    # -- predicates (moolib's) -----------------------------------------------------------------
+
+    def connected(self) -> bool:
+        return self.core.connected()
+
+    def wants_state(self) -> bool:
+        return self.core.wants_state()
+
+    def has_new_state(self) -> bool:
+        return self._has_new_state
+
+    def state(self) -> object:
+        """The user state last received (clears :meth:`has_new_state`)."""
+        self._has_new_state = False
+        return self._new_state
+
+    def wants_gradients(self) -> bool:
+        return self.core.wants_gradients()
+
+    def has_gradients(self) -> bool:
+        return self.core.has_gradients()
+
+    def model_version(self) -> int:
+        return self.core.model_version
+
+    def set_model_version(self, version: int) -> None:
+        self.core.set_model_version(version)
+
+    def set_virtual_batch_size(self, size: int) -> None:
+        self.core.set_virtual_batch_size(size)
+
+    def set_parallel_gradients(self, n: int) -> None:
+        self.core.set_parallel_gradients(n)
+        self._slots = [self._empty_slot() for _ in range(n)]
+
+    def get_leader(self) -> str | None:
+        return self.core.leader
+
+    def is_leader(self) -> bool:
+        return self.core.is_leader()
+
+    def get_gradient_stats(self) -> dict[str, int]:
+        return self.core.stats().as_dict()
+
+    # -- the user's calls ----------------------------------------------------------------------
+
+    def set_state(self, state: object) -> None:
+        """The user state to hand to joiners (checked now: nothing is sent otherwise).
+
+        :raises TypeError / ValueError: ``state`` holds something that cannot travel (named
+            by its path from ``state``).
+        """
+        skeleton, tensors = split_state(state, tensor_dtype)
+        copies = [
+            t.detach().to("cpu", copy=True) if not isinstance(t, np.ndarray) else _array_tensor(t)
+            for t in tensors
+        ]
+        self._user_state = (self.core.model_version, skeleton, copies)
+        self.core.state_set()
+        self._state_set.set()
+        self._state_set = anyio.Event()
+
+    async def wait_state(self) -> None:
+        """Return once this member is connected (holding the leader's state if it joined)."""
+        while not self.core.connected():
+            await self._wait_change()
+
+    async def reduce_gradients(self, batch_size: int) -> None:
+        """Contribute ``.grad`` (then zeroed) for ``batch_size`` samples; return once its count
+        is done: with the result in ``.grad`` if the count decided a result (the virtual batch
+        is full), else at once after the count (the slot takes the next contribution). Returns
+        early, the contribution kept for the next count, if the cohort changes meanwhile.
+
+        :raises RuntimeError: :meth:`wants_gradients` is false.
+        :raises TypeError / ValueError: ``batch_size`` is not an int >= 1.
+        """
+        import torch
+
+        slot, actions = self.core.contribute(batch_size, anyio.current_time())
+        scale = batch_size if self.core.weighting == "samples" else 1
+        with torch.no_grad():
+            for view, p in zip(self._views(self._slots[slot]), self.parameters, strict=True):
+                if p.grad is not None:
+                    view += p.grad.detach().reshape(-1).cpu().numpy() * scale
+                    p.grad.zero_()
+        await self._await_count(actions)
+
+    async def skip_gradients(self) -> None:
+        """Take part in the next count without a gradient (see :meth:`reduce_gradients`).
+
+        :raises RuntimeError: :meth:`wants_gradients` is false.
+        """
+        _slot, actions = self.core.skip(anyio.current_time())
+        await self._await_count(actions)
+
+    def zero_gradients(self) -> None:
+        """Read the result: zero ``.grad``; the next result in order may be applied."""
+        for p in self.parameters:
+            if p.grad is not None:
+                p.grad.zero_()
+        self._handle(self.core.zero_gradients())
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _empty_slot(self) -> list[npt.NDArray[Any]]:
+        return [np.zeros(size, dtype=np.dtype(dtype)) for dtype, size in self.layout.buffers]
+
+    def _views(self, flat: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+        views = []
+        for spec, (buffer, offset) in zip(self.layout.specs, self.layout.places, strict=True):
+            numel = math.prod(spec.shape)
+            views.append(flat[buffer][offset : offset + numel])
+        return views
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _wait_change(self) -> None:
+        if self._closed:
+            raise RuntimeError("the accumulator is closed")
+        await self._changed.wait()
+
+    async def _await_count(self, actions: list[Action]) -> None:
+        epoch, index = self.core.epoch, self.core.next_index - 1
+        version = self.core.model_version
+        self._handle(actions)
+        while (
+            self.core.epoch == epoch
+            and not self.core.counted(index)
+            and self.core.model_version == version
+        ):
+            await self._wait_change()
+        while self.core.epoch == epoch and self.core.pending(index):
+            await self._wait_change()
+
+    async def _drive(self) -> None:
+        while True:
+            if await self.group.update() and self.group.epoch is not None:
+                names = [str(p) for p in self.group.members]
+                now = anyio.current_time()
+                self._state_request = None
+                self._handle(self.core.new_epoch(names, now, epoch=self.group.epoch))
+                self._signal()
+            for name in self.core.stalled(anyio.current_time()):
+                logger.info("cohort %s: %s stopped answering", self.name, name[:16])
+                self.group.suspect(PeerID.from_string(name))
+            self._wake = anyio.Event()
+            with anyio.move_on_after(self.group.refresh_period):
+                await self._wake.wait()
+
+    def _handle(self, actions: list[Action]) -> None:
+        assert self._tg is not None
+        for action in actions:
+            if isinstance(action, Send):
+                for name in action.to:
+                    self._tg.start_soon(self._send_one, PeerID.from_string(name), action.message)
+            elif isinstance(action, Refresh):
+                self.group.refresh_soon()
+                self._wake.set()
+            elif isinstance(action, RequestState):
+                self._tg.start_soon(self._download, action)
+            elif isinstance(action, MergeSlots):
+                for slot in action.slots:
+                    for into, buf in zip(self._slots[0], self._slots[slot], strict=True):
+                        into += buf
+                        buf.fill(0)
+            elif isinstance(action, DropSlots):
+                self._slots = [self._empty_slot() for _ in self._slots]
+            elif isinstance(action, StartReduce):
+                self._tg.start_soon(self._reduce, action)
+            elif isinstance(action, ApplyResult):
+                self._apply(action)
+        self._signal()
+
+    async def _send_one(self, peer: PeerID, message: Message) -> None:
+        address = self.group.addresses.get(peer)
+        if address is None:
+            return
+        try:
+            with anyio.fail_after(self.core.round_timeout):
+                ack = await self.dht.node.rpc.call(address, METHOD, message, response_type=AccAck)
+        except (SwarmError, OSError, TimeoutError) as exc:
+            logger.debug("could not send %s to %s: %s", type(message).__name__, peer.short(), exc)
+            return
+        if ack.epoch != getattr(message, "epoch", None):
+            self.group.refresh_soon()
+            self._wake.set()
+
+    async def _serve(self, message: Message, ctx: CallContext) -> AccAck:
+        if isinstance(message, AccLeave):
+            self.group.refresh_soon()
+            self._wake.set()
+        elif isinstance(message, Hello | Count):
+            try:
+                self._handle(self.core.receive(str(ctx.peer_id), message, anyio.current_time()))
+            except RemoteProtocolError as exc:
+                logger.debug("refused a message of %s: %s", ctx.peer_id.short(), exc)
+                raise
+        else:
+            raise RemoteProtocolError(f"acc.msg does not take {type(message).__name__}")
+        return AccAck(self.core.epoch or b"")
+
+    async def _reduce(self, action: StartReduce) -> None:
+        from swarmavg.aio.allreduce import AllReduceFailed
+
+        members = []
+        for name in action.members:
+            peer = PeerID.from_string(name)
+            members.append(GroupMember(peer, self.group.addresses.get(peer)))
+        group = AvgGroup(action.group_id, tuple(members))
+        copies = [buf * action.scale for buf in self._slots[action.slot]]
+        ok = False
+        try:
+            result = await self.allreduce.run(
+                group, copies, self.layout, weight=action.weight, timeout=self.core.round_timeout
+            )
+            expected = (
+                action.stats.num_gradients
+                if self.core.weighting == "contributions"
+                else action.stats.batch_size
+            )
+            ok = not result.incomplete and not result.nonfinite and result.total_weight == expected
+            if not ok:
+                logger.info(
+                    "cohort %s: count %d's all-reduce was incomplete", self.name, action.index
+                )
+        except AllReduceFailed as exc:
+            logger.info("cohort %s: count %d's all-reduce failed: %s", self.name, action.index, exc)
+        if ok:
+            self._results[(action.epoch, action.index)] = copies
+        else:
+            self.group.refresh_soon()
+            self._wake.set()
+        self._handle(self.core.reduce_done(action.epoch, action.index, ok))
+
+    def _apply(self, action: ApplyResult) -> None:
+        import torch
+
+        epoch = self.core.epoch
+        assert epoch is not None
+        result = None if action.zero else self._results.pop((epoch, action.index))
+        with torch.no_grad():
+            views = self._views(result) if result is not None else [None] * len(self.parameters)
+            for view, p in zip(views, self.parameters, strict=True):
+                if view is None:
+                    if p.grad is not None:
+                        p.grad.zero_()
+                    continue
+                value = torch.from_numpy(view.reshape(p.shape)).to(p.device)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+        for buf in self._slots[action.slot]:
+            buf.fill(0)
+        self._sharer.priority = float(action.version)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    async def _provide_state(self) -> tuple[Any, list[torch.Tensor]]:
+        import torch
+
+        version = self.core.model_version
+        while self._user_state is None or self._user_state[0] != version:
+            self.core.state_requested()
+            self._signal()
+            with anyio.fail_after(self.state_timeout):
+                await self._state_set.wait()
+            version = self.core.model_version
+        _, skeleton, user = self._user_state
+        with torch.no_grad():
+            tensors = [t.detach().to("cpu", copy=True) for t in self.parameters + self.buffers]
+        metadata = {
+            "version": version,
+            "skeleton": skeleton,
+            "parameters": len(self.parameters),
+            "buffers": len(self.buffers),
+        }
+        return metadata, tensors + list(user)
+
+    async def _download(self, request: RequestState) -> None:
+        """Download the state from the donors of the latest request until connected (a new
+        epoch's request replaces the one this loop started with)."""
+        from swarmavg.aio import state as state_mod
+
+        self._state_request = request
+        if self._downloading:
+            return
+        self._downloading = True
+        try:
+            while not self._closed and self._state_request is not None:
+                request, epoch = self._state_request, self.core.epoch
+                donors = []
+                for name in request.donors[: self.state_donors]:
+                    peer = PeerID.from_string(name)
+                    address = self.group.addresses.get(peer)
+                    if address is not None:
+                        donors.append((peer, address, 0.0))
+                with anyio.move_on_after(self.state_timeout):
+                    download, _ = await state_mod._session(
+                        self.dht.node,
+                        f"{self.name}.acc",
+                        donors,
+                        None,
+                        chunk_timeout=self.state_timeout,
+                        header_timeout=self.state_timeout,
+                        max_bytes=state_mod.DEFAULT_MAX_STATE_SIZE,
+                    )
+                    if download is not None and download.complete:
+                        metadata, tensors = await download.finish()
+                        if self.core.epoch == epoch and self._state_request is request:
+                            try:
+                                self._load(metadata, tensors)
+                                self._state_request = None
+                                return
+                            except StateDownloadFailed as exc:
+                                logger.warning("cohort %s: refused a state: %s", self.name, exc)
+                if self._state_request is request:
+                    await anyio.sleep(1.0)
+        finally:
+            self._downloading = False
+
+    def _load(self, metadata: object, tensors: list[torch.Tensor]) -> None:
+        import torch
+
+        if not isinstance(metadata, dict):
+            raise StateDownloadFailed("the metadata is not a map")
+        version, skeleton = metadata.get("version"), metadata.get("skeleton")
+        n_params, n_buffers = metadata.get("parameters"), metadata.get("buffers")
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version < 1 << 63
+            or not isinstance(skeleton, bytes)
+            or n_params != len(self.parameters)
+            or n_buffers != len(self.buffers)
+            or len(tensors) < n_params + n_buffers
+        ):
+            raise StateDownloadFailed("the state's layout is not this model's")
+        own = self.parameters + self.buffers
+        for mine, theirs in zip(own, tensors, strict=False):
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                raise StateDownloadFailed("a tensor's shape or dtype is not this model's")
+        user = join_state(skeleton, tensors[len(own) :], to_array=lambda t: t.numpy())
+        with torch.no_grad():
+            for mine, theirs in zip(own, tensors, strict=False):
+                mine.copy_(theirs)
+        self._new_state = user
+        self._has_new_state = True
+        self._handle(self.core.state_loaded(version))
+        self._sharer.priority = float(version)
+        logger.info("cohort %s: loaded the state of version %d", self.name, version)
+
+
+def _array_tensor(array: npt.NDArray[Any]) -> Any:
+    import torch
+
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+_registries: weakref.WeakKeyDictionary[Node, dict[str, Accumulator]] = weakref.WeakKeyDictionary()
+
+
+def _registry(dht: DHT) -> dict[str, Accumulator]:
+    """The node's accumulators by cohort name; registers ``acc.msg`` on first use (a message
+    goes to the accumulator whose epoch it names, else to the only one)."""
+    node = dht.node
+    registry = _registries.get(node)
+    if registry is None:
+        found: dict[str, Accumulator] = {}
+        registry = _registries[node] = found
+
+        async def serve(message: Message, ctx: CallContext) -> AccAck:
+            epoch = getattr(message, "epoch", None)
+            target = next((a for a in found.values() if a.core.epoch == epoch), None)
+            if target is None and len(found) == 1:
+                target = next(iter(found.values()))
+            if target is None:
+                return AccAck(b"")
+            return await target._serve(message, ctx)
+
+        node.rpc.register(METHOD, serve, request_type=Message)
+    return registry
