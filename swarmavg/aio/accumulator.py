@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Final, Self
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal, Self
 
 import anyio
 import numpy as np
@@ -170,6 +171,15 @@ class Group:
             await anyio.sleep(self.member_ttl / 3)
             await self._publish()
 
+    async def rejoin(self) -> None:
+        """Publish a new incarnation of this member (a new ``since``): every member makes a
+        new epoch at its next read although the members are the same. This is how a round
+        that failed among members that all still answer is retried (with the contributions
+        kept, as on any epoch change)."""
+        self._since = max(get_dht_time(), self._since + 1e-3)
+        await self._publish()
+        self.refresh_soon()
+
     def suspect(self, peer: PeerID) -> None:
         """Leave ``peer`` out of the view until its record is renewed (it stopped answering)."""
         if peer != self.me:
@@ -253,6 +263,17 @@ def _parse_record(subkey: object, value: object) -> tuple[PeerID, Address | None
 # -- the accumulator ---------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class _Write:
+    """Tensor writes for the user's thread (a result into ``.grad``, a state into the
+    parameters), then what the task does once they are done. Without a deferring facade both
+    run at once, in the task."""
+
+    kind: Literal["result", "state"]
+    write: Callable[[], None]
+    then: Callable[[], None] | None = None
+
+
 class Accumulator:
     """moolib's ``Accumulator`` for async code (see the module docstring and the design page).
 
@@ -261,6 +282,20 @@ class Accumulator:
     ``await acc.skip_gradients()``, read ``.grad`` while :meth:`has_gradients`, then
     :meth:`zero_gradients`; answer :meth:`wants_state` with :meth:`set_state`.
 
+    :param group: a :class:`Group` of ``dht`` that the caller entered (by default the
+        accumulator makes its own, named ``name``).
+    :param virtual_batch_size: the summed batch size a result needs at least (every member
+        must use the same).
+    :param parallel_gradients: slots (results may be up to this many versions stale).
+    :param weighting: ``"contributions"`` (``.grad`` is the mean over contributions, as
+        moolib) or ``"samples"`` (the sample-weighted mean).
+    :param model_version: the version to start at (a restored checkpoint: see
+        :meth:`set_model_version`).
+    :param round_timeout: seconds an exchange or an all-reduce waits for a member.
+    :param state_timeout: seconds a donor waits for :meth:`set_state`, and a joiner for a
+        download, before asking again.
+    :param state_donors: donors a joiner downloads from at once.
+    :param refresh_period: seconds between reads of the cohort's records.
     :raises TypeError: a parameter or buffer is not a tensor (named by index).
     :raises ValueError: another bad argument (named).
     """
@@ -281,19 +316,28 @@ class Accumulator:
         state_timeout: float = 60.0,
         state_donors: int = 2,
         refresh_period: float = 1.0,
+        _deferred: bool = False,
     ) -> None:
         import torch
 
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, not {name!r:.64}")
         self.parameters = list(parameters)
         self.buffers = list(buffers)
         for what, tensors in (("parameters", self.parameters), ("buffers", self.buffers)):
             for i, t in enumerate(tensors):
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        for i, p in enumerate(self.parameters):
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"parameters[{i}] has dtype {p.dtype}, not a floating point one")
         if group is not None and group.dht is not dht:
             raise ValueError("group must use the accumulator's dht")
         if isinstance(state_donors, bool) or not isinstance(state_donors, int) or state_donors < 1:
             raise ValueError(f"state_donors must be an int >= 1, not {state_donors!r}")
+        for what, value in (("state_timeout", state_timeout),):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{what} must be a positive number, not {value!r}")
         self.name = name
         self.dht = dht
         self.group = group if group is not None else Group(name, dht, refresh_period=refresh_period)
@@ -317,7 +361,8 @@ class Accumulator:
         )
         self._slots = [self._empty_slot() for _ in range(self.core.parallel_gradients)]
         self._results: dict[tuple[bytes, int], list[npt.NDArray[Any]]] = {}
-        self._user_state: tuple[int, bytes, list[Any]] | None = None  # version, skeleton, tensors
+        #: version, skeleton, tensors (parameters, buffers, the user's): copies made by set_state
+        self._user_state: tuple[int, bytes, list[torch.Tensor]] | None = None
         self._new_state: object = None
         self._has_new_state = False
         self._state_set = anyio.Event()
@@ -329,6 +374,10 @@ class Accumulator:
         self._downloading = False
         self._state_request: RequestState | None = None
         self._closed = False
+        #: writes for the facade's update() (None: done at once, in the task)
+        self._outbox: list[_Write] | None = [] if _deferred else None
+        #: failed gradient phases in a row (each one makes a new epoch: see _reduce)
+        self.failed_rounds = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -382,12 +431,15 @@ class Accumulator:
     # -- predicates (moolib's) -----------------------------------------------------------------
 
     def connected(self) -> bool:
+        """In the cohort, the leader elected, and holding its model (or leading)."""
         return self.core.connected()
 
     def wants_state(self) -> bool:
+        """A joiner waits for a state from this member: answer with :meth:`set_state`."""
         return self.core.wants_state()
 
     def has_new_state(self) -> bool:
+        """A state was loaded since :meth:`state` was last called."""
         return self._has_new_state
 
     def state(self) -> object:
@@ -396,53 +448,71 @@ class Accumulator:
         return self._new_state
 
     def wants_gradients(self) -> bool:
+        """The next :meth:`reduce_gradients` or :meth:`skip_gradients` is allowed."""
         return self.core.wants_gradients()
 
     def has_gradients(self) -> bool:
+        """A result is in ``.grad`` (until :meth:`zero_gradients`)."""
         return self.core.has_gradients()
 
     def model_version(self) -> int:
+        """Results this model was stepped with (+1 at each :meth:`zero_gradients` after a
+        result)."""
         return self.core.model_version
 
     def set_model_version(self, version: int) -> None:
+        """Set the model version (a restored checkpoint): the greatest version leads at the
+        next election, and the others download its state.
+
+        :raises TypeError / ValueError: not an int in ``[0, 2**63)``.
+        """
         self.core.set_model_version(version)
 
     def set_virtual_batch_size(self, size: int) -> None:
+        """The summed batch size a result needs at least (every member must use the same).
+
+        :raises TypeError / ValueError: not an int >= 1.
+        """
         self.core.set_virtual_batch_size(size)
 
     def set_parallel_gradients(self, n: int) -> None:
+        """Use ``n`` slots (before the first contribution, or right after a result).
+
+        :raises TypeError / ValueError: not an int >= 1.
+        :raises RuntimeError: contributions are in flight.
+        """
         self.core.set_parallel_gradients(n)
         self._slots = [self._empty_slot() for _ in range(n)]
 
     def get_leader(self) -> str | None:
+        """The leader's name (its PeerID text), or ``None`` while electing."""
         return self.core.leader
 
     def is_leader(self) -> bool:
         return self.core.is_leader()
 
     def get_gradient_stats(self) -> dict[str, int]:
+        """The last result's ``num_gradients``, ``num_skipped`` and ``batch_size`` (summed over
+        the cohort: the same on every member)."""
         return self.core.stats().as_dict()
 
     # -- the user's calls ----------------------------------------------------------------------
 
     def set_state(self, state: object) -> None:
-        """The user state to hand to joiners (checked now: nothing is sent otherwise).
+        """The user state to hand to joiners, with a copy of the parameters and buffers as
+        they are now, at the current model version (checked now: nothing is sent otherwise).
 
         :raises TypeError / ValueError: ``state`` holds something that cannot travel (named
             by its path from ``state``).
         """
         skeleton, tensors = split_state(state, tensor_dtype)
-        copies = [
-            t.detach().to("cpu", copy=True) if not isinstance(t, np.ndarray) else _array_tensor(t)
-            for t in tensors
-        ]
-        self._user_state = (self.core.model_version, skeleton, copies)
-        self.core.state_set()
-        self._state_set.set()
-        self._state_set = anyio.Event()
+        self._store_state(skeleton, self._copy_model() + _copy_user_tensors(tensors))
 
     async def wait_state(self) -> None:
-        """Return once this member is connected (holding the leader's state if it joined)."""
+        """Return once this member is connected (holding the leader's state if it joined).
+
+        :raises RuntimeError: the accumulator is closed.
+        """
         while not self.core.connected():
             await self._wait_change()
 
@@ -452,18 +522,11 @@ class Accumulator:
         is full), else at once after the count (the slot takes the next contribution). Returns
         early, the contribution kept for the next count, if the cohort changes meanwhile.
 
-        :raises RuntimeError: :meth:`wants_gradients` is false.
+        :raises RuntimeError: :meth:`wants_gradients` is false (nothing was read or zeroed).
         :raises TypeError / ValueError: ``batch_size`` is not an int >= 1.
         """
-        import torch
-
-        slot, actions = self.core.contribute(batch_size, anyio.current_time())
-        scale = batch_size if self.core.weighting == "samples" else 1
-        with torch.no_grad():
-            for view, p in zip(self._views(self._slots[slot]), self.parameters, strict=True):
-                if p.grad is not None:
-                    view += p.grad.detach().reshape(-1).cpu().numpy() * scale
-                    p.grad.zero_()
+        actions = self._contribute(batch_size, self._read_grads())
+        self._zero_grads()
         await self._await_count(actions)
 
     async def skip_gradients(self) -> None:
@@ -475,11 +538,94 @@ class Accumulator:
         await self._await_count(actions)
 
     def zero_gradients(self) -> None:
-        """Read the result: zero ``.grad``; the next result in order may be applied."""
+        """Zero ``.grad``; if a result was in it, the model version goes up by one and the next
+        result in order may be applied."""
+        self._zero_grads()
+        self._zero_result()
+
+    # -- the sync facade's entry points (on the loop, its tensor work in the user's thread) -----
+
+    def _read_grads(self) -> list[npt.NDArray[Any] | None]:
+        """Flat copies of the parameters' ``.grad`` (``None`` where there is none)."""
+        import torch
+
+        with torch.no_grad():
+            return [
+                None if p.grad is None else p.grad.detach().reshape(-1).cpu().numpy().copy()
+                for p in self.parameters
+            ]
+
+    def _zero_grads(self) -> None:
         for p in self.parameters:
             if p.grad is not None:
                 p.grad.zero_()
+
+    def _copy_model(self) -> list[torch.Tensor]:
+        import torch
+
+        with torch.no_grad():
+            return [t.detach().to("cpu", copy=True) for t in self.parameters + self.buffers]
+
+    def _contribute(self, batch_size: int, grads: list[npt.NDArray[Any] | None]) -> list[Action]:
+        """Add ``grads`` to the next slot (:meth:`reduce_gradients` without the waiting)."""
+        slot, actions = self.core.contribute(batch_size, anyio.current_time())
+        scale = batch_size if self.core.weighting == "samples" else 1
+        for view, grad in zip(self._views(self._slots[slot]), grads, strict=True):
+            if grad is not None:
+                view += grad * scale
+        return actions
+
+    def _contribute_nowait(self, batch_size: int, grads: list[npt.NDArray[Any] | None]) -> None:
+        self._handle(self._contribute(batch_size, grads))
+
+    def _skip_nowait(self) -> None:
+        _slot, actions = self.core.skip(anyio.current_time())
+        self._handle(actions)
+
+    def _zero_result(self) -> None:
+        had = self.core.has_gradients()
         self._handle(self.core.zero_gradients())
+        if had:
+            self._sharer.priority = float(self.core.model_version)
+
+    def _store_state(self, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
+        self._user_state = (self.core.model_version, skeleton, tensors)
+        self.core.state_set()
+        self._state_set.set()
+        self._state_set = anyio.Event()
+
+    def _take_writes(self) -> list[_Write]:
+        """The writes queued for the user's thread (the facade's ``update()``)."""
+        assert self._outbox is not None
+        writes, self._outbox[:] = list(self._outbox), []
+        return writes
+
+    def _writes_done(self, writes: list[_Write]) -> None:
+        for write in writes:
+            if write.then is not None:
+                write.then()
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The predicates as the user's thread may see them: no result before its write."""
+        unwritten = self._outbox is not None and any(w.kind == "result" for w in self._outbox)
+        return {
+            "connected": self.core.connected(),
+            "wants_state": self.core.wants_state(),
+            "wants_gradients": self.core.wants_gradients() and not unwritten,
+            "has_gradients": self.core.has_gradients() and not unwritten,
+            "model_version": self.core.model_version,
+            "leader": self.core.leader,
+            "is_leader": self.core.is_leader(),
+            "stats": self.core.stats().as_dict(),
+        }
+
+    def _write(self, write: _Write) -> None:
+        if self._outbox is None:
+            write.write()
+            if write.then is not None:
+                write.then()
+        else:
+            self._outbox.append(write)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -576,7 +722,9 @@ class Accumulator:
             try:
                 self._handle(self.core.receive(str(ctx.peer_id), message, anyio.current_time()))
             except RemoteProtocolError as exc:
-                logger.debug("refused a message of %s: %s", ctx.peer_id.short(), exc)
+                logger.info(
+                    "cohort %s: refused a message of %s: %s", self.name, ctx.peer_id.short(), exc
+                )
                 raise
         else:
             raise RemoteProtocolError(f"acc.msg does not take {type(message).__name__}")
@@ -609,9 +757,17 @@ class Accumulator:
         except AllReduceFailed as exc:
             logger.info("cohort %s: count %d's all-reduce failed: %s", self.name, action.index, exc)
         if ok:
+            self.failed_rounds = 0
             self._results[(action.epoch, action.index)] = copies
-        else:
-            self.group.refresh_soon()
+        elif action.epoch == self.core.epoch:
+            # Every member may still answer (the all-reduce failed on a lost connection, a
+            # timeout): nothing else would end this epoch, and the slot would stay stuck. A new
+            # incarnation makes a new epoch everywhere, which retries the round with every
+            # contribution kept; members that did apply the result lead it, and those behind
+            # download their state.
+            self.failed_rounds += 1
+            assert self._tg is not None
+            self._tg.start_soon(self.group.rejoin)
             self._wake.set()
         self._handle(self.core.reduce_done(action.epoch, action.index, ok))
 
@@ -621,49 +777,48 @@ class Accumulator:
         epoch = self.core.epoch
         assert epoch is not None
         result = None if action.zero else self._results.pop((epoch, action.index))
-        with torch.no_grad():
-            views = self._views(result) if result is not None else [None] * len(self.parameters)
-            for view, p in zip(views, self.parameters, strict=True):
-                if view is None:
-                    if p.grad is not None:
-                        p.grad.zero_()
-                    continue
-                value = torch.from_numpy(view.reshape(p.shape)).to(p.device)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
         for buf in self._slots[action.slot]:
             buf.fill(0)
-        self._sharer.priority = float(action.version)
+        views = self._views(result) if result is not None else None
+
+        def write() -> None:
+            with torch.no_grad():
+                for i, p in enumerate(self.parameters):
+                    if views is None:
+                        if p.grad is not None:
+                            p.grad.zero_()
+                        continue
+                    value = torch.from_numpy(views[i].reshape(p.shape)).to(p.device)
+                    if p.grad is None:
+                        p.grad = value.clone()
+                    else:
+                        p.grad.copy_(value)
+
+        self._write(_Write("result", write))
 
     # -- state ---------------------------------------------------------------------------------
 
     async def _provide_state(self) -> tuple[Any, list[torch.Tensor]]:
-        import torch
-
-        version = self.core.model_version
-        while self._user_state is None or self._user_state[0] != version:
+        """What a donor serves: the state the user set at the current version (waiting up to
+        ``state_timeout`` for :meth:`set_state`, which :meth:`wants_state` asks for)."""
+        while self._user_state is None or self._user_state[0] != self.core.model_version:
             self.core.state_requested()
             self._signal()
             with anyio.fail_after(self.state_timeout):
                 await self._state_set.wait()
-            version = self.core.model_version
-        _, skeleton, user = self._user_state
-        with torch.no_grad():
-            tensors = [t.detach().to("cpu", copy=True) for t in self.parameters + self.buffers]
+        version, skeleton, tensors = self._user_state
         metadata = {
             "version": version,
             "skeleton": skeleton,
             "parameters": len(self.parameters),
             "buffers": len(self.buffers),
         }
-        return metadata, tensors + list(user)
+        return metadata, list(tensors)
 
     async def _download(self, request: RequestState) -> None:
         """Download the state from the donors of the latest request until connected (a new
         epoch's request replaces the one this loop started with)."""
-        from swarmavg.aio import state as state_mod
+        from swarmavg.aio.state import DEFAULT_MAX_STATE_SIZE, Donor, load_state_from
 
         self._state_request = request
         if self._downloading:
@@ -672,37 +827,41 @@ class Accumulator:
         try:
             while not self._closed and self._state_request is not None:
                 request, epoch = self._state_request, self.core.epoch
-                donors = []
+                donors: list[Donor] = []
                 for name in request.donors[: self.state_donors]:
                     peer = PeerID.from_string(name)
                     address = self.group.addresses.get(peer)
                     if address is not None:
                         donors.append((peer, address, 0.0))
+                state = None
                 with anyio.move_on_after(self.state_timeout):
-                    download, _ = await state_mod._session(
+                    state = await load_state_from(
                         self.dht.node,
                         f"{self.name}.acc",
                         donors,
-                        None,
                         chunk_timeout=self.state_timeout,
                         header_timeout=self.state_timeout,
-                        max_bytes=state_mod.DEFAULT_MAX_STATE_SIZE,
+                        max_bytes=DEFAULT_MAX_STATE_SIZE,
+                        max_donors=self.state_donors,
                     )
-                    if download is not None and download.complete:
-                        metadata, tensors = await download.finish()
-                        if self.core.epoch == epoch and self._state_request is request:
-                            try:
-                                self._load(metadata, tensors)
-                                self._state_request = None
-                                return
-                            except StateDownloadFailed as exc:
-                                logger.warning("cohort %s: refused a state: %s", self.name, exc)
+                if (
+                    state is not None
+                    and self.core.epoch == epoch
+                    and self._state_request is request
+                ):
+                    metadata, tensors = state[0], list(state[1])
+                    try:
+                        self._load(metadata, tensors, epoch)
+                        self._state_request = None
+                        return
+                    except StateDownloadFailed as exc:
+                        logger.warning("cohort %s: refused a state: %s", self.name, exc)
                 if self._state_request is request:
                     await anyio.sleep(1.0)
         finally:
             self._downloading = False
 
-    def _load(self, metadata: object, tensors: list[torch.Tensor]) -> None:
+    def _load(self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None) -> None:
         import torch
 
         if not isinstance(metadata, dict):
@@ -724,14 +883,31 @@ class Accumulator:
             if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
                 raise StateDownloadFailed("a tensor's shape or dtype is not this model's")
         user = join_state(skeleton, tensors[len(own) :], to_array=lambda t: t.numpy())
-        with torch.no_grad():
-            for mine, theirs in zip(own, tensors, strict=False):
-                mine.copy_(theirs)
-        self._new_state = user
-        self._has_new_state = True
-        self._handle(self.core.state_loaded(version))
-        self._sharer.priority = float(version)
-        logger.info("cohort %s: loaded the state of version %d", self.name, version)
+
+        def write() -> None:
+            with torch.no_grad():
+                for mine, theirs in zip(own, tensors, strict=False):
+                    mine.copy_(theirs)
+
+        def then() -> None:
+            self._new_state = user
+            self._has_new_state = True
+            if self.core.epoch == epoch:
+                self._handle(self.core.state_loaded(version))
+            else:  # (the model is that version's; the new epoch's election was under way)
+                self.core.set_model_version(version)
+            self._sharer.priority = float(version)
+            logger.info("cohort %s: loaded the state of version %d", self.name, version)
+
+        self._write(_Write("state", write, then))
+
+
+def _copy_user_tensors(tensors: list[Any]) -> list[torch.Tensor]:
+    """CPU copies of the user state's tensors and arrays (for :meth:`Accumulator.set_state`)."""
+    return [
+        _array_tensor(t) if isinstance(t, np.ndarray) else t.detach().to("cpu", copy=True)
+        for t in tensors
+    ]
 
 
 def _array_tensor(array: npt.NDArray[Any]) -> Any:

@@ -517,8 +517,15 @@ class DHTNode:
             names each and why.
         """
         self.protocol.register()
-        if not self.initial_peers:
-            return
+        if self.initial_peers:
+            await self.bootstrap(self.initial_peers)
+
+    async def bootstrap(self, addresses: Sequence[Address]) -> None:
+        """Join the DHT through ``addresses`` (each with a PeerID): ping them, then look up our
+        neighbourhood. Also for a node that started alone (e.g. an accumulator's ``connect``).
+
+        :raises ConnectError: none of them answered; the message names each and why.
+        """
         failures: list[str] = []
 
         async def ping(address: Address) -> None:
@@ -530,13 +537,13 @@ class DHTNode:
         error: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
-                for address in self.initial_peers:
+                for address in addresses:
                     tg.start_soon(ping, address)
         except BaseExceptionGroup as group:
             error = sole_error(group)  # (a bug: the failures of peers are caught above)
         if error is not None:
             raise error
-        if len(failures) == len(self.initial_peers):
+        if len(failures) == len(addresses):
             raise ConnectError("no initial peer answered: " + "; ".join(failures))
         for failure in failures:
             logger.warning("initial peer unreachable: %s", failure)

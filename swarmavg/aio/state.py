@@ -94,11 +94,13 @@ __all__ = [
     "DEFAULT_MAX_STATE_SIZE",
     "DTYPE_SIZES",
     "METHOD",
+    "Donor",
     "StateDownloadFailed",
     "StateLoad",
     "StateSharer",
     "download_state",
     "load_state",
+    "load_state_from",
 ]
 
 logger = logging.getLogger(__name__)
@@ -536,6 +538,7 @@ def _check_priority(value: object) -> float:
 
 # -- downloading ----------------------------------------------------------------------------------
 
+#: A donor of a state: ``(peer, address, priority)`` (the list is tried in its order).
 Donor = tuple[PeerID, Address, float]
 
 
@@ -894,7 +897,33 @@ async def load_state(
     if not untried:
         logger.info("no peer shares the state of %s", prefix)
         return None
-    donors = len(untried)
+    return await load_state_from(
+        dht.node,
+        prefix,
+        untried,
+        chunk_timeout=chunk_timeout,
+        header_timeout=header_timeout,
+        max_bytes=max_bytes,
+        max_donors=max_donors,
+    )
+
+
+async def load_state_from(
+    node: Node,
+    prefix: str,
+    donors: Sequence[Donor],
+    *,
+    chunk_timeout: float,
+    header_timeout: float = HEADER_WAIT,
+    max_bytes: int = DEFAULT_MAX_STATE_SIZE,
+    max_donors: int = DEFAULT_MAX_DONORS,
+) -> State | None:
+    """The state under ``prefix`` from the given ``donors`` (``(peer, address, priority)``, best
+    first; found without the DHT, e.g. named by an election), fetched at once from up to
+    ``max_donors`` of them that hold the same snapshot, the first one that answers setting
+    which; ``None`` when every donor failed. Each donor is bounded by the timeouts."""
+    untried = list(donors)
+    total = len(untried)
     download: _Download | None = None
     while untried:
         batch, untried = untried[:max_donors], untried[max_donors:]
@@ -902,7 +931,7 @@ async def load_state(
             "downloading the state of %s from %s", prefix, [p.short() for p, _, _ in batch]
         )
         download, others = await _session(
-            dht.node,
+            node,
             prefix,
             batch,
             download,
@@ -925,7 +954,7 @@ async def load_state(
     logger.warning(
         "could not load the state of %s: none of the %d peers that share it delivered it",
         prefix,
-        donors,
+        total,
     )
     return None
 

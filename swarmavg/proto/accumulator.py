@@ -23,7 +23,9 @@ the same view. :class:`AccumulatorCore` is one member's state:
   decides a gradient phase (:class:`StartReduce`; the sums are its stats), or, if there was no
   gradient at all, a zero result at once;
 * results are applied (:class:`ApplyResult`) in the order of the counts that decided them,
-  each only once the previous one was read (:meth:`~AccumulatorCore.zero_gradients`).
+  each only once the previous one was read (:meth:`~AccumulatorCore.zero_gradients`, which
+  increments the model version: a version counts the results the model was stepped with, so a
+  state served at version ``v`` is a model after ``v`` steps).
 
 The core holds no tensors: the caller keeps one buffer per slot and does what the actions say
 (add ``.grad`` into slot ``s``, all-reduce a scaled copy, write the mean into ``.grad``, merge or
@@ -262,7 +264,8 @@ class StartReduce:
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
     """Write count ``index``'s result into ``.grad`` (zeros when ``zero``), then empty slot
-    ``slot``; ``model_version`` is now ``version``."""
+    ``slot``; ``model_version`` becomes ``version`` when the user reads it
+    (:meth:`AccumulatorCore.zero_gradients`: the model then holds the step it made)."""
 
     index: int
     slot: int
@@ -727,14 +730,18 @@ class AccumulatorCore:
         slot = self._slots[pending.slot]
         slot.totals = SlotTotals()
         slot.phase = "open"
-        self._version += 1
         self._stats = pending.stats
         self._has_gradients = True
-        return [ApplyResult(index, pending.slot, pending.stats, pending.zero, self._version)]
+        return [ApplyResult(index, pending.slot, pending.stats, pending.zero, self._version + 1)]
 
     def zero_gradients(self) -> list[Action]:
-        """The user read the result: the next one in order may be applied."""
+        """The user read the result (stepped the model with it): ``model_version`` goes up by
+        one (as moolib's), and the next result in order may be applied. Without an unread
+        result, nothing changes."""
+        if not self._has_gradients:
+            return []
         self._has_gradients = False
+        self._version += 1
         return self._apply_ready()
 
     # --- faults ---------------------------------------------------------------------------------

@@ -177,8 +177,12 @@ def test_every_member_applies_the_same_mean_with_the_same_stats() -> None:
             "num_skipped": 1,
             "batch_size": 17,
         }
-        assert member.core.model_version == 1
+        assert member.core.model_version == 0  # (until the result is read)
         assert not member.core.wants_gradients()  # the result was not read yet
+        member.core.zero_gradients()
+        assert member.core.model_version == 1
+        member.core.zero_gradients()  # (nothing unread: no change)
+        assert member.core.model_version == 1
 
 
 def test_samples_weighting_gives_the_sample_weighted_mean() -> None:
@@ -191,7 +195,7 @@ def test_samples_weighting_gives_the_sample_weighted_mean() -> None:
         assert member.grad == pytest.approx((1 * 1 + 4 * 3) / 4)
 
 
-def test_model_version_increments_once_per_applied_result_everywhere() -> None:
+def test_model_version_increments_once_per_read_result_everywhere() -> None:
     names = ["a", "b"]
     cohort = connected_cohort(names)
     for round_ in range(1, 4):
@@ -200,8 +204,9 @@ def test_model_version_increments_once_per_applied_result_everywhere() -> None:
         cohort.deliver()
         cohort.finish_reduces()
         for name in names:
-            assert cohort.members[name].core.model_version == round_
+            assert cohort.members[name].core.model_version == round_ - 1
             cohort.zero(name)
+            assert cohort.members[name].core.model_version == round_
     assert [i for i, _, _ in cohort.members["a"].applied] == [0, 1, 2]
 
 
@@ -299,6 +304,7 @@ def test_a_joiner_blocks_rounds_until_it_has_the_state() -> None:
     cohort.finish_reduces()
     for member in cohort.members.values():
         assert member.grad == 2.0
+        member.core.zero_gradients()
         assert member.core.model_version == 1
 
 
@@ -334,6 +340,7 @@ def test_a_member_leaving_mid_round_keeps_the_survivors_contributions() -> None:
         member = cohort.members[name]
         assert member.core.stats() == GradientStats(num_gradients=4, num_skipped=0, batch_size=4)
         assert member.grad == pytest.approx((1 + 1 + 3 + 3) / 4)
+        cohort.zero(name)
         assert member.core.model_version == 1
 
 
@@ -373,10 +380,12 @@ def test_parallel_two_applies_results_in_count_order() -> None:
     for name in names:
         member = cohort.members[name]
         assert [i for i, _, _ in member.applied] == [0]
-        assert member.core.model_version == 1
+        assert member.core.model_version == 0
         assert not member.core.wants_gradients()  # the result is unread
         cohort.zero(name)  # now count 1's result is applied
         assert [i for i, _, _ in member.applied] == [0, 1]
+        assert member.core.model_version == 1
+        cohort.zero(name)
         assert member.core.model_version == 2
 
 
