@@ -35,7 +35,7 @@ from swarmavg._time import get_dht_time
 from swarmavg.abc import Group as AvgGroup
 from swarmavg.abc import GroupMember
 from swarmavg.address import Address
-from swarmavg.errors import RemoteProtocolError, SwarmError
+from swarmavg.errors import RemoteProtocolError, SwarmError, TransportError
 from swarmavg.identity import PeerID
 from swarmavg.proto.accumulator import (
     AccAck,
@@ -119,6 +119,8 @@ class Group:
         self._expirations: dict[PeerID, float] = {}
         self._last_read = -math.inf
         self._stack: AsyncExitStack | None = None
+        #: epochs this member held (a view that comes back makes a new incarnation instead)
+        self._past: set[bytes] = set()
 
     @property
     def me(self) -> PeerID:
@@ -192,17 +194,52 @@ class Group:
 
     async def update(self) -> bool:
         """Read the records (at most every ``refresh_period`` unless :meth:`refresh_soon`);
-        whether the epoch changed."""
+        whether the epoch changed. A view this member held before and left (a suspect taken
+        back) is never adopted again: the others may still hold that epoch's exchanges, so this
+        member publishes a new incarnation (:meth:`rejoin`) and the epoch is a new one."""
         now = anyio.current_time()
         if now - self._last_read < self.refresh_period:
             return False
         self._last_read = now
+        for _ in range(2):
+            members = await self._read()
+            if members is None:
+                return False
+            view = {p: v for p, v in members.items() if p not in self._suspects}
+            if self.me in view:
+                view[self.me] = (view[self.me][0], self._since)  # (ours, as we know it)
+            epoch = self._epoch_of(view)
+            if epoch is None or epoch not in self._past or epoch == self.epoch:
+                break
+            await self.rejoin()
+        if self.me not in view or epoch is None:
+            changed = self.epoch is not None
+            self.members, self.addresses, self.epoch = (), {}, None
+            return changed
+        if epoch == self.epoch:
+            return False
+        order = sorted(view, key=str)
+        self.members = tuple(order)
+        self.addresses = {p: a for p, (a, _) in view.items() if a is not None}
+        self.epoch = epoch
+        self._past.add(epoch)
+        self.epoch_count += 1
+        logger.info("cohort %s: epoch %d with %d members", self.name, self.epoch_count, len(order))
+        return True
+
+    @staticmethod
+    def _epoch_of(view: dict[PeerID, tuple[Address | None, float]]) -> bytes | None:
+        order = sorted(view, key=str)
+        return epoch_digest([str(p) for p in order], [repr(view[p][1]) for p in order])
+
+    async def _read(self) -> dict[PeerID, tuple[Address | None, float]] | None:
+        """The members whose records are alive (suspects too); ``None`` if the read failed."""
         try:
             with anyio.fail_after(max(self.refresh_period * 5, 5.0)):
                 found = await self.dht.get(self.key, latest=True)
         except (SwarmError, OSError, TimeoutError) as exc:
             logger.debug("reading %s failed: %s", self.key, exc)
-            return False
+            return None
         members: dict[PeerID, tuple[Address | None, float]] = {}
         entries = found.value if found is not None else None
         if isinstance(entries, dict):
@@ -215,21 +252,7 @@ class Group:
         for peer, until in list(self._suspects.items()):
             if self._expirations.get(peer, -math.inf) > until or peer not in members:
                 del self._suspects[peer]  # renewed since (or gone anyway)
-        view = {p: v for p, v in members.items() if p not in self._suspects}
-        if self.me not in view:
-            changed = self.epoch is not None
-            self.members, self.addresses, self.epoch = (), {}, None
-            return changed
-        order = sorted(view, key=str)
-        epoch = epoch_digest([str(p) for p in order], [repr(view[p][1]) for p in order])
-        if epoch == self.epoch:
-            return False
-        self.members = tuple(order)
-        self.addresses = {p: a for p, (a, _) in view.items() if a is not None}
-        self.epoch = epoch
-        self.epoch_count += 1
-        logger.info("cohort %s: epoch %d with %d members", self.name, self.epoch_count, len(order))
-        return True
+        return members
 
 
 def _parse_record(subkey: object, value: object) -> tuple[PeerID, Address | None, float] | None:
@@ -516,26 +539,52 @@ class Accumulator:
         while not self.core.connected():
             await self._wait_change()
 
-    async def reduce_gradients(self, batch_size: int) -> None:
+    async def wait_state_request(self) -> None:
+        """Return once :meth:`wants_state` is true (a joiner waits for this member's state):
+        a task that serves states loops on this and :meth:`set_state`.
+
+        :raises RuntimeError: the accumulator is closed.
+        """
+        while not self.core.wants_state():
+            await self._wait_change()
+
+    async def reduce_gradients(self, batch_size: int, *, wait: bool = True) -> None:
         """Contribute ``.grad`` (then zeroed) for ``batch_size`` samples; return once its count
         is done: with the result in ``.grad`` if the count decided a result (the virtual batch
         is full), else at once after the count (the slot takes the next contribution). Returns
         early, the contribution kept for the next count, if the cohort changes meanwhile.
+        With ``wait=False``, return as soon as ``.grad`` was read (with
+        ``set_parallel_gradients(n)``, to contribute to the next slot meanwhile; see
+        :meth:`wait_gradients`).
 
         :raises RuntimeError: :meth:`wants_gradients` is false (nothing was read or zeroed).
         :raises TypeError / ValueError: ``batch_size`` is not an int >= 1.
         """
         actions = self._contribute(batch_size, self._read_grads())
         self._zero_grads()
-        await self._await_count(actions)
+        if wait:
+            await self._await_count(actions)
+        else:
+            self._handle(actions)
 
-    async def skip_gradients(self) -> None:
+    async def skip_gradients(self, *, wait: bool = True) -> None:
         """Take part in the next count without a gradient (see :meth:`reduce_gradients`).
 
         :raises RuntimeError: :meth:`wants_gradients` is false.
         """
         _slot, actions = self.core.skip(anyio.current_time())
-        await self._await_count(actions)
+        if wait:
+            await self._await_count(actions)
+        else:
+            self._handle(actions)
+
+    async def wait_gradients(self) -> None:
+        """Return once :meth:`has_gradients` is true (a result is in ``.grad``).
+
+        :raises RuntimeError: the accumulator is closed.
+        """
+        while not self.core.has_gradients():
+            await self._wait_change()
 
     def zero_gradients(self) -> None:
         """Zero ``.grad``; if a result was in it, the model version goes up by one and the next
@@ -704,11 +753,35 @@ class Accumulator:
         address = self.group.addresses.get(peer)
         if address is None:
             return
+        if self._closed and not isinstance(message, AccLeave):
+            return
         try:
             with anyio.fail_after(self.core.round_timeout):
                 ack = await self.dht.node.rpc.call(address, METHOD, message, response_type=AccAck)
-        except (SwarmError, OSError, TimeoutError) as exc:
-            logger.debug("could not send %s to %s: %s", type(message).__name__, peer.short(), exc)
+        except (TransportError, OSError, TimeoutError) as exc:
+            # (it left or died: out of the view until its record is renewed, rather than
+            # waiting round_timeout for its answer in the exchange)
+            logger.info(
+                "cohort %s: could not send %s to %s: %s",
+                self.name,
+                type(message).__name__,
+                peer.short(),
+                exc,
+            )
+            if not isinstance(message, AccLeave) and not self._closed:
+                self.group.suspect(peer)
+                self._wake.set()
+            return
+        except SwarmError as exc:  # (it refused the message: our views differ)
+            logger.info(
+                "cohort %s: %s refused %s: %s", self.name, peer.short(), type(message).__name__, exc
+            )
+            self.group.refresh_soon()
+            self._wake.set()
+            return
+        except (RuntimeError, anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            # (our own node is closed: shutting down, or the process' node was taken away)
+            logger.debug("could not send %s: our node is closed: %s", type(message).__name__, exc)
             return
         if ack.epoch != getattr(message, "epoch", None):
             self.group.refresh_soon()
