@@ -155,15 +155,19 @@ class GradientStats:
 @_message("acc.hello")
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """Sent to every member on adopting ``epoch``: our model version and whether we hold the
-    cohort's model (loaded a state or led), for the election."""
+    """Sent to every member on adopting ``epoch``: our model version and the *lineage* of our
+    model (empty: none yet, a fresh member), for the election."""
 
     epoch: bytes
     version: int
-    has_model: bool = False
+    lineage: bytes = b""
 
     def __post_init__(self) -> None:
         _check_epoch(self.epoch)
+
+    @property
+    def has_model(self) -> bool:
+        return bool(self.lineage)
 
 
 @_message("acc.count")
@@ -348,7 +352,11 @@ class AccumulatorCore:
         self._slots = [
             _Slot() for _ in range(_check_int("parallel_gradients", parallel_gradients, 1))
         ]
-        self._has_model = False  # a state was loaded, or we led an epoch
+        #: which model we hold: empty for none (fresh); made by a member that leads without
+        #: one, inherited with a state. Two members hold the same model iff they have the same
+        #: lineage and version (members that start alone each lead their own model).
+        self._lineage = b""
+        self._leader_lineage = b""
         self._epoch: bytes | None = None
         self._members: tuple[str, ...] = ()
         self._leader: str | None = None
@@ -369,11 +377,13 @@ class AccumulatorCore:
         return self._version
 
     def set_model_version(self, version: int) -> None:
-        """Set the model version (a restored checkpoint); it takes effect in the next election.
+        """Set the model version (a restored checkpoint: the model is another one, so its
+        lineage is new); it takes effect in the next election.
 
         :raises TypeError / ValueError: not an int in ``[0, 2**63)``.
         """
         self._version = _check_int("version", version, 0)
+        self._lineage = b""
 
     @property
     def virtual_batch_size(self) -> int:
@@ -495,7 +505,7 @@ class AccumulatorCore:
         self._counts.clear()
         self._pending.clear()
         self._next_index = 0
-        hello = Hello(epoch, self._version, self._has_model)
+        hello = Hello(epoch, self._version, self._lineage)
         self._hellos = _Exchange(now, {self.me: hello})
         others = self._others()
         if others:
@@ -512,6 +522,7 @@ class AccumulatorCore:
         if hellos is None or len(hellos.got) < len(self._members):
             return []
         self._hellos = None
+        lineages = {peer: msg.lineage for peer, msg in hellos.got.items() if isinstance(msg, Hello)}
         ranked = sorted(
             (
                 (msg.version, msg.has_model, peer)
@@ -522,30 +533,57 @@ class AccumulatorCore:
         )
         leader_version, _, self._leader = ranked[0]
         if self._leader == self.me:
-            self._has_model = True
+            if not self._lineage:
+                self._lineage = _new_lineage(self.me, self._epoch or b"")
+            self._leader_lineage = self._lineage
             return []
-        if leader_version == self._version and self._has_model:
-            return []
+        # (a fresh leader makes its lineage now, as every member can derive)
+        self._leader_lineage = lineages[self._leader] or _new_lineage(
+            self._leader, self._epoch or b""
+        )
+        if (
+            leader_version == self._version
+            and self._lineage
+            and self._lineage == self._leader_lineage
+        ):
+            return []  # (the same model: e.g. we trained together, or loaded its state)
         self._waiting_for_state = True
         donors = tuple(
             peer
-            for version, has_model, peer in ranked
-            if version == leader_version and (has_model or peer == self._leader)
+            for version, _, peer in ranked
+            if version == leader_version
+            and (
+                peer == self._leader
+                or (lineages[peer] and lineages[peer] == lineages[self._leader])
+            )
         )
         return [RequestState(donors, leader_version)]
+
+    @property
+    def lineage(self) -> bytes:
+        """Which model this member holds (empty: none yet); travels with its state."""
+        return self._lineage
 
     def state_requested(self) -> None:
         """A member of this epoch asked this donor for the state: :meth:`wants_state`."""
         if self.connected():
             self._state_requests = True
 
-    def state_loaded(self, version: int) -> list[Action]:
-        """A state of version ``version`` was copied in: connected; the slots are dropped."""
+    def state_loaded(self, version: int, lineage: bytes | None = None) -> list[Action]:
+        """A state of version ``version`` and ``lineage`` (by default the elected leader's) was
+        copied in: connected; the slots are dropped."""
         self._version = _check_int("version", version, 0)
-        self._has_model = True
+        self._lineage = lineage if lineage else self._leader_lineage
         self._waiting_for_state = False
         self._slots = [_Slot() for _ in self._slots]
         return [DropSlots()]
+
+    def model_replaced(self, version: int, lineage: bytes) -> None:
+        """The model was replaced by a state of ``version`` and ``lineage`` outside an election
+        of this epoch (a download that ended after the epoch changed): the next epoch's hello
+        says so."""
+        self._version = _check_int("version", version, 0)
+        self._lineage = lineage
 
     # --- messages -----------------------------------------------------------------------------
 
@@ -588,8 +626,8 @@ class AccumulatorCore:
         if self._hellos is None or peer in self._hellos.got:
             raise RemoteProtocolError(f"{peer} said hello twice in one epoch")
         _check_wire_int(peer, "version", hello.version)
-        if not isinstance(hello.has_model, bool):
-            raise RemoteProtocolError(f"{peer} sent a bad has_model: {hello.has_model!r}")
+        if not isinstance(hello.lineage, bytes) or len(hello.lineage) > EPOCH_SIZE:
+            raise RemoteProtocolError(f"{peer} sent a bad lineage: {hello.lineage!r:.80}")
         self._hellos.got[peer] = hello
         return self._maybe_elect()
 
@@ -758,6 +796,13 @@ class AccumulatorCore:
             if self.me in exchange.got and now - exchange.started >= self.round_timeout:
                 silent.update(m for m in self._members if m not in exchange.got)
         return tuple(sorted(silent))
+
+
+def _new_lineage(me: str, epoch: bytes) -> bytes:
+    digest = hashlib.sha256(b"swarmavg.acc.lineage")
+    raw = me.encode()
+    digest.update(len(raw).to_bytes(4, "big") + raw + epoch)
+    return digest.digest()[:16]
 
 
 def _check_wire_int(peer: str, name: str, value: object) -> None:

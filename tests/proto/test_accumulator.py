@@ -490,7 +490,7 @@ def test_epoch_and_group_ids_are_the_same_for_every_member() -> None:
 def test_messages_travel_through_the_codec_and_bad_encodings_are_protocol_errors() -> None:
     epoch = epoch_digest(["a", "b"])
     for msg in (
-        Hello(epoch, 3, True),
+        Hello(epoch, 3, b"\x01" * 16),
         Count(epoch, 2, SlotTotals(5, 1, 2), 4),
         AccLeave(epoch),
         AccAck(b""),
@@ -499,7 +499,7 @@ def test_messages_travel_through_the_codec_and_bad_encodings_are_protocol_errors
     long = encode_message_bytes(Hello(epoch, 3)).replace(epoch, epoch + b"x")
     with pytest.raises(RemoteProtocolError):
         decode_message(long)  # (the header's length prefix no longer matches)
-    header = {"v": PROTOCOL_VERSION, "t": "acc.hello", "f": [bytes(33), 1, False]}
+    header = {"v": PROTOCOL_VERSION, "t": "acc.hello", "f": [bytes(33), 1, b""]}
     packed = msgpack.packb(header, use_bin_type=True)
     with pytest.raises(RemoteProtocolError, match="epoch"):
         decode_message(len(packed).to_bytes(4, "big") + packed)
