@@ -23,7 +23,6 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, Self
 
@@ -38,6 +37,7 @@ from swarmavg.address import Address
 from swarmavg.errors import RemoteProtocolError, SwarmError, TransportError
 from swarmavg.identity import PeerID
 from swarmavg.proto.accumulator import (
+    EPOCH_SIZE,
     AccAck,
     AccLeave,
     AccumulatorCore,
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     import torch
 
     from swarmavg.aio.dht_facade import DHT
-    from swarmavg.aio.node import Node
+    from swarmavg.aio.node import BackgroundTask, Node
     from swarmavg.aio.rpc import CallContext
 
 __all__ = ["METHOD", "Accumulator", "Group", "tensor_dtype"]
@@ -118,22 +118,24 @@ class Group:
         self._suspects: dict[PeerID, float] = {}  # peer -> its record's expiration then
         self._expirations: dict[PeerID, float] = {}
         self._last_read = -math.inf
-        self._stack: AsyncExitStack | None = None
+        self._renewer: BackgroundTask | None = None
+        self._closed = False
         #: epochs this member held (a view that comes back makes a new incarnation instead)
         self._past: set[bytes] = set()
+        self._updating = anyio.Lock()
 
     @property
     def me(self) -> PeerID:
         return self.dht.peer_id
 
     async def __aenter__(self) -> Self:
+        """Publish this member's record and renew it (a background task of the node: entering
+        and leaving may happen in different tasks, as the sync facade does)."""
+        if self._renewer is not None:
+            raise RuntimeError("a group can be entered once")
         self._since = get_dht_time()
-        async with AsyncExitStack() as stack:
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tg.cancel_scope.cancel)
-            await self._publish()
-            tg.start_soon(self._renew_loop)
-            self._stack = stack.pop_all()
+        await self._publish()
+        self._renewer = self.dht.node.spawn(self._renew_loop, name=f"renew {self.key}")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -141,10 +143,11 @@ class Group:
 
     async def aclose(self) -> None:
         """Stop renewing and store a tombstone (best effort). Idempotent."""
-        stack, self._stack = self._stack, None
-        if stack is None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is None or self._closed:
             return
-        await stack.aclose()
+        self._closed = True
+        renewer.cancel()
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.refresh_period * 5):
             try:
                 await self.dht.store(
@@ -197,10 +200,14 @@ class Group:
         whether the epoch changed. A view this member held before and left (a suspect taken
         back) is never adopted again: the others may still hold that epoch's exchanges, so this
         member publishes a new incarnation (:meth:`rejoin`) and the epoch is a new one."""
-        now = anyio.current_time()
-        if now - self._last_read < self.refresh_period:
-            return False
-        self._last_read = now
+        async with self._updating:
+            now = anyio.current_time()
+            if now - self._last_read < self.refresh_period:
+                return False
+            self._last_read = now
+            return await self._update()
+
+    async def _update(self) -> bool:
         for _ in range(2):
             members = await self._read()
             if members is None:
@@ -384,14 +391,16 @@ class Accumulator:
         )
         self._slots = [self._empty_slot() for _ in range(self.core.parallel_gradients)]
         self._results: dict[tuple[bytes, int], list[npt.NDArray[Any]]] = {}
-        #: version, skeleton, tensors (parameters, buffers, the user's): copies made by set_state
-        self._user_state: tuple[int, bytes, list[torch.Tensor]] | None = None
+        #: (version, lineage), skeleton, tensors (parameters, buffers, the user's): copies made
+        #: by set_state
+        self._user_state: tuple[tuple[int, bytes], bytes, list[torch.Tensor]] | None = None
         self._new_state: object = None
         self._has_new_state = False
         self._state_set = anyio.Event()
         self._changed = anyio.Event()  # wakes waiters and the driver
         self._wake = anyio.Event()
-        self._stack: AsyncExitStack | None = None
+        self._runner: BackgroundTask | None = None
+        self._ended = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._sharer: Any = None
         self._downloading = False
@@ -405,51 +414,84 @@ class Accumulator:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Start: serve ``acc.msg`` and the state, join the cohort, and drive the rounds (in a
+        background task of the node, so that entering and leaving may happen in different
+        tasks, as the sync facade does).
+
+        :raises ValueError: another accumulator of this name runs on the node.
+        :raises RuntimeError: entered twice.
+        """
         from swarmavg.aio.allreduce import AllReduceService
         from swarmavg.aio.state import StateSharer
 
-        async with AsyncExitStack() as stack:
-            registry = _registry(self.dht)
-            if registry.setdefault(self.name, self) is not self:
-                raise ValueError(f"another accumulator of {self.name!r} runs on this node")
-            stack.callback(registry.pop, self.name, None)
+        if self._runner is not None or self._closed:
+            raise RuntimeError("an accumulator can be entered once")
+        registry = _registry(self.dht)
+        if registry.setdefault(self.name, self) is not self:
+            raise ValueError(f"another accumulator of {self.name!r} runs on this node")
+        try:
             self.allreduce = AllReduceService.for_node(self.dht.node)
             self._sharer = StateSharer(
                 self.dht,
                 f"{self.name}.acc",
                 self._provide_state,
                 enabled=True,
-                priority=0.0,
+                priority=float(self.core.model_version),
                 declare_period=3600.0,
             )
             self._sharer.start()
-            stack.callback(self._sharer.stop)
             if self._owns_group:
-                await stack.enter_async_context(self.group)
-            self._tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(self._tg.cancel_scope.cancel)
-            self._tg.start_soon(self._drive)
-            self._stack = stack.pop_all()
+                await self.group.__aenter__()
+            started = anyio.Event()
+            self._runner = self.dht.node.spawn(self._run, started, name=f"accumulator {self.name}")
+            await started.wait()
+        except BaseException:
+            await self._stop()
+            raise
         return self
+
+    async def _run(self, started: anyio.Event) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._drive)
+                started.set()
+                await anyio.sleep_forever()
+        finally:
+            self._ended.set()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
         """Stop: tell the members, withdraw, end every task. Idempotent."""
-        stack, self._stack = self._stack, None
+        if self._closed:
+            return
         self._closed = True
         self._signal()
-        if stack is None:
-            return
         epoch = self.core.epoch
-        if epoch is not None:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                async with anyio.create_task_group() as tg:
-                    for peer in self.group.members:
-                        if peer != self.dht.peer_id:
-                            tg.start_soon(self._send_one, peer, AccLeave(epoch))
-        await stack.aclose()
+        with anyio.CancelScope(shield=True):
+            if epoch is not None:
+                with anyio.move_on_after(2.0):
+                    async with anyio.create_task_group() as tg:
+                        for peer in self.group.members:
+                            if peer != self.dht.peer_id:
+                                tg.start_soon(self._send_one, peer, AccLeave(epoch))
+            await self._stop()
+
+    async def _stop(self) -> None:
+        self._closed = True
+        if self._runner is not None:
+            self._runner.cancel()
+            with anyio.move_on_after(5.0):
+                await self._ended.wait()
+        if self._sharer is not None:
+            self._sharer.stop()
+        registry = _registry(self.dht)
+        if registry.get(self.name) is self:
+            del registry[self.name]
+        if self._owns_group:
+            await self.group.aclose()
 
     # -- predicates (moolib's) -----------------------------------------------------------------
 
@@ -638,7 +680,7 @@ class Accumulator:
             self._sharer.priority = float(self.core.model_version)
 
     def _store_state(self, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
-        self._user_state = (self.core.model_version, skeleton, tensors)
+        self._user_state = ((self.core.model_version, self.core.lineage), skeleton, tensors)
         self.core.state_set()
         self._state_set.set()
         self._state_set = anyio.Event()
@@ -712,7 +754,10 @@ class Accumulator:
 
     async def _drive(self) -> None:
         while True:
-            if await self.group.update() and self.group.epoch is not None:
+            await self.group.update()
+            # (compared, not the return value: another caller of the group's update() may have
+            # seen the change first, e.g. the sync facade's Group.update())
+            if self.group.epoch is not None and self.group.epoch != self.core.epoch:
                 names = [str(p) for p in self.group.members]
                 now = anyio.current_time()
                 self._state_request = None
@@ -874,14 +919,18 @@ class Accumulator:
     async def _provide_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What a donor serves: the state the user set at the current version (waiting up to
         ``state_timeout`` for :meth:`set_state`, which :meth:`wants_state` asks for)."""
-        while self._user_state is None or self._user_state[0] != self.core.model_version:
+        while self._user_state is None or self._user_state[0] != (
+            self.core.model_version,
+            self.core.lineage,
+        ):
             self.core.state_requested()
             self._signal()
             with anyio.fail_after(self.state_timeout):
                 await self._state_set.wait()
-        version, skeleton, tensors = self._user_state
+        (version, lineage), skeleton, tensors = self._user_state
         metadata = {
             "version": version,
+            "lineage": lineage,
             "skeleton": skeleton,
             "parameters": len(self.parameters),
             "buffers": len(self.buffers),
@@ -940,12 +989,15 @@ class Accumulator:
         if not isinstance(metadata, dict):
             raise StateDownloadFailed("the metadata is not a map")
         version, skeleton = metadata.get("version"), metadata.get("skeleton")
+        lineage = metadata.get("lineage")
         n_params, n_buffers = metadata.get("parameters"), metadata.get("buffers")
         if (
             isinstance(version, bool)
             or not isinstance(version, int)
             or not 0 <= version < 1 << 63
             or not isinstance(skeleton, bytes)
+            or not isinstance(lineage, bytes)
+            or len(lineage) > EPOCH_SIZE
             or n_params != len(self.parameters)
             or n_buffers != len(self.buffers)
             or len(tensors) < n_params + n_buffers
@@ -966,9 +1018,13 @@ class Accumulator:
             self._new_state = user
             self._has_new_state = True
             if self.core.epoch == epoch:
-                self._handle(self.core.state_loaded(version))
-            else:  # (the model is that version's; the new epoch's election was under way)
-                self.core.set_model_version(version)
+                self._handle(self.core.state_loaded(version, lineage))
+            else:
+                # the model is now that one, but the new epoch elected with what we held
+                # before: a new incarnation makes an epoch whose election knows it
+                self.core.model_replaced(version, lineage)
+                assert self._tg is not None
+                self._tg.start_soon(self.group.rejoin)
             self._sharer.priority = float(version)
             logger.info("cohort %s: loaded the state of version %d", self.name, version)
 
