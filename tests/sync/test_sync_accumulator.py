@@ -1,0 +1,170 @@
+"""``swarmavg.Accumulator`` (the sync facade): moolib's reference loop among three peers in
+threads of one process, over TCP on loopback; misuse raises."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from swarmavg import DHT
+from swarmavg.accumulator import Accumulator, Group
+
+pytestmark = pytest.mark.timeout(120)
+
+ROUNDS = 40
+W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+
+def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(32, 4, generator=generator)
+    return x, x @ W_TRUE + 0.01 * torch.randn(32, 1, generator=generator)
+
+
+def loss_of(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return (
+            sum(float(torch.nn.functional.mse_loss(model(x), y)) for x, y in map(data, range(3)))
+            / 3
+        )
+
+
+def train(i: int, address: str, out: dict[int, dict[str, Any]], ready: threading.Barrier) -> None:
+    torch.manual_seed(i)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    X, y = data(i)
+    batch_size = len(X)
+    # -- the reference's construction lines, with swarmavg's names --
+    dht = DHT()
+    group = Group("foo_group", dht)
+    accumulator = Accumulator("bar", model.parameters(), model.buffers(), group=group)
+    accumulator.connect(address)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    # (the test's: every peer is in the cohort before anyone trains)
+    deadline = time.monotonic() + 60
+    while len(group.members()) < 3 and time.monotonic() < deadline:
+        group.update()
+        time.sleep(0.05)
+    ready.wait()
+    initial = loss_of(model)
+    # -- the reference's loop (bounded: ROUNDS results, or the deadline) --
+    while accumulator.model_version() < ROUNDS and time.monotonic() < deadline:
+        # Update the status of the objects across the network
+        group.update()
+        accumulator.update()
+
+        # 0. Check we are connected.
+        if not accumulator.connected():
+            time.sleep(0.25)
+            continue
+
+        # 1. Synchronize our state.
+        if accumulator.wants_state():
+            accumulator.set_state({"optimizer": opt.state_dict()})
+        if accumulator.has_new_state():
+            opt.load_state_dict(accumulator.state()["optimizer"])  # type: ignore[index]
+
+        # 2. Generate our gradients then reduce them.
+        if accumulator.wants_gradients():
+            y_pred = model(X)
+            loss = torch.nn.functional.mse_loss(y_pred, y)
+            loss.backward()
+            accumulator.reduce_gradients(batch_size)  # has_gradients() -> True after this
+
+        # 3. Step our gradients then reset.
+        if accumulator.has_gradients():
+            opt.step()
+            accumulator.zero_gradients()  # has_gradients() -> False after this
+    out[i] = {
+        "version": accumulator.model_version(),
+        "stats": accumulator.get_gradient_stats(),
+        "params": [p.detach().clone() for p in model.parameters()],
+        "initial": initial,
+        "final": loss_of(model),
+        "leader": accumulator.get_leader(),
+        "me": str(dht.peer_id),
+    }
+    ready.wait()  # (nobody leaves while the others train)
+    accumulator.shutdown()
+    group.shutdown()
+    dht.shutdown()
+
+
+def test_the_reference_loop_trains_among_three_peers_in_threads() -> None:
+    with DHT() as broker:  # (moolib's broker: any peer's address would do)
+        address = broker.get_visible_maddrs()[0]
+        out: dict[int, dict[str, Any]] = {}
+        ready = threading.Barrier(3, timeout=90)
+        threads = [threading.Thread(target=train, args=(i, address, out, ready)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=110)
+    assert sorted(out) == [0, 1, 2]
+    assert all(o["version"] == ROUNDS for o in out.values())
+    assert len({o["leader"] for o in out.values()}) == 1
+    assert all(
+        o["stats"] == {"num_gradients": 3, "num_skipped": 0, "batch_size": 96} for o in out.values()
+    )
+    for o in out.values():  # the same model everywhere, bit for bit
+        for mine, first in zip(o["params"], out[0]["params"], strict=True):
+            assert torch.equal(mine, first)
+    # (every peer started from the leader's model: the greatest name, as all started alone)
+    (initial,) = [o["initial"] for o in out.values() if o["me"] == out[0]["leader"]]
+    assert out[0]["final"] < 0.5 * initial  # it trains
+
+
+def test_misuse_raises_a_clear_exception() -> None:
+    model = torch.nn.Linear(2, 1)
+    with DHT() as dht:
+        with pytest.raises(TypeError, match=r"parameters\[1\]"):
+            Accumulator("m", [model.weight, "bias"], dht=dht)  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"dht must be a swarmavg\.DHT"):
+            Accumulator("m", model.parameters(), dht=object())  # type: ignore[arg-type]
+        with Accumulator("m", model.parameters(), dht=dht) as acc:
+            with pytest.raises(ValueError, match="PeerID"):
+                acc.connect("/ip4/127.0.0.1/tcp/1")
+            with pytest.raises(ValueError, match="n must be an int >= 1"):
+                acc.set_parallel_gradients(0)
+            with pytest.raises(TypeError, match="version must be an int"):
+                acc.set_model_version(1.5)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"state\['opt'\]\[0\]"):
+                acc.set_state({"opt": [object()]})
+            acc.set_state({"opt": [np.zeros(2), torch.ones(1)]})  # (fine)
+            deadline = time.monotonic() + 30
+            while not acc.connected() and time.monotonic() < deadline:
+                acc.update()
+                time.sleep(0.02)
+            assert acc.connected()
+            assert acc.is_leader()  # (alone: it leads)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            acc.reduce_gradients(1)
+            assert not acc.wants_gradients()
+            assert model.weight.grad is not None
+            assert not model.weight.grad.any()  # (read and zeroed)
+            model.weight.grad += 5
+            with pytest.raises(RuntimeError, match="wants_gradients"):
+                acc.reduce_gradients(1)
+            assert (model.weight.grad == 5).all()  # (refused: left as it was)
+            while not acc.has_gradients() and time.monotonic() < deadline:
+                acc.update()
+                time.sleep(0.02)
+            assert (model.weight.grad == 1).all()  # the mean of the one contribution
+            assert acc.get_gradient_stats() == {
+                "num_gradients": 1,
+                "num_skipped": 0,
+                "batch_size": 1,
+            }
+            assert acc.model_version() == 0
+            acc.zero_gradients()
+            assert acc.model_version() == 1
+            with pytest.raises(ValueError, match="batch_size"):
+                acc.reduce_gradients(0)
+        with pytest.raises(RuntimeError, match="shut down"):
+            acc.update()
