@@ -285,6 +285,35 @@ def test_several_donors_hold_the_leaders_version() -> None:
         assert cohort.members[name].core.connected()  # same version, and a model
 
 
+def test_members_that_started_alone_hold_other_models_and_download_the_leaders() -> None:
+    """Each member led an epoch alone (its own model, version 0): in the epoch of all, the
+    leader's version is theirs, but not its lineage, so they download its state."""
+    cohort = Cohort(["a", "b", "c"])
+    for name in "abc":
+        cohort.epoch([name], who=[name])
+        assert cohort.members[name].core.is_leader()
+        assert cohort.members[name].core.lineage  # (its own model)
+    lineages = {n: cohort.members[n].core.lineage for n in "abc"}
+    assert len(set(lineages.values())) == 3
+    cohort.epoch(["a", "b", "c"])
+    cohort.deliver()
+    for name in "ab":
+        core = cohort.members[name].core
+        assert core.leader == "c"
+        assert not core.connected()
+        assert cohort.members[name].state_requests == [RequestState(("c",), 0)]
+        cohort.handle(name, core.state_loaded(0, lineages["c"]))
+        assert core.connected()
+        assert core.lineage == lineages["c"]
+    # the next epoch (the same members, new incarnations): nobody downloads again
+    cohort.epoch(["a", "b", "c"], epoch=epoch_digest(["a", "b", "c"], ["1", "1", "1"]))
+    cohort.deliver()
+    for name in "abc":
+        member = cohort.members[name]
+        assert member.core.connected()
+        assert len(member.state_requests) == (0 if name == "c" else 1)
+
+
 def test_a_joiner_blocks_rounds_until_it_has_the_state() -> None:
     cohort = connected_cohort(["a", "b"])
     cohort.members["c"] = Member(AccumulatorCore("c", cohort="c"), [0.0] * 4)
