@@ -403,6 +403,9 @@ class Accumulator:
         self._ended = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._sharer: Any = None
+        #: state requests waiting for set_state (StateSharer's provider calls)
+        self._providers = 0
+        self._state_wanted = False  # (until the next set_state)
         self._downloading = False
         self._state_request: RequestState | None = None
         self._closed = False
@@ -501,7 +504,11 @@ class Accumulator:
 
     def wants_state(self) -> bool:
         """A joiner waits for a state from this member: answer with :meth:`set_state`."""
-        return self.core.wants_state()
+        return self._wants_state()
+
+    def _wants_state(self) -> bool:
+        # (a request waits for set_state: it outlives an epoch change, which resets the core's)
+        return self.core.connected() and (self.core.wants_state() or self._state_wanted)
 
     def has_new_state(self) -> bool:
         """A state was loaded since :meth:`state` was last called."""
@@ -587,7 +594,7 @@ class Accumulator:
 
         :raises RuntimeError: the accumulator is closed.
         """
-        while not self.core.wants_state():
+        while not self._wants_state():
             await self._wait_change()
 
     async def reduce_gradients(self, batch_size: int, *, wait: bool = True) -> None:
@@ -682,6 +689,7 @@ class Accumulator:
     def _store_state(self, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
         self._user_state = ((self.core.model_version, self.core.lineage), skeleton, tensors)
         self.core.state_set()
+        self._state_wanted = False
         self._state_set.set()
         self._state_set = anyio.Event()
 
@@ -701,7 +709,7 @@ class Accumulator:
         unwritten = self._outbox is not None and any(w.kind == "result" for w in self._outbox)
         return {
             "connected": self.core.connected(),
-            "wants_state": self.core.wants_state(),
+            "wants_state": self._wants_state(),
             "wants_gradients": self.core.wants_gradients() and not unwritten,
             "has_gradients": self.core.has_gradients() and not unwritten,
             "model_version": self.core.model_version,
@@ -924,9 +932,16 @@ class Accumulator:
             self.core.lineage,
         ):
             self.core.state_requested()
+            self._providers += 1
+            self._state_wanted = True
             self._signal()
-            with anyio.fail_after(self.state_timeout):
-                await self._state_set.wait()
+            try:
+                with anyio.fail_after(self.state_timeout):
+                    await self._state_set.wait()
+            finally:
+                self._providers -= 1
+                if not self._providers:
+                    self._state_wanted = False
         (version, lineage), skeleton, tensors = self._user_state
         metadata = {
             "version": version,

@@ -168,3 +168,81 @@ def test_misuse_raises_a_clear_exception() -> None:
                 acc.reduce_gradients(0)
         with pytest.raises(RuntimeError, match="shut down"):
             acc.update()
+
+
+def train_async(address: str, out: dict[int, dict[str, Any]], ready: threading.Barrier) -> None:
+    """The third peer, in async code on an event loop of its own: the same cohort."""
+    import anyio
+
+    from swarmavg.aio import DHT as AsyncDHT
+    from swarmavg.aio.accumulator import Accumulator as AsyncAccumulator
+    from swarmavg.aio.accumulator import Group as AsyncGroup
+
+    async def main() -> None:
+        torch.manual_seed(2)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+        X, y = data(2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        async with (
+            AsyncDHT([address]) as dht,
+            AsyncGroup("foo_group", dht) as group,
+            AsyncAccumulator("bar", model.parameters(), model.buffers(), group, dht=dht) as acc,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def serve_states() -> None:
+                while True:
+                    await acc.wait_state_request()
+                    acc.set_state({"optimizer": opt.state_dict()})
+
+            tg.start_soon(serve_states)
+            with anyio.fail_after(60):
+                while len(group.members) < 3:  # noqa: ASYNC110 (the test's wait, as the others')
+                    await anyio.sleep(0.05)
+            ready.wait()  # (blocks this loop a moment: every peer only waits here)
+            initial = loss_of(model)
+            with anyio.fail_after(60):
+                while acc.model_version() < ROUNDS:
+                    await acc.wait_state()
+                    if acc.has_new_state():
+                        opt.load_state_dict(acc.state()["optimizer"])  # type: ignore[index]
+                    if acc.wants_gradients():
+                        torch.nn.functional.mse_loss(model(X), y).backward()
+                        await acc.reduce_gradients(len(X))
+                    else:
+                        await acc.wait_gradients()
+                    if acc.has_gradients():
+                        opt.step()
+                        acc.zero_gradients()
+            out[2] = {
+                "version": acc.model_version(),
+                "stats": acc.get_gradient_stats(),
+                "params": [p.detach().clone() for p in model.parameters()],
+                "initial": initial,
+                "final": loss_of(model),
+                "leader": acc.get_leader(),
+                "me": str(dht.peer_id),
+            }
+            ready.wait()  # (blocks this loop a moment: every peer only waits here)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
+def test_async_and_sync_peers_share_a_cohort() -> None:
+    with DHT() as broker:
+        address = broker.get_visible_maddrs()[0]
+        out: dict[int, dict[str, Any]] = {}
+        ready = threading.Barrier(3, timeout=90)
+        threads = [threading.Thread(target=train, args=(i, address, out, ready)) for i in range(2)]
+        threads.append(threading.Thread(target=train_async, args=(address, out, ready)))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=110)
+    assert sorted(out) == [0, 1, 2]
+    assert all(o["version"] == ROUNDS for o in out.values())
+    for o in out.values():
+        assert o["stats"] == {"num_gradients": 3, "num_skipped": 0, "batch_size": 96}
+        for mine, first in zip(o["params"], out[0]["params"], strict=True):
+            assert torch.equal(mine, first)
