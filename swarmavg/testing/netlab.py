@@ -271,7 +271,8 @@ class NetLabHost:
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in this host (``subprocess.Popen`` arguments in ``kwargs``; it runs in
-        its own session). The lab kills it, if it still runs, when the lab closes."""
+        its own session). The lab kills it, if it still runs, and closes its pipes when the
+        lab closes."""
         self.lab._check_open()
         kwargs.setdefault("start_new_session", True)
         process: subprocess.Popen[Any] = subprocess.Popen(  # noqa: S603 (the caller's command)
@@ -467,6 +468,10 @@ class NetLab:
         atexit.unregister(self.close)
         for process in self._processes:
             _kill(process)
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         if self._emulator is not None:
             with contextlib.suppress(OSError):
                 assert self._emulator.stdin is not None
