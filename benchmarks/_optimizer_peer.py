@@ -39,6 +39,13 @@ with batch ``peers x batch_size``):
   every 0.1 s to ``--tracker-refresh`` (1 s; with the tracker's defaults, 0.5-10 s, a peer
   that waited idle for the others read last before they were made, and took its first rounds
   alone). ``--start-delay`` (seconds after the go) lets this peer start later than the go.
+- ``--step-compute-ms`` (all three): a sleep per step, standing for a bigger model's forward
+  and backward (averaging rounds run meanwhile); ``--wait-for-round`` (dsgd/dadam): after a
+  step that asked for a round, ``wait_for_round()`` until its result is written.
+- ``--identity-seed`` (every swarmavg system): the PeerID derives from it and ``--peer``, so
+  that the members of a group are in the same order (the same all-reduce plan) in every run;
+  ``--ordered-reduction``: a diagnostic that makes the reducers of this process sum in member
+  order (see :func:`_order_reductions`).
 
 The workload module is loaded by file path (it imports torch and numpy only), so this script
 needs nothing of swarmavg under hivemind's Python. Each peer draws its own stream of batches
@@ -61,8 +68,10 @@ Protocol: JSON lines on stdout (logs go to stderr), one object per line:
   ``--deadline`` seconds passed: ``timed_out``). ``val_loss``: with ``--final-eval``. The swarm
   systems of swarmavg add what this peer's averagers did until then: ``bytes_sent``,
   ``bytes_received`` (all-reduce payloads of completed rounds), ``rounds`` (all-reduce rounds
-  completed), ``rounds_failed`` (averaging steps that failed), ``state_bytes`` (state
-  downloaded and served).
+  completed), ``rounds_failed`` (averaging steps that failed), ``rounds_incomplete``,
+  ``state_bytes`` (state downloaded and served), ``group_sizes`` (rounds begun, by group
+  size); DiLoCo adds ``diloco_rounds`` (averaged, alone, failed, diverged), ``--wait-for-round``
+  ``waited`` (the outcomes waited for: succeeded, failed, none).
 - Then, with ``--wait-go``, the peer keeps its DHT and optimizer up (so that peers still
   finishing can average with it or load its state) until a line ``stop`` or EOF on stdin (at
   most ``--linger`` seconds), shuts down and prints ``{"event": "exit", "shutdown_s"}``. With
@@ -76,6 +85,7 @@ Protocol: JSON lines on stdout (logs go to stderr), one object per line:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import logging
@@ -160,6 +170,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco (Nesterov)")
     p.add_argument("--start-delay", type=float, default=0.0, help="s after the go (--wait-go)")
     p.add_argument("--tracker-refresh", type=float, default=1.0, help="diloco: max_refresh_period")
+    p.add_argument(
+        "--identity-seed",
+        type=int,
+        default=-1,
+        help="swarmavg peers: a PeerID derived from this seed and --peer (-1: a random one)",
+    )
+    p.add_argument(
+        "--step-compute-ms",
+        type=float,
+        default=0.0,
+        help="per-step systems: sleep this long per step (a bigger model's compute)",
+    )
+    p.add_argument(
+        "--ordered-reduction",
+        action="store_true",
+        help="diagnostic: reducers sum the members' values in member order, not as they "
+        "arrive (float32 sums then do not depend on timing)",
+    )
+    p.add_argument(
+        "--wait-for-round",
+        action="store_true",
+        help="dsgd/dadam: after a step that asked for a round, wait until it is written",
+    )
     args = p.parse_args(argv)
     if args.steps_per_epoch <= 0:
         per_epoch = args.target_batch_size // (args.batch_size * max(1, args.num_peers))
@@ -211,25 +244,88 @@ class _Local:
         pass
 
 
-def _averager_traffic(metrics: Any) -> dict[str, int]:
-    """What one ``swarmavg`` averager did (an ``AveragerMetrics`` snapshot)."""
+def _averager_traffic(metrics: Any) -> dict[str, Any]:
+    """What one ``swarmavg`` averager did (an ``AveragerMetrics`` snapshot); ``group_sizes``:
+    the rounds that began, by the size of their group (``{"4": 40}``)."""
+    cumulative = dict(metrics.group_size_histogram)
+    group_sizes: dict[str, int] = {}
+    below = 0
+    for bound in sorted(cumulative):
+        if cumulative[bound] > below:
+            group_sizes[str(bound)] = cumulative[bound] - below
+        below = cumulative[bound]
     return {
         "bytes_sent": int(metrics.bytes_sent),
         "bytes_received": int(metrics.bytes_received),
         "rounds": int(metrics.rounds_completed),
         "rounds_failed": int(metrics.steps_failed),
+        "rounds_incomplete": int(metrics.rounds_incomplete),
         "state_bytes": int(metrics.state_bytes_served + metrics.state_bytes_downloaded),
+        "group_sizes": group_sizes,
     }
+
+
+def _order_reductions() -> None:
+    """Diagnostic (``--ordered-reduction``): make every ``PartReducer`` of this process hold
+    the values it receives until all its senders delivered, then sum them in member order.
+    The library sums in arrival order: float32 addition is not associative, so the last bit
+    of a mean depends on which member's part arrived first (timing), and a training run
+    amplifies that. This costs a copy of every part received; it is not for production."""
+    import numpy as np
+
+    from swarmavg.proto import allreduce
+
+    reducer = allreduce.PartReducer
+    original = reducer.add
+    original_nothing = reducer.add_nothing
+
+    def flush(self: Any) -> bool:
+        pending = self.__dict__.get("_bench_pending")
+        clipped = False
+        if pending and self.done:
+            self.received.difference_update(pending)
+            for member in sorted(pending):
+                clipped |= original(self, member, *pending[member])
+            pending.clear()
+        return clipped
+
+    def add_nothing(self: Any, sender: int) -> None:
+        original_nothing(self, sender)
+        flush(self)
+
+    def add(
+        self: Any, sender: int, values: Any, weight: float, max_norm: float | None = None
+    ) -> bool:
+        pending: dict[int, tuple[Any, float, float | None]] = self.__dict__.setdefault(
+            "_bench_pending", {}
+        )
+        if sender not in self.expected or sender in self.received or sender in pending:
+            return original(self, sender, values, weight, max_norm)  # (raises as it would)
+        pending[sender] = (np.array(values, copy=True), weight, max_norm)
+        self.received.add(sender)
+        return flush(self)
+
+    reducer.add = add  # type: ignore[method-assign]
+    reducer.add_nothing = add_nothing  # type: ignore[method-assign]
 
 
 def _swarmavg_dht(args: argparse.Namespace) -> Any:
     import swarmavg
 
+    if args.ordered_reduction:
+        _order_reductions()
+    identity = None
+    if args.identity_seed >= 0:  # (the same PeerIDs, so the same order of members, every run)
+        from swarmavg.identity import Identity
+
+        seed = hashlib.sha256(f"bench-identity:{args.identity_seed}:{args.peer}".encode())
+        identity = Identity.from_private_bytes(seed.digest())
     return swarmavg.DHT(
         initial_peers=args.initial_peers,
         host="127.0.0.1",
         port=0,
         startup_timeout=args.startup_timeout,
+        identity=identity,
     )
 
 
@@ -246,6 +342,12 @@ class _PerStep:
         self.system = args.system
         self.steps = 0
         self.steps_per_epoch = args.steps_per_epoch
+        self.step_compute_s = max(0.0, args.step_compute_ms) / 1000
+        self.wait_for_round = args.wait_for_round and args.system != "diloco"
+        self.period = args.averaging_steps_period
+        self.round_timeout = args.averaging_timeout
+        #: what the rounds waited for with --wait-for-round did: succeeded, failed, none
+        self.waited = {"succeeded": 0, "failed": 0, "none": 0}
         warmup = warmup_lambda(args.warmup_epochs)
         self.dht = _swarmavg_dht(args)
         self.scheduler: Any = None
@@ -306,6 +408,8 @@ class _PerStep:
         loss.backward()
 
     def step(self, batch: int) -> None:
+        if self.step_compute_s:  # (stands for the forward/backward of a bigger model)
+            time.sleep(self.step_compute_s)
         if self.system == "diloco":
             self.inner.step()  # (DiLoCo's hook: every sync_every-th step runs a round)
             self.inner.zero_grad()
@@ -313,13 +417,31 @@ class _PerStep:
             self.opt.step()
             self.opt.zero_grad()
             self.scheduler.step()
+            if self.wait_for_round and (self.steps + 1) % self.period == 0:
+                # (this step asked for a round: its result is in the parameters before the
+                # next step, as in synchronous training)
+                try:
+                    outcome = self.opt.wait_for_round(timeout=self.round_timeout + 10)
+                except TimeoutError:
+                    outcome = None
+                key = "none" if outcome is None else "succeeded" if outcome.succeeded else "failed"
+                self.waited[key] += 1
         self.steps += 1
 
     def maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
     def traffic(self) -> dict[str, Any]:
-        return _averager_traffic(self.opt.averager.metrics)
+        traffic: dict[str, Any] = _averager_traffic(self.opt.averager.metrics)
+        if self.system == "diloco":  # (its rounds: averaged, alone, failed, diverged)
+            schedule = self.opt.schedule
+            traffic["diloco_rounds"] = {
+                what: int(getattr(schedule, f"rounds_{what}"))
+                for what in ("averaged", "alone", "failed", "diverged")
+            }
+        if self.wait_for_round:
+            traffic["waited"] = dict(self.waited)
+        return traffic
 
     def shutdown(self) -> None:
         try:
@@ -392,7 +514,12 @@ class _Swarm:
         totals: dict[str, Any] = {}
         for part in parts:
             for key, value in _averager_traffic(part).items():
-                totals[key] = totals.get(key, 0) + value
+                if isinstance(value, dict):  # (group sizes: counts per size)
+                    merged = totals.setdefault(key, {})
+                    for size, count in value.items():
+                        merged[size] = merged.get(size, 0) + count
+                else:
+                    totals[key] = totals.get(key, 0) + value
         return totals
 
     def shutdown(self) -> None:
