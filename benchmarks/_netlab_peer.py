@@ -13,8 +13,8 @@ Arguments: ``--host`` (the lab host's address), ``--transports`` (``tcp``, plain
 Requests (``{"op": ...}``):
 
 - ``averager`` (``transport``, ``prefix``, ``size``, ``value``, ``group_size``,
-  ``min_group_size``, ``options``): the averager, on that transport's DHT (a previous one is shut down first) over ``full(size, value)``;
-  answers ``{"event": "ready"}``.
+  ``min_group_size``, ``options``): the averager, on that transport's DHT (a previous one is
+  shut down first) over ``full(size, value)``; answers ``{"event": "ready"}``.
 - ``step`` (``timeout``, ``out``: a ``.npy`` path or ``null``): ``step(wait=False)``; answers
   ``{"event": "allreduce", "t"}`` once its stage is ``RUNNING_ALLREDUCE`` (or it is over),
   then ``{"event": "result", "t", ...}`` with what the ``StepResult`` says (or ``error``), the

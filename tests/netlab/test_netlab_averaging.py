@@ -40,7 +40,8 @@ def _benchmark() -> ModuleType:
     if name not in sys.modules:
         path = Path(__file__).parents[2] / "benchmarks" / "network_faults.py"
         spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
+        assert spec is not None
+        assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
