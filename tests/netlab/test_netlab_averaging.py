@@ -1,66 +1,87 @@
-"""One averaging round of ``swarmavg.DecentralizedAverager`` among 3 processes, each in its own
-host of the network lab, over TCP on the ``wan`` profile (100 Mbit/s, 40 ms, 0.1% loss): the
-result is the exact mean on every peer."""
+"""Averaging rounds over the network lab, exact on every profile and both transports: 3 peer
+processes (``benchmarks/_netlab_peer.py``: the sync ``swarmavg.DHT``, one over TCP and one over
+QUIC, and ``swarmavg.DecentralizedAverager`` with the library's default timeouts), one in each
+host of one lab, average one float32 tensor (peer ``i``'s all ``10**i``) in one group; every
+peer must end in one complete group of 3 holding the exact float32 mean. The lab is built once
+(one-packet frames: losses independent, as the lossy profiles need) and each case sets the
+hosts' profiles live; sizes keep a round to about a second of transfer on each."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import importlib.util
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 from swarmavg.testing import netlab
-from swarmavg.testing.netlab import NetLab
+from swarmavg.testing.netlab import LAN, LinkProfile, NetLab
 
 _reason = netlab.unavailable_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
-PEER = Path(__file__).with_name("_lab_peer.py")
-ROOT = Path(__file__).parents[2]
+#: 1 Gbit/s beside 50 Mbit/s (the same short round trip): the slow hosts bound the round
+SLOW = LinkProfile(rate_bps=50e6, rtt_s=0.0005)
+SWARMS: dict[str, Sequence[LinkProfile | str]] = {
+    "lan": ["lan"] * 3,
+    "wan": ["wan"] * 3,
+    "bad": ["bad"] * 3,
+    "mixed": [LAN, SLOW, SLOW],
+}
+SIZE = {"lan": 1 << 20, "wan": 1 << 19, "bad": 1 << 16, "mixed": 1 << 19}
 
 
-def _read_json(process: subprocess.Popen[str]) -> dict[str, Any]:
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line, f"the peer exited ({process.wait(timeout=10)})"
-    answer: dict[str, Any] = json.loads(line)
-    return answer
+def _benchmark() -> ModuleType:
+    """``benchmarks/network_faults.py`` (not a package), imported once."""
+    name = "_benchmark_network_faults"
+    if name not in sys.modules:
+        path = Path(__file__).parents[2] / "benchmarks" / "network_faults.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-@pytest.mark.timeout(90)
-def test_one_round_among_three_hosts_on_wan_is_exact() -> None:
-    values = [1.0, 2.0, 3.0]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    with NetLab(3, profile="wan") as lab:
-        peers: list[subprocess.Popen[str]] = []
-        initial: list[str] = []
-        for host, value in zip(lab.hosts, values, strict=True):
-            argv = [sys.executable, str(PEER), "--host", host.address, "--value", str(value)]
-            argv += ["--mean", "2", "--size", str(1 << 20), "--group", "3"]
-            argv += ["--peers", json.dumps(initial)]
-            process = host.popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-            )
-            peers.append(process)
-            initial = initial or _read_json(process)["maddrs"]
-            if len(peers) > 1:
-                _read_json(process)
-        for process in peers:
-            assert process.stdin is not None
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        results = [_read_json(process) for process in peers]
-        stats = lab.stats()
-    for result in results:
-        assert result["group"] == 3
-        assert result["contributors"] == 3
-        assert result["incomplete"] is False
-        assert result["max_error"] == 0.0
-    assert sum(host["tx_bytes"] for host in stats) > 2 * (4 << 20)  # the data went through the lab
+@pytest.fixture(scope="module")
+def lab_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+    faults = _benchmark()
+    logs = tmp_path_factory.mktemp("netlab-averaging")
+    with NetLab(3, profile="wan", offload=False) as lab:
+        swarm = faults.LabSwarm(lab, ["tcp", "quic"], logs)
+        try:
+            yield swarm, logs
+        finally:
+            swarm.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "quic"])
+@pytest.mark.parametrize("swarm", list(SWARMS))
+def test_a_round_is_exact_on_every_profile(
+    swarm: str,
+    transport: str,
+    lab_swarm: tuple[Any, Path],
+    tmp_path: Path,
+) -> None:
+    faults = _benchmark()
+    peers, _ = lab_swarm
+    lab: NetLab = peers.lab
+    for i, profile in enumerate(SWARMS[swarm]):
+        lab.set_profile(i, profile)
+    before = sum(host["rx_bytes"] for host in lab.stats())
+    results, problems = faults.clean_round(
+        peers, SIZE[swarm], {}, tmp_path, transport=transport, timeout=40.0
+    )
+    stats = lab.stats()
+    assert problems == []
+    for result in results.values():
+        assert len(result["group"]) == len(result["contributors"]) == 3
+        assert not result["incomplete"]
+    # the tensors went through the lab: each peer sent at least 2/3 of its tensor
+    assert sum(host["rx_bytes"] for host in stats) - before > 3 * 2 / 3 * 4 * SIZE[swarm]
