@@ -273,10 +273,10 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
 
     The DHT starts when ``fit`` begins (``setup``); at the first training batch the optimizer
     of ``configure_optimizers`` is wrapped in a :class:`swarmavg.Optimizer` and its LR
-    scheduler is stepped by swarm epoch. ``self.log(..., sync_dist=True)``, ``barrier``,
-    ``broadcast`` and ``all_gather`` stay local (a swarm has no fixed world); every peer is
-    rank 0 and writes its own checkpoints and logs. The strategy logs ``swarm/local_epoch`` and
-    ``swarm/num_peers`` at each optimizer step.
+    scheduler is stepped by swarm epoch. ``self.log(..., sync_dist=True)`` (unless
+    ``sync_metrics``), ``barrier``, ``broadcast`` and ``all_gather`` stay local (a swarm has no
+    fixed world); every peer is rank 0 and writes its own checkpoints and logs. The strategy
+    logs ``swarm/local_epoch`` and ``swarm/num_peers`` at each optimizer step.
 
     :param target_batch_size: samples per epoch (one optimizer step of the swarm), over all
         peers.
