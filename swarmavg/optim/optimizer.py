@@ -1182,14 +1182,24 @@ class Optimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (the epoch too)."""
+        """Load what :meth:`state_dict` returned (the epoch too: the progress tracker and the
+        state this peer shares move to it, so a peer resumed from a checkpoint is not out of
+        sync with its own, stale, record; one behind the swarm still downloads the state)."""
         assert self.state_averager is not None
+        assert self.tracker is not None
         state_dict = dict(state_dict)
         state = dict(state_dict.get("state", {}))
-        if "local_epoch" in state:
-            self.state_averager.local_epoch = int(state.pop("local_epoch"))
+        epoch = state.pop("local_epoch", None)
         state_dict["state"] = state
         self.opt.load_state_dict(state_dict)
+        if epoch is not None:
+            self.state_averager.local_epoch = int(epoch)
+            with self.tracker.pause_updates():
+                self.tracker.update_epoch(self.local_epoch)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+                if self.grad_averager is not None:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def __repr__(self) -> str:
         epoch = self.local_epoch if self.state_averager is not None else None
