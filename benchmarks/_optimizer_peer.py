@@ -7,7 +7,10 @@
 
 ``--system swarmavg`` runs under the project's Python (``swarmavg.DHT`` + ``swarmavg.Optimizer``),
 ``--system hivemind`` under a Python with hivemind 1.1.12 (``hivemind.DHT`` +
-``hivemind.Optimizer``), ``--system local`` under either (plain torch, no DHT). Both swarm systems
+``hivemind.Optimizer``), ``--system local`` under either (plain torch, no DHT), ``--system
+lightning`` under the project's Python with Lightning (``Trainer.fit`` with
+``swarmavg.integrations.lightning.SwarmStrategy``, the swarmavg system's arguments, the same
+events: see :func:`_train_lightning`). Both swarm systems
 get the same keyword arguments: ``dht``, ``run_id``, ``target_batch_size``,
 ``batch_size_per_step``, ``optimizer`` (a factory: Adam at ``--lr``), ``params``, ``scheduler``
 (a factory: ``LambdaLR`` with a linear warmup over ``--warmup-epochs`` epochs, then constant),
@@ -206,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 COLLABORATIVE = ("swarmavg", "hivemind")
 #: the optimizers whose peers step on every batch
 PER_STEP = ("dsgd", "dadam", "diloco")
-SYSTEMS = (*COLLABORATIVE, *PER_STEP, "local")
+SYSTEMS = (*COLLABORATIVE, *PER_STEP, "local", "lightning")
 
 
 class _Local:
@@ -507,26 +510,31 @@ class _Swarm:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
     def traffic(self) -> dict[str, Any]:
-        metrics = getattr(self.opt, "metrics", None)  # (hivemind's optimizer has none)
-        if metrics is None:
-            return {}
-        parts = [m for m in (metrics.gradients, metrics.state) if m is not None]
-        totals: dict[str, Any] = {}
-        for part in parts:
-            for key, value in _averager_traffic(part).items():
-                if isinstance(value, dict):  # (group sizes: counts per size)
-                    merged = totals.setdefault(key, {})
-                    for size, count in value.items():
-                        merged[size] = merged.get(size, 0) + count
-                else:
-                    totals[key] = totals.get(key, 0) + value
-        return totals
+        return _optimizer_traffic(self.opt)
 
     def shutdown(self) -> None:
         try:
             self.opt.shutdown()
         finally:
             self.dht.shutdown()
+
+
+def _optimizer_traffic(opt: Any) -> dict[str, Any]:
+    """What both averagers of a ``swarmavg.Optimizer`` did ({} for hivemind's: no metrics)."""
+    metrics = getattr(opt, "metrics", None)
+    if metrics is None:
+        return {}
+    parts = [m for m in (metrics.gradients, metrics.state) if m is not None]
+    totals: dict[str, Any] = {}
+    for part in parts:
+        for key, value in _averager_traffic(part).items():
+            if isinstance(value, dict):  # (group sizes: counts per size)
+                merged = totals.setdefault(key, {})
+                for size, count in value.items():
+                    merged[size] = merged.get(size, 0) + count
+            else:
+                totals[key] = totals.get(key, 0) + value
+    return totals
 
 
 class SystemUnavailable(RuntimeError):
@@ -573,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = load_workload()
     corpus = workload.load_corpus(root=args.stdlib)
     model = workload.make_model(args.model_seed)
+    if args.system == "lightning":
+        return _train_lightning(args, workload, corpus, model, began)
     try:
         system: Any
         if args.system in COLLABORATIVE:
@@ -687,6 +697,205 @@ def _train(
             elif line is None:
                 break
     return 0 if not timed_out else 2
+
+
+# -- Lightning ------------------------------------------------------------------------------------
+
+
+def _train_lightning(
+    args: argparse.Namespace,
+    workload: ModuleType,
+    corpus: Any,
+    model: torch.nn.Module,
+    began: float,
+) -> int:
+    """``--system lightning``: ``lightning.pytorch.Trainer.fit`` with ``SwarmStrategy`` (the
+    ``swarmavg`` system's arguments: Adam at ``--lr`` and the warmup ``LambdaLR`` from
+    ``configure_optimizers``, ``target_batch_size``, ``batch_size``, ``matchmaking_time``,
+    ``averaging_timeout``, the ``delay_*`` flags given, a ``swarmavg.DHT`` on 127.0.0.1), the same
+    protocol: ``ready`` once the optimizer is wrapped (at the first ``training_step``, before its
+    forward pass), the clock starts at the go, the same events from the batch hooks."""
+    try:
+        import lightning.pytorch as pl
+
+        import swarmavg
+        from swarmavg.integrations.lightning import SwarmStrategy
+    except ImportError as exc:
+        emit(event="error", peer=args.peer, error=f"lightning is not available here: {exc}")
+        return 3
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    stream = workload.batches(
+        corpus, args.batch_size, seed=args.data_seed, peer=args.peer, num_peers=args.num_peers
+    )
+    lr, warmup = args.lr, args.warmup_epochs
+
+    class Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return stream
+
+    state: dict[str, Any] = {
+        "start": None,
+        "epoch": 0,
+        "samples": 0,
+        "steps": 0,
+        "epoch_samples": 0,
+        "epoch_steps": 0,
+        "done": False,
+        "timed_out": False,
+        "linger_until": None,
+    }
+
+    def evaluate() -> float:
+        return float(workload.evaluate(model, corpus, num_batches=args.eval_batches))
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(Batches(), batch_size=None)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup))
+            return [optimizer], [scheduler]
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if state["start"] is None:
+                self._begin()
+            return workload.loss_fn(self.model, *batch)
+
+        def _begin(self) -> None:
+            strategy = self.trainer.strategy
+            assert strategy.dht is not None
+            emit(
+                event="ready",
+                peer=args.peer,
+                maddrs=[str(a) for a in strategy.dht.get_visible_maddrs()],
+                setup_s=time.perf_counter() - began,
+                corpus=corpus.fingerprint,
+            )
+            if args.wait_go:
+                line = _stdin_line(args.startup_timeout + 600)
+                if not line:
+                    raise SystemExit("no go from the driver")
+                go = float(json.loads(line)["go"]) + args.start_delay
+                time.sleep(max(0.0, go - time.monotonic()))
+            state["start"] = time.monotonic()
+            state["epoch"] = strategy.local_epoch
+            first: dict[str, Any] = {"val_loss": evaluate()} if args.eval_every else {}
+            emit(
+                event="epoch",
+                peer=args.peer,
+                epoch=state["epoch"],
+                t=0.0,
+                samples=0,
+                steps=0,
+                **first,
+            )
+
+        def on_train_batch_end(self, *unused: Any) -> None:
+            if state["done"]:
+                self._linger()
+                return
+            state["samples"] += args.batch_size
+            state["steps"] += 1
+            state["epoch_samples"] += args.batch_size
+            state["epoch_steps"] += 1
+            epoch = self.trainer.strategy.local_epoch
+            if epoch != state["epoch"]:
+                state["epoch"] = epoch
+                record: dict[str, Any] = {}
+                if args.eval_every and (epoch % args.eval_every == 0 or epoch >= args.epochs):
+                    record["val_loss"] = evaluate()
+                emit(
+                    event="epoch",
+                    peer=args.peer,
+                    epoch=epoch,
+                    t=time.monotonic() - state["start"],
+                    samples=state["epoch_samples"],
+                    steps=state["epoch_steps"],
+                    **record,
+                )
+                state["epoch_samples"] = state["epoch_steps"] = 0
+            elapsed = time.monotonic() - state["start"]
+            state["timed_out"] = elapsed > args.deadline
+            if not (
+                epoch >= args.epochs
+                or (args.max_samples and state["samples"] >= args.max_samples)
+                or state["timed_out"]
+            ):
+                return
+            state["done"] = True
+            optimizer = self.trainer.strategy.optimizer
+            final: dict[str, Any] = _optimizer_traffic(optimizer)
+            if args.final_eval:
+                final["val_loss"] = evaluate()
+            emit(
+                event="done",
+                peer=args.peer,
+                epoch=epoch,
+                t=elapsed,
+                samples=state["samples"],
+                steps=state["steps"],
+                timed_out=state["timed_out"],
+                train_s=elapsed,
+                **final,
+            )
+            state["linger_until"] = time.monotonic() + args.linger
+            if not args.wait_go:
+                self.trainer.should_stop = True
+            elif not args.keep_stepping:  # (wait here, not stepping, as the other systems)
+                _stdin_line(args.linger)
+                self.trainer.should_stop = True
+
+        def _linger(self) -> None:
+            line = _stdin_line(0.0)
+            if (
+                line is not None and (line == "" or line.strip() == "stop")
+            ) or time.monotonic() > state["linger_until"]:
+                self.trainer.should_stop = True
+
+    delays = {
+        name: getattr(args, name)
+        for name in ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
+        if getattr(args, name) is not None
+    }
+    dht = swarmavg.DHT(
+        initial_peers=args.initial_peers,
+        host="127.0.0.1",
+        port=0,
+        startup_timeout=args.startup_timeout,
+    )
+    try:
+        strategy = SwarmStrategy(
+            target_batch_size=args.target_batch_size,
+            run_id=args.run_id,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=args.averaging_timeout,
+            verbose=args.verbose,
+            batch_size=args.batch_size,
+            dht=dht,
+            **delays,
+        )
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            max_epochs=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Module())  # (its teardown shuts the optimizer down)
+    finally:
+        stopping = time.perf_counter()
+        dht.shutdown()
+        emit(event="exit", peer=args.peer, shutdown_s=time.perf_counter() - stopping)
+    return 0 if not state["timed_out"] else 2
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""Collaborative-training benchmarks (issue 23's and 25's figures): ``swarmavg.Optimizer``
+"""Collaborative-training benchmarks (issue 23's, 25's and 27's figures): ``swarmavg.Optimizer``
 beside ``hivemind.Optimizer`` 1.1.12 and beside training alone; ``DecentralizedSGD`` /
-``DecentralizedAdam`` and ``DiLoCo`` beside training alone and ``swarmavg.Optimizer``; on the
-workload of ``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard
-library's source).
+``DecentralizedAdam`` and ``DiLoCo`` beside training alone and ``swarmavg.Optimizer``;
+Lightning's ``Trainer`` with ``SwarmStrategy`` beside ``swarmavg.Optimizer``; on the workload of
+``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard library's source).
 
     python benchmarks/optimizer.py [--quick] [--parts convergence,speed,overhead]
                                    [--parts decentralized,diloco]
+                                   [--parts lightning] [--lightning-epochs 100]
+                                   [--lightning-repeats 2]
                                    [--systems swarmavg,hivemind] [--peers 4]
                                    [--target-batch-size 256] [--batch-size 16]
                                    [--convergence-epochs 100] [--speed-epochs 20]
@@ -35,7 +37,8 @@ peer fed to ``step()`` until then (their sum per epoch is the swarm's samples pe
 peer 0's validation loss (``workload.evaluate``: 8 batches of 64 x 64 fixed validation
 windows) every ``--eval-every`` epochs.
 
-Parts (``--parts``, default the first three; ``decentralized`` and ``diloco`` on request):
+Parts (``--parts``, default the first three; ``decentralized``, ``diloco`` and ``lightning`` on
+request):
 
 - **convergence**: for each system in ``--convergence-systems`` (default swarmavg), ``--peers``
   (4) peers for ``--convergence-epochs`` (E, 100; ``--quick`` 20) epochs, evaluated every
@@ -112,6 +115,15 @@ Parts (``--parts``, default the first three; ``decentralized`` and ``diloco`` on
   received per peer, rounds and failed rounds per peer, state bytes) of every swarm, and draw
   all the curves in ``--plot-decentralized`` (``optimizer-decentralized.png``). The losses at
   equal samples do not depend on the machine's load; the wall-clock does.
+- **lightning** (issue 27): the convergence part's swarm (``--peers`` peers, T, ``--lightning-
+  epochs`` E (100; ``--quick`` 20), evaluated every ``--eval-every`` epochs, matchmaking time
+  ``--convergence-matchmaking-time``) with ``--system swarmavg`` (``swarmavg.Optimizer`` in a
+  loop of its own) and with ``--system lightning`` (``lightning.pytorch.Trainer.fit`` with
+  ``SwarmStrategy``: the same optimizer, scheduler, seeds, batches and target, the optimizer
+  and scheduler from ``configure_optimizers``), ``--lightning-repeats`` (2) runs of each, the
+  two alternating. Reported: peer 0's validation loss after E epochs and the wall-clock of
+  each run, their means, and Lightning's over the direct one's (goals: loss within 1%,
+  wall-clock at most 1.10x).
 
 What it prints: one table per part (markdown), then notes (the machine's CPUs and load, the
 corpus, the runs that failed and why). ``--out FILE`` writes JSON lines (replacing FILE): a
@@ -168,6 +180,9 @@ GOAL_OVERHEAD = 0.20
 GOAL_DECENTRALIZED = 1.05
 GOAL_DILOCO = 1.03
 GOAL_FP16 = 0.005
+#: goals (issue 27): Lightning's SwarmStrategy beside swarmavg.Optimizer
+GOAL_LIGHTNING_LOSS = 0.01
+GOAL_LIGHTNING_WALL = 0.10
 #: DiLoCo: peers 1.. start this long after peer 0 (0: together; a stagger makes peer 0 take
 #: its first rounds alone, since a peer's record counts only once it stepped: the others then
 #: download its state and drop their first steps), and every peer waits DILOCO_GO_DELAY after
@@ -607,6 +622,61 @@ def part_convergence(runner: Runner, args: argparse.Namespace) -> list[dict[str,
         rows.append(row)
     if args.plot:
         _plot(args.plot, swarms, alone, T)
+    return rows
+
+
+def part_lightning(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``Trainer.fit`` with ``SwarmStrategy`` beside ``swarmavg.Optimizer`` driven directly:
+    the convergence part's swarm (``--peers``, T, E, the same seeds and evaluation), each
+    ``--lightning-repeats`` times, the two systems alternating (the machine's speed drifts)."""
+    T, E = args.target_batch_size, args.lightning_epochs
+    runs: dict[str, list[dict[str, Any]]] = {"swarmavg": [], "lightning": []}
+    for repeat in range(args.lightning_repeats):
+        order = ("swarmavg", "lightning") if repeat % 2 == 0 else ("lightning", "swarmavg")
+        for system in order:
+            runs[system].append(
+                runner.run(
+                    part="lightning",
+                    system=system,
+                    peers=args.peers,
+                    target=T,
+                    epochs=E,
+                    eval_every=args.eval_every,
+                    matchmaking_time=args.convergence_matchmaking_time,
+                    repeat=repeat,
+                )
+            )
+    rows: list[dict[str, Any]] = []
+    means: dict[str, dict[str, float]] = {}
+    for system, results in runs.items():
+        row: dict[str, Any] = {"part": "lightning", "system": system, "peers": args.peers}
+        row |= {"target_batch_size": T, "epochs": E}
+        errors = [r["error"] for r in results if "error" in r]
+        finals = [r["curve"][-1] for r in results if "error" not in r and r["curve"]]
+        if errors or len(finals) != len(results) or any(f["epoch"] < E for f in finals):
+            row["error"] = "; ".join(errors) or f"a run did not reach epoch {E}"
+            rows.append(row)
+            continue
+        losses = [f["val_loss"] for f in finals]
+        walls = [r["wall_s"] for r in results]
+        means[system] = {
+            "val_loss": sum(losses) / len(losses),
+            "wall_s": sum(walls) / len(walls),
+        }
+        row |= {
+            "val_losses": ", ".join(f"{x:.4f}" for x in losses),
+            "walls": ", ".join(f"{x:.1f}" for x in walls),
+            "val_loss": means[system]["val_loss"],
+            "wall_s": means[system]["wall_s"],
+            "samples_per_epoch_over_T": sum(f["samples"] for f in finals) / (len(finals) * E * T),
+        }
+        rows.append(row)
+    if len(means) == 2:
+        direct, light = means["swarmavg"], means["lightning"]
+        for row in rows:
+            if row["system"] == "lightning":
+                row["loss_ratio"] = light["val_loss"] / direct["val_loss"]
+                row["wall_ratio"] = light["wall_s"] / direct["wall_s"]
     return rows
 
 
@@ -1123,6 +1193,25 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 ("alone s", "alone_wall_s"),
             ],
         )
+    light = [r for r in rows if r["part"] == "lightning"]
+    if light:
+        _table(
+            f"Lightning: {args.peers} peers, T={args.target_batch_size}, "
+            f"E={args.lightning_epochs}, Trainer.fit with SwarmStrategy vs swarmavg.Optimizer "
+            f"directly, {args.lightning_repeats} runs each, means (goals: val loss within "
+            f"{GOAL_LIGHTNING_LOSS:.0%}, wall-clock <= {1 + GOAL_LIGHTNING_WALL:.2f}x)",
+            light,
+            [
+                ("system", "system"),
+                ("val loss", "val_loss"),
+                ("each run", "val_losses"),
+                ("wall s", "wall_s"),
+                ("each run (s)", "walls"),
+                ("samples/epoch / T", "samples_per_epoch_over_T"),
+                ("loss ratio", "loss_ratio"),
+                ("wall ratio", "wall_ratio"),
+            ],
+        )
     speed = [r for r in rows if r["part"] == "speed"]
     if speed:
         _table(
@@ -1249,7 +1338,7 @@ def _parse_list(kind: type, choices: tuple[str, ...] = ()) -> Any:
     return parse
 
 
-PARTS = ("convergence", "speed", "overhead", "decentralized", "diloco")
+PARTS = ("convergence", "speed", "overhead", "decentralized", "diloco", "lightning")
 #: what runs without --parts (the parts of issue 23)
 DEFAULT_PARTS = ("convergence", "speed", "overhead")
 SYSTEMS = ("swarmavg", "hivemind")
@@ -1362,6 +1451,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument(
         "--plot-decentralized", type=Path, default=Path("optimizer-decentralized.png")
     )
+    group = parser.add_argument_group("lightning part (issue 27)")
+    group.add_argument("--lightning-epochs", type=int, help="E: default 100 (--quick 20)")
+    group.add_argument("--lightning-repeats", type=int, default=2, help="runs of each system")
     args = parser.parse_args(argv)
     if args.samples is not None:
         if args.decentralized_epochs is not None:
@@ -1369,6 +1461,8 @@ def main(argv: list[str] | None = None) -> int:
         args.decentralized_epochs = max(1, round(args.samples / args.target_batch_size))
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    if args.lightning_epochs is None:
+        args.lightning_epochs = 20 if args.quick else 100
     if args.decentralized_epochs is None:
         args.decentralized_epochs = 25 if args.quick else 100
     if args.convergence_epochs is None:
@@ -1387,6 +1481,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers < 2 or args.target_batch_size < 1 or args.batch_size < 1:
         parser.error("--peers must be >= 2, --target-batch-size and --batch-size >= 1")
     if min(args.eval_every, args.convergence_epochs, args.speed_epochs, args.overhead_epochs) < 1:
+        parser.error("--eval-every and the --*-epochs must be >= 1")
+    if min(args.lightning_epochs, args.lightning_repeats) < 1:
         parser.error("--eval-every and the --*-epochs must be >= 1")
     if args.logs is None:
         args.logs = Path(tempfile.mkdtemp(prefix="swarmavg-optimizer-bench-"))
@@ -1417,6 +1513,8 @@ def _main(args: argparse.Namespace) -> int:
             rows += part_decentralized(runner, args)
         if "diloco" in args.parts:
             rows += part_diloco(runner, args)
+        if "lightning" in args.parts:
+            rows += part_lightning(runner, args)
     except KeyboardInterrupt:  # every process was stopped on the way out
         _progress("interrupted")
         return 130
