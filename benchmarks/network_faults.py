@@ -401,8 +401,9 @@ def fault_run(
     round_s: float,
     out: Path,
 ) -> FaultRun:
-    """One run of the matrix (see the module's docstring); the swarm is usable after it (the
-    victim's peer replaced or its link restored, everything restarted after a hang)."""
+    """One run of the matrix (see the module's docstring); the swarm is usable after it (a
+    killed victim's peer replaced; a cut-off one's link restored and its DHTs holding the
+    others again, or it replaced; everything restarted after a hang)."""
     lab = swarm.lab
     for i in range(len(lab.hosts)):
         lab.set_profile(i, profile)
