@@ -19,6 +19,7 @@ Requests (``{"op": ...}``):
   ``{"event": "allreduce", "t"}`` once its stage is ``RUNNING_ALLREDUCE`` (or it is over),
   then ``{"event": "result", "t", ...}`` with what the ``StepResult`` says (or ``error``), the
   tensor saved to ``out`` first.
+- ``dht``: answers ``{"event": "dht", "peers": {transport: routing table size}}``.
 - ``exit``: shuts down and exits (also when stdin closes, or after ``IDLE`` s of silence).
 """
 
@@ -136,6 +137,11 @@ def main() -> int:
                     allreduce_s=result.allreduce_seconds,
                     matchmaking_s=result.matchmaking_seconds,
                 )
+            elif op == "dht":
+                _say(
+                    event="dht",
+                    peers={t: dht.run_coroutine(_table_size) for t, dht in dhts.items()},
+                )
             else:
                 _say(event="error", error=f"unknown op {op!r}")
     finally:
@@ -143,6 +149,10 @@ def main() -> int:
             averager.shutdown()
         for dht in dhts.values():
             dht.shutdown()
+
+
+async def _table_size(dht: Any, node: Any) -> int:
+    return int(node.routing_table_size)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,11 @@ Checks per run (a run that breaks one is a *failure*, with what it broke):
 
 - no hang: every survivor's step ends within ``allreduce_timeout`` (+2 s of slack for two
   shared cores) of a fault in its round, and within its step timeout (+2 s) of its start
-  (a fault while matchmaking: the group may form after it); a cut-off victim's step as well;
+  (a fault while matchmaking: the group may form after it); a cut-off victim's step within
+  its step timeout (+2 s) of its start (after its round failed it may look for another group
+  until then);
+- a cut-off victim rejoins by itself: once its link is back, its DHTs hold every other peer
+  again within ``REJOIN_WITHIN`` seconds (it is replaced otherwise, and the run fails);
 - every survivor's step returns a result (no error);
 - survivors in one group agree exactly: the same elements kept local, the same values elsewhere;
   every averaged value is the mean of the group or of the group without the victim;
@@ -42,6 +46,7 @@ A run in which survivors did not finish is reported as a hang, and the swarm is 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -80,6 +85,10 @@ FAULT_OPTIONS: dict[str, Any] = {
     "averaging_expiration": 5.0,
 }
 STEP_TIMEOUT = 25.0
+#: a cut-off victim's DHT must hold the others again this long after its link is back (its
+#: rejoin pings back off to 10 s while cut off; one request_timeout more)
+REJOIN_WITHIN = 15.0
+REJOIN_POLL = 0.25
 
 
 class LabPeer:
@@ -110,6 +119,7 @@ class LabPeer:
             env=env,
         )
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._held: collections.deque[dict[str, Any] | None] = collections.deque()  # (poll's)
         threading.Thread(target=self._read, daemon=True).start()
         self.peer_ids: dict[str, str] = {}
         self.maddrs: dict[str, list[str]] = {}
@@ -140,7 +150,10 @@ class LabPeer:
         the process exited."""
         while True:
             try:
-                got = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                if self._held:
+                    got = self._held.popleft()
+                else:
+                    got = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise TimeoutError(f"peer {self.index}: no {event!r} in time") from None
             if got is None:
@@ -150,17 +163,18 @@ class LabPeer:
                 return got
 
     def poll(self, event: str) -> dict[str, Any] | None:
-        """The next line with ``event`` if one is already there (others are dropped)."""
+        """The first line with ``event`` if one is already there; the lines before it are
+        kept for :meth:`expect` (a victim whose step already ended has said ``result``)."""
         while True:
             try:
                 got = self.lines.get_nowait()
             except queue.Empty:
                 return None
-            if got is None:
-                self.lines.put(None)
-                return None
-            if got.get("event") == event:
+            if got is not None and got.get("event") == event:
                 return got
+            self._held.append(got)
+            if got is None:
+                return None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -208,6 +222,20 @@ class LabSwarm:
         initial = live[0].maddrs if live else {}
         log = self.logs / f"peer{index}.log"
         return LabPeer(self.lab, index, self.transports, initial, log)
+
+    def rejoined(self, index: int, deadline: float) -> bool:
+        """Wait until peer ``index``'s DHTs hold every other peer in their routing tables
+        (a peer cut off for a while rejoins by itself: see ``DHTNode._rejoin``), at most until
+        ``deadline``; whether they did."""
+        peer = self.peers[index]
+        while True:
+            peer.send(op="dht")
+            sizes = peer.expect("dht", deadline)["peers"]
+            if all(size >= len(self.peers) - 1 for size in sizes.values()):
+                return True
+            if time.monotonic() + REJOIN_POLL >= deadline:
+                return False
+            time.sleep(REJOIN_POLL)
 
     def replace(self, index: int) -> None:
         """A fresh peer in host ``index`` (the old one killed)."""
@@ -373,8 +401,9 @@ def fault_run(
     round_s: float,
     out: Path,
 ) -> FaultRun:
-    """One run of the matrix (see the module's docstring); the swarm is usable after it (the
-    victim's peer replaced or its link restored, everything restarted after a hang)."""
+    """One run of the matrix (see the module's docstring); the swarm is usable after it (a
+    killed victim's peer replaced; a cut-off one's link restored and its DHTs holding the
+    others again, or it replaced; everything restarted after a hang)."""
     lab = swarm.lab
     for i in range(len(lab.hosts)):
         lab.set_profile(i, profile)
@@ -420,10 +449,13 @@ def fault_run(
     if results:
         record.finish_s = round(max(r["t"] for r in results.values()) - fault_at, 2)
     if fault == "cut":
-        try:  # (its step must end in time too; its values are not checked: it was cut off)
-            got = victim_peer.expect("result", started + STEP_TIMEOUT + 2 * SLACK)
+        # its step must end within its timeout too (it may look for another group until then
+        # after its round failed); its values are not checked: it was cut off
+        victim_bound = started + STEP_TIMEOUT + SLACK
+        try:
+            got = victim_peer.expect("result", victim_bound)
             record.victim_s = round(got["t"] - fault_at, 2)
-            if got["t"] > bound:
+            if got["t"] > victim_bound:
                 record.hang = True
                 record.problems.append(
                     f"cut-off victim: its step ended {record.victim_s} s after the fault"
@@ -445,9 +477,20 @@ def fault_run(
         for r in results.values()
         if "error" not in r
     ]
-    # a cut-off victim is replaced too: after seconds without answers its DHT routing table
-    # is empty and nothing brings the others back (see docs/design/netlab.md, "Findings")
-    swarm.replace(victim)
+    if fault == "kill":
+        swarm.replace(victim)
+    else:  # a cut-off victim lives on: its DHT, emptied while cut off, must fill again by itself
+        try:
+            back = swarm.rejoined(victim, time.monotonic() + REJOIN_WITHIN)
+        except (TimeoutError, RuntimeError) as exc:
+            back = False
+            record.problems.append(f"cut-off victim: {exc}")
+        if not back:
+            record.problems.append(
+                f"cut-off victim: its DHT did not hold the others {REJOIN_WITHIN} s after its"
+                " link was back"
+            )
+            swarm.replace(victim)
     if record.hang:
         for i in survivors:
             swarm.replace(i)
