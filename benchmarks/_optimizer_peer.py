@@ -7,7 +7,10 @@
 
 ``--system swarmavg`` runs under the project's Python (``swarmavg.DHT`` + ``swarmavg.Optimizer``),
 ``--system hivemind`` under a Python with hivemind 1.1.12 (``hivemind.DHT`` +
-``hivemind.Optimizer``), ``--system local`` under either (plain torch, no DHT). Both swarm systems
+``hivemind.Optimizer``), ``--system local`` under either (plain torch, no DHT), ``--system
+lightning`` under the project's Python with Lightning (``Trainer.fit`` with
+``swarmavg.integrations.lightning.SwarmStrategy``, the swarmavg system's arguments, the same
+events: see :func:`_train_lightning`). Both swarm systems
 get the same keyword arguments: ``dht``, ``run_id``, ``target_batch_size``,
 ``batch_size_per_step``, ``optimizer`` (a factory: Adam at ``--lr``), ``params``, ``scheduler``
 (a factory: ``LambdaLR`` with a linear warmup over ``--warmup-epochs`` epochs, then constant),
@@ -39,6 +42,13 @@ with batch ``peers x batch_size``):
   every 0.1 s to ``--tracker-refresh`` (1 s; with the tracker's defaults, 0.5-10 s, a peer
   that waited idle for the others read last before they were made, and took its first rounds
   alone). ``--start-delay`` (seconds after the go) lets this peer start later than the go.
+- ``--step-compute-ms`` (all three): a sleep per step, standing for a bigger model's forward
+  and backward (averaging rounds run meanwhile); ``--wait-for-round`` (dsgd/dadam): after a
+  step that asked for a round, ``wait_for_round()`` until its result is written.
+- ``--identity-seed`` (every swarmavg system): the PeerID derives from it and ``--peer``, so
+  that the members of a group are in the same order (the same all-reduce plan) in every run;
+  ``--ordered-reduction``: a diagnostic that makes the reducers of this process sum in member
+  order (see :func:`_order_reductions`).
 
 The workload module is loaded by file path (it imports torch and numpy only), so this script
 needs nothing of swarmavg under hivemind's Python. Each peer draws its own stream of batches
@@ -61,8 +71,10 @@ Protocol: JSON lines on stdout (logs go to stderr), one object per line:
   ``--deadline`` seconds passed: ``timed_out``). ``val_loss``: with ``--final-eval``. The swarm
   systems of swarmavg add what this peer's averagers did until then: ``bytes_sent``,
   ``bytes_received`` (all-reduce payloads of completed rounds), ``rounds`` (all-reduce rounds
-  completed), ``rounds_failed`` (averaging steps that failed), ``state_bytes`` (state
-  downloaded and served).
+  completed), ``rounds_failed`` (averaging steps that failed), ``rounds_incomplete``,
+  ``state_bytes`` (state downloaded and served), ``group_sizes`` (rounds begun, by group
+  size); DiLoCo adds ``diloco_rounds`` (averaged, alone, failed, diverged), ``--wait-for-round``
+  ``waited`` (the outcomes waited for: succeeded, failed, none).
 - Then, with ``--wait-go``, the peer keeps its DHT and optimizer up (so that peers still
   finishing can average with it or load its state) until a line ``stop`` or EOF on stdin (at
   most ``--linger`` seconds), shuts down and prints ``{"event": "exit", "shutdown_s"}``. With
@@ -76,6 +88,7 @@ Protocol: JSON lines on stdout (logs go to stderr), one object per line:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import logging
@@ -160,6 +173,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco (Nesterov)")
     p.add_argument("--start-delay", type=float, default=0.0, help="s after the go (--wait-go)")
     p.add_argument("--tracker-refresh", type=float, default=1.0, help="diloco: max_refresh_period")
+    p.add_argument(
+        "--identity-seed",
+        type=int,
+        default=-1,
+        help="swarmavg peers: a PeerID derived from this seed and --peer (-1: a random one)",
+    )
+    p.add_argument(
+        "--step-compute-ms",
+        type=float,
+        default=0.0,
+        help="per-step systems: sleep this long per step (a bigger model's compute)",
+    )
+    p.add_argument(
+        "--ordered-reduction",
+        action="store_true",
+        help="diagnostic: reducers sum the members' values in member order, not as they "
+        "arrive (float32 sums then do not depend on timing)",
+    )
+    p.add_argument(
+        "--wait-for-round",
+        action="store_true",
+        help="dsgd/dadam: after a step that asked for a round, wait until it is written",
+    )
     args = p.parse_args(argv)
     if args.steps_per_epoch <= 0:
         per_epoch = args.target_batch_size // (args.batch_size * max(1, args.num_peers))
@@ -173,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 COLLABORATIVE = ("swarmavg", "hivemind")
 #: the optimizers whose peers step on every batch
 PER_STEP = ("dsgd", "dadam", "diloco")
-SYSTEMS = (*COLLABORATIVE, *PER_STEP, "local")
+SYSTEMS = (*COLLABORATIVE, *PER_STEP, "local", "lightning")
 
 
 class _Local:
@@ -211,25 +247,88 @@ class _Local:
         pass
 
 
-def _averager_traffic(metrics: Any) -> dict[str, int]:
-    """What one ``swarmavg`` averager did (an ``AveragerMetrics`` snapshot)."""
+def _averager_traffic(metrics: Any) -> dict[str, Any]:
+    """What one ``swarmavg`` averager did (an ``AveragerMetrics`` snapshot); ``group_sizes``:
+    the rounds that began, by the size of their group (``{"4": 40}``)."""
+    cumulative = dict(metrics.group_size_histogram)
+    group_sizes: dict[str, int] = {}
+    below = 0
+    for bound in sorted(cumulative):
+        if cumulative[bound] > below:
+            group_sizes[str(bound)] = cumulative[bound] - below
+        below = cumulative[bound]
     return {
         "bytes_sent": int(metrics.bytes_sent),
         "bytes_received": int(metrics.bytes_received),
         "rounds": int(metrics.rounds_completed),
         "rounds_failed": int(metrics.steps_failed),
+        "rounds_incomplete": int(metrics.rounds_incomplete),
         "state_bytes": int(metrics.state_bytes_served + metrics.state_bytes_downloaded),
+        "group_sizes": group_sizes,
     }
+
+
+def _order_reductions() -> None:
+    """Diagnostic (``--ordered-reduction``): make every ``PartReducer`` of this process hold
+    the values it receives until all its senders delivered, then sum them in member order.
+    The library sums in arrival order: float32 addition is not associative, so the last bit
+    of a mean depends on which member's part arrived first (timing), and a training run
+    amplifies that. This costs a copy of every part received; it is not for production."""
+    import numpy as np
+
+    from swarmavg.proto import allreduce
+
+    reducer = allreduce.PartReducer
+    original = reducer.add
+    original_nothing = reducer.add_nothing
+
+    def flush(self: Any) -> bool:
+        pending = self.__dict__.get("_bench_pending")
+        clipped = False
+        if pending and self.done:
+            self.received.difference_update(pending)
+            for member in sorted(pending):
+                clipped |= original(self, member, *pending[member])
+            pending.clear()
+        return clipped
+
+    def add_nothing(self: Any, sender: int) -> None:
+        original_nothing(self, sender)
+        flush(self)
+
+    def add(
+        self: Any, sender: int, values: Any, weight: float, max_norm: float | None = None
+    ) -> bool:
+        pending: dict[int, tuple[Any, float, float | None]] = self.__dict__.setdefault(
+            "_bench_pending", {}
+        )
+        if sender not in self.expected or sender in self.received or sender in pending:
+            return original(self, sender, values, weight, max_norm)  # (raises as it would)
+        pending[sender] = (np.array(values, copy=True), weight, max_norm)
+        self.received.add(sender)
+        return flush(self)
+
+    reducer.add = add  # type: ignore[method-assign]
+    reducer.add_nothing = add_nothing  # type: ignore[method-assign]
 
 
 def _swarmavg_dht(args: argparse.Namespace) -> Any:
     import swarmavg
 
+    if args.ordered_reduction:
+        _order_reductions()
+    identity = None
+    if args.identity_seed >= 0:  # (the same PeerIDs, so the same order of members, every run)
+        from swarmavg.identity import Identity
+
+        seed = hashlib.sha256(f"bench-identity:{args.identity_seed}:{args.peer}".encode())
+        identity = Identity.from_private_bytes(seed.digest())
     return swarmavg.DHT(
         initial_peers=args.initial_peers,
         host="127.0.0.1",
         port=0,
         startup_timeout=args.startup_timeout,
+        identity=identity,
     )
 
 
@@ -246,6 +345,12 @@ class _PerStep:
         self.system = args.system
         self.steps = 0
         self.steps_per_epoch = args.steps_per_epoch
+        self.step_compute_s = max(0.0, args.step_compute_ms) / 1000
+        self.wait_for_round = args.wait_for_round and args.system != "diloco"
+        self.period = args.averaging_steps_period
+        self.round_timeout = args.averaging_timeout
+        #: what the rounds waited for with --wait-for-round did: succeeded, failed, none
+        self.waited = {"succeeded": 0, "failed": 0, "none": 0}
         warmup = warmup_lambda(args.warmup_epochs)
         self.dht = _swarmavg_dht(args)
         self.scheduler: Any = None
@@ -306,6 +411,8 @@ class _PerStep:
         loss.backward()
 
     def step(self, batch: int) -> None:
+        if self.step_compute_s:  # (stands for the forward/backward of a bigger model)
+            time.sleep(self.step_compute_s)
         if self.system == "diloco":
             self.inner.step()  # (DiLoCo's hook: every sync_every-th step runs a round)
             self.inner.zero_grad()
@@ -313,13 +420,31 @@ class _PerStep:
             self.opt.step()
             self.opt.zero_grad()
             self.scheduler.step()
+            if self.wait_for_round and (self.steps + 1) % self.period == 0:
+                # (this step asked for a round: its result is in the parameters before the
+                # next step, as in synchronous training)
+                try:
+                    outcome = self.opt.wait_for_round(timeout=self.round_timeout + 10)
+                except TimeoutError:
+                    outcome = None
+                key = "none" if outcome is None else "succeeded" if outcome.succeeded else "failed"
+                self.waited[key] += 1
         self.steps += 1
 
     def maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
     def traffic(self) -> dict[str, Any]:
-        return _averager_traffic(self.opt.averager.metrics)
+        traffic: dict[str, Any] = _averager_traffic(self.opt.averager.metrics)
+        if self.system == "diloco":  # (its rounds: averaged, alone, failed, diverged)
+            schedule = self.opt.schedule
+            traffic["diloco_rounds"] = {
+                what: int(getattr(schedule, f"rounds_{what}"))
+                for what in ("averaged", "alone", "failed", "diverged")
+            }
+        if self.wait_for_round:
+            traffic["waited"] = dict(self.waited)
+        return traffic
 
     def shutdown(self) -> None:
         try:
@@ -385,21 +510,31 @@ class _Swarm:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
     def traffic(self) -> dict[str, Any]:
-        metrics = getattr(self.opt, "metrics", None)  # (hivemind's optimizer has none)
-        if metrics is None:
-            return {}
-        parts = [m for m in (metrics.gradients, metrics.state) if m is not None]
-        totals: dict[str, Any] = {}
-        for part in parts:
-            for key, value in _averager_traffic(part).items():
-                totals[key] = totals.get(key, 0) + value
-        return totals
+        return _optimizer_traffic(self.opt)
 
     def shutdown(self) -> None:
         try:
             self.opt.shutdown()
         finally:
             self.dht.shutdown()
+
+
+def _optimizer_traffic(opt: Any) -> dict[str, Any]:
+    """What both averagers of a ``swarmavg.Optimizer`` did ({} for hivemind's: no metrics)."""
+    metrics = getattr(opt, "metrics", None)
+    if metrics is None:
+        return {}
+    parts = [m for m in (metrics.gradients, metrics.state) if m is not None]
+    totals: dict[str, Any] = {}
+    for part in parts:
+        for key, value in _averager_traffic(part).items():
+            if isinstance(value, dict):  # (group sizes: counts per size)
+                merged = totals.setdefault(key, {})
+                for size, count in value.items():
+                    merged[size] = merged.get(size, 0) + count
+            else:
+                totals[key] = totals.get(key, 0) + value
+    return totals
 
 
 class SystemUnavailable(RuntimeError):
@@ -446,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = load_workload()
     corpus = workload.load_corpus(root=args.stdlib)
     model = workload.make_model(args.model_seed)
+    if args.system == "lightning":
+        return _train_lightning(args, workload, corpus, model, began)
     try:
         system: Any
         if args.system in COLLABORATIVE:
@@ -560,6 +697,205 @@ def _train(
             elif line is None:
                 break
     return 0 if not timed_out else 2
+
+
+# -- Lightning ------------------------------------------------------------------------------------
+
+
+def _train_lightning(
+    args: argparse.Namespace,
+    workload: ModuleType,
+    corpus: Any,
+    model: torch.nn.Module,
+    began: float,
+) -> int:
+    """``--system lightning``: ``lightning.pytorch.Trainer.fit`` with ``SwarmStrategy`` (the
+    ``swarmavg`` system's arguments: Adam at ``--lr`` and the warmup ``LambdaLR`` from
+    ``configure_optimizers``, ``target_batch_size``, ``batch_size``, ``matchmaking_time``,
+    ``averaging_timeout``, the ``delay_*`` flags given, a ``swarmavg.DHT`` on 127.0.0.1), the same
+    protocol: ``ready`` once the optimizer is wrapped (at the first ``training_step``, before its
+    forward pass), the clock starts at the go, the same events from the batch hooks."""
+    try:
+        import lightning.pytorch as pl
+
+        import swarmavg
+        from swarmavg.integrations.lightning import SwarmStrategy
+    except ImportError as exc:
+        emit(event="error", peer=args.peer, error=f"lightning is not available here: {exc}")
+        return 3
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    stream = workload.batches(
+        corpus, args.batch_size, seed=args.data_seed, peer=args.peer, num_peers=args.num_peers
+    )
+    lr, warmup = args.lr, args.warmup_epochs
+
+    class Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return stream
+
+    state: dict[str, Any] = {
+        "start": None,
+        "epoch": 0,
+        "samples": 0,
+        "steps": 0,
+        "epoch_samples": 0,
+        "epoch_steps": 0,
+        "done": False,
+        "timed_out": False,
+        "linger_until": None,
+    }
+
+    def evaluate() -> float:
+        return float(workload.evaluate(model, corpus, num_batches=args.eval_batches))
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(Batches(), batch_size=None)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup))
+            return [optimizer], [scheduler]
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if state["start"] is None:
+                self._begin()
+            return workload.loss_fn(self.model, *batch)
+
+        def _begin(self) -> None:
+            strategy = self.trainer.strategy
+            assert strategy.dht is not None
+            emit(
+                event="ready",
+                peer=args.peer,
+                maddrs=[str(a) for a in strategy.dht.get_visible_maddrs()],
+                setup_s=time.perf_counter() - began,
+                corpus=corpus.fingerprint,
+            )
+            if args.wait_go:
+                line = _stdin_line(args.startup_timeout + 600)
+                if not line:
+                    raise SystemExit("no go from the driver")
+                go = float(json.loads(line)["go"]) + args.start_delay
+                time.sleep(max(0.0, go - time.monotonic()))
+            state["start"] = time.monotonic()
+            state["epoch"] = strategy.local_epoch
+            first: dict[str, Any] = {"val_loss": evaluate()} if args.eval_every else {}
+            emit(
+                event="epoch",
+                peer=args.peer,
+                epoch=state["epoch"],
+                t=0.0,
+                samples=0,
+                steps=0,
+                **first,
+            )
+
+        def on_train_batch_end(self, *unused: Any) -> None:
+            if state["done"]:
+                self._linger()
+                return
+            state["samples"] += args.batch_size
+            state["steps"] += 1
+            state["epoch_samples"] += args.batch_size
+            state["epoch_steps"] += 1
+            epoch = self.trainer.strategy.local_epoch
+            if epoch != state["epoch"]:
+                state["epoch"] = epoch
+                record: dict[str, Any] = {}
+                if args.eval_every and (epoch % args.eval_every == 0 or epoch >= args.epochs):
+                    record["val_loss"] = evaluate()
+                emit(
+                    event="epoch",
+                    peer=args.peer,
+                    epoch=epoch,
+                    t=time.monotonic() - state["start"],
+                    samples=state["epoch_samples"],
+                    steps=state["epoch_steps"],
+                    **record,
+                )
+                state["epoch_samples"] = state["epoch_steps"] = 0
+            elapsed = time.monotonic() - state["start"]
+            state["timed_out"] = elapsed > args.deadline
+            if not (
+                epoch >= args.epochs
+                or (args.max_samples and state["samples"] >= args.max_samples)
+                or state["timed_out"]
+            ):
+                return
+            state["done"] = True
+            optimizer = self.trainer.strategy.optimizer
+            final: dict[str, Any] = _optimizer_traffic(optimizer)
+            if args.final_eval:
+                final["val_loss"] = evaluate()
+            emit(
+                event="done",
+                peer=args.peer,
+                epoch=epoch,
+                t=elapsed,
+                samples=state["samples"],
+                steps=state["steps"],
+                timed_out=state["timed_out"],
+                train_s=elapsed,
+                **final,
+            )
+            state["linger_until"] = time.monotonic() + args.linger
+            if not args.wait_go:
+                self.trainer.should_stop = True
+            elif not args.keep_stepping:  # (wait here, not stepping, as the other systems)
+                _stdin_line(args.linger)
+                self.trainer.should_stop = True
+
+        def _linger(self) -> None:
+            line = _stdin_line(0.0)
+            if (
+                line is not None and (line == "" or line.strip() == "stop")
+            ) or time.monotonic() > state["linger_until"]:
+                self.trainer.should_stop = True
+
+    delays = {
+        name: getattr(args, name)
+        for name in ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
+        if getattr(args, name) is not None
+    }
+    dht = swarmavg.DHT(
+        initial_peers=args.initial_peers,
+        host="127.0.0.1",
+        port=0,
+        startup_timeout=args.startup_timeout,
+    )
+    try:
+        strategy = SwarmStrategy(
+            target_batch_size=args.target_batch_size,
+            run_id=args.run_id,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=args.averaging_timeout,
+            verbose=args.verbose,
+            batch_size=args.batch_size,
+            dht=dht,
+            **delays,
+        )
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            max_epochs=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Module())  # (its teardown shuts the optimizer down)
+    finally:
+        stopping = time.perf_counter()
+        dht.shutdown()
+        emit(event="exit", peer=args.peer, shutdown_s=time.perf_counter() - stopping)
+    return 0 if not state["timed_out"] else 2
 
 
 if __name__ == "__main__":

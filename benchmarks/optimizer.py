@@ -1,11 +1,13 @@
-"""Collaborative-training benchmarks (issue 23's and 25's figures): ``swarmavg.Optimizer``
+"""Collaborative-training benchmarks (issue 23's, 25's and 27's figures): ``swarmavg.Optimizer``
 beside ``hivemind.Optimizer`` 1.1.12 and beside training alone; ``DecentralizedSGD`` /
-``DecentralizedAdam`` and ``DiLoCo`` beside training alone and ``swarmavg.Optimizer``; on the
-workload of ``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard
-library's source).
+``DecentralizedAdam`` and ``DiLoCo`` beside training alone and ``swarmavg.Optimizer``;
+Lightning's ``Trainer`` with ``SwarmStrategy`` beside ``swarmavg.Optimizer``; on the workload of
+``swarmavg/testing/workload.py`` (a byte-level transformer LM on the standard library's source).
 
     python benchmarks/optimizer.py [--quick] [--parts convergence,speed,overhead]
                                    [--parts decentralized,diloco]
+                                   [--parts lightning] [--lightning-epochs 100]
+                                   [--lightning-repeats 2]
                                    [--systems swarmavg,hivemind] [--peers 4]
                                    [--target-batch-size 256] [--batch-size 16]
                                    [--convergence-epochs 100] [--speed-epochs 20]
@@ -35,7 +37,8 @@ peer fed to ``step()`` until then (their sum per epoch is the swarm's samples pe
 peer 0's validation loss (``workload.evaluate``: 8 batches of 64 x 64 fixed validation
 windows) every ``--eval-every`` epochs.
 
-Parts (``--parts``, default the first three; ``decentralized`` and ``diloco`` on request):
+Parts (``--parts``, default the first three; ``decentralized``, ``diloco`` and ``lightning`` on
+request):
 
 - **convergence**: for each system in ``--convergence-systems`` (default swarmavg), ``--peers``
   (4) peers for ``--convergence-epochs`` (E, 100; ``--quick`` 20) epochs, evaluated every
@@ -85,12 +88,42 @@ Parts (``--parts``, default the first three; ``decentralized`` and ``diloco`` on
   Reference: the same process alone with batch G (Adam). Reported: the ratio at equal
   samples (goal: <= 1.03), all-reduce rounds and bytes sent per peer, bytes per round, what
   averaging the same Δ after every step would send (bytes per round x steps: the rounds and
-  bytes are H times fewer), fp16 against fp32 (goal: within 0.5%).
+  bytes are H times fewer), fp16 against fp32 (goal: within 0.5%). ``--outer
+  LR:MOMENTUM,...`` runs each H with each outer setting (e.g. ``0.7:0.9,1:0``).
+
+  Options of both parts: ``--samples N`` (the sample budget of all peers, instead of
+  ``--decentralized-epochs``: more samples, more outer steps), ``--repeat N`` (each
+  configuration N times: the run-to-run noise), ``--data-seeds 0,1,..`` (diloco: each
+  configuration with other batches), ``--step-compute-ms 0,100`` (dsgd/dadam: a sleep per
+  step standing for a bigger model's forward and backward, so that rounds can keep up with
+  ``averaging_steps_period`` steps; one run per value), ``--wait-for-round`` (dsgd/dadam: a
+  step that asked for a round waits until it is written: synchronous averaging),
+  ``--no-collaborative`` (no ``swarmavg.Optimizer`` beside them). Each row says how many
+  rounds every peer took and asked for, and the rounds of all peers by group size (``4:160``:
+  160 memberships of groups of 4).
+
+  **Reproducibility**: the peers' PeerIDs derive from ``--identity-seed`` (0; -1: random
+  ones), so a group's members are in the same order in every run and each one reduces the
+  same parts; the data and model seeds are fixed and every process runs one torch thread.
+  What is left is the order in which a reducer sums the values it receives (as they arrive,
+  float32: not associative): the last bit of a mean depends on timing, and training amplifies
+  that to about +-0.5% of the final loss. ``--ordered-reduction`` (a diagnostic: each peer
+  process patches the reducer to hold the values until all arrived and sum them in member
+  order) makes two runs of a synchronous configuration (DiLoCo) bit-identical.
 
   Both parts then print a **cost** table (wall-clock, samples/s, all-reduce bytes sent and
   received per peer, rounds and failed rounds per peer, state bytes) of every swarm, and draw
   all the curves in ``--plot-decentralized`` (``optimizer-decentralized.png``). The losses at
   equal samples do not depend on the machine's load; the wall-clock does.
+- **lightning** (issue 27): the convergence part's swarm (``--peers`` peers, T, ``--lightning-
+  epochs`` E (100; ``--quick`` 20), evaluated every ``--eval-every`` epochs, matchmaking time
+  ``--convergence-matchmaking-time``) with ``--system swarmavg`` (``swarmavg.Optimizer`` in a
+  loop of its own) and with ``--system lightning`` (``lightning.pytorch.Trainer.fit`` with
+  ``SwarmStrategy``: the same optimizer, scheduler, seeds, batches and target, the optimizer
+  and scheduler from ``configure_optimizers``), ``--lightning-repeats`` (2) runs of each, the
+  two alternating. Reported: peer 0's validation loss after E epochs and the wall-clock of
+  each run, their means, and Lightning's over the direct one's (goals: loss within 1%,
+  wall-clock at most 1.10x).
 
 What it prints: one table per part (markdown), then notes (the machine's CPUs and load, the
 corpus, the runs that failed and why). ``--out FILE`` writes JSON lines (replacing FILE): a
@@ -147,6 +180,9 @@ GOAL_OVERHEAD = 0.20
 GOAL_DECENTRALIZED = 1.05
 GOAL_DILOCO = 1.03
 GOAL_FP16 = 0.005
+#: goals (issue 27): Lightning's SwarmStrategy beside swarmavg.Optimizer
+GOAL_LIGHTNING_LOSS = 0.01
+GOAL_LIGHTNING_WALL = 0.10
 #: DiLoCo: peers 1.. start this long after peer 0 (0: together; a stagger makes peer 0 take
 #: its first rounds alone, since a peer's record counts only once it stepped: the others then
 #: download its state and drop their first steps), and every peer waits DILOCO_GO_DELAY after
@@ -165,6 +201,8 @@ PER_STEP_OPTIONS = (
     "local_optimizer",
     "outer_lr",
     "outer_momentum",
+    "step_compute_ms",
+    "data_seed",
 )
 
 
@@ -290,6 +328,9 @@ def _common_argv(args: argparse.Namespace, config: dict[str, Any]) -> list[str]:
         f"--startup-timeout={READY_TIMEOUT}",
     ]
     if config["system"] != "local":
+        seed = getattr(args, "identity_seed", -1)
+        if config["system"] != "hivemind" and seed >= 0:
+            argv.append(f"--identity-seed={seed}")
         argv += [
             f"--run-id={config['run_id']}",
             f"--matchmaking-time={config['matchmaking_time']}",
@@ -305,6 +346,10 @@ def _common_argv(args: argparse.Namespace, config: dict[str, Any]) -> list[str]:
         argv += [f"--sgd-lr={args.sgd_lr}", f"--momentum={args.momentum}"]
     for flag in config.get("delays", ()):
         argv.append(f"--{flag}")
+    if config.get("wait_for_round"):
+        argv.append("--wait-for-round")
+    if config["system"] not in ("local", "hivemind") and getattr(args, "ordered_reduction", False):
+        argv.append("--ordered-reduction")
     if config.get("max_samples"):
         argv.append(f"--max-samples={config['max_samples']}")
     return argv
@@ -428,11 +473,25 @@ def _summarize(
         if "val_loss" in event:
             curve.append({"epoch": epoch, "samples": cumulative, "val_loss": event["val_loss"]})
     epoch_times = epoch_times[1:]  # the first epoch includes the first matchmaking
-    traffic = {  # per peer, until it was done (the mean over the peers)
+    traffic: dict[str, Any] = {  # per peer, until it was done (the mean over the peers)
         key: sum(float(done[i][key]) for i in range(n)) / n
-        for key in ("bytes_sent", "bytes_received", "rounds", "rounds_failed", "state_bytes")
+        for key in (
+            "bytes_sent",
+            "bytes_received",
+            "rounds",
+            "rounds_failed",
+            "rounds_incomplete",
+            "state_bytes",
+        )
         if all(key in done[i] for i in range(n))
     }
+    for key in ("group_sizes", "waited", "diloco_rounds"):  # (counts summed over the peers)
+        if any(key in done[i] for i in range(n)):
+            summed: dict[str, int] = {}
+            for i in range(n):
+                for what, count in done[i].get(key, {}).items():
+                    summed[what] = summed.get(what, 0) + int(count)
+            traffic[key] = summed
     return {
         "traffic": traffic,
         "steps_per_peer": sum(int(done[i]["steps"]) for i in range(n)) / n,
@@ -563,6 +622,61 @@ def part_convergence(runner: Runner, args: argparse.Namespace) -> list[dict[str,
         rows.append(row)
     if args.plot:
         _plot(args.plot, swarms, alone, T)
+    return rows
+
+
+def part_lightning(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``Trainer.fit`` with ``SwarmStrategy`` beside ``swarmavg.Optimizer`` driven directly:
+    the convergence part's swarm (``--peers``, T, E, the same seeds and evaluation), each
+    ``--lightning-repeats`` times, the two systems alternating (the machine's speed drifts)."""
+    T, E = args.target_batch_size, args.lightning_epochs
+    runs: dict[str, list[dict[str, Any]]] = {"swarmavg": [], "lightning": []}
+    for repeat in range(args.lightning_repeats):
+        order = ("swarmavg", "lightning") if repeat % 2 == 0 else ("lightning", "swarmavg")
+        for system in order:
+            runs[system].append(
+                runner.run(
+                    part="lightning",
+                    system=system,
+                    peers=args.peers,
+                    target=T,
+                    epochs=E,
+                    eval_every=args.eval_every,
+                    matchmaking_time=args.convergence_matchmaking_time,
+                    repeat=repeat,
+                )
+            )
+    rows: list[dict[str, Any]] = []
+    means: dict[str, dict[str, float]] = {}
+    for system, results in runs.items():
+        row: dict[str, Any] = {"part": "lightning", "system": system, "peers": args.peers}
+        row |= {"target_batch_size": T, "epochs": E}
+        errors = [r["error"] for r in results if "error" in r]
+        finals = [r["curve"][-1] for r in results if "error" not in r and r["curve"]]
+        if errors or len(finals) != len(results) or any(f["epoch"] < E for f in finals):
+            row["error"] = "; ".join(errors) or f"a run did not reach epoch {E}"
+            rows.append(row)
+            continue
+        losses = [f["val_loss"] for f in finals]
+        walls = [r["wall_s"] for r in results]
+        means[system] = {
+            "val_loss": sum(losses) / len(losses),
+            "wall_s": sum(walls) / len(walls),
+        }
+        row |= {
+            "val_losses": ", ".join(f"{x:.4f}" for x in losses),
+            "walls": ", ".join(f"{x:.1f}" for x in walls),
+            "val_loss": means[system]["val_loss"],
+            "wall_s": means[system]["wall_s"],
+            "samples_per_epoch_over_T": sum(f["samples"] for f in finals) / (len(finals) * E * T),
+        }
+        rows.append(row)
+    if len(means) == 2:
+        direct, light = means["swarmavg"], means["lightning"]
+        for row in rows:
+            if row["system"] == "lightning":
+                row["loss_ratio"] = light["val_loss"] / direct["val_loss"]
+                row["wall_ratio"] = light["wall_s"] / direct["wall_s"]
     return rows
 
 
@@ -765,6 +879,12 @@ def _cost(result: dict[str, Any]) -> dict[str, Any]:
             )
     row["rounds_per_peer"] = traffic.get("rounds")
     row["rounds_failed_per_peer"] = traffic.get("rounds_failed")
+    sizes = traffic.get("group_sizes")
+    if sizes:  # rounds begun by all the peers, by group size: "4:160" (4 peers x 40 rounds)
+        row["group_sizes"] = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
+    for key in ("waited", "diloco_rounds"):
+        if traffic.get(key):
+            row[key] = " ".join(f"{k}:{v}" for k, v in traffic[key].items() if v)
     return row
 
 
@@ -774,8 +894,26 @@ def part_decentralized(runner: Runner, args: argparse.Namespace) -> list[dict[st
     G, K, E = _per_step_plan(args)
     T, n = args.target_batch_size, args.peers
     swarms: dict[str, dict[str, Any]] = {}
-    for system in args.decentralized_systems:
-        swarms[system] = runner.run(
+    kinds: dict[str, str] = {}  # label -> dsgd/dadam
+    for system, compute_ms, repeat in itertools.product(
+        args.decentralized_systems, args.step_compute_ms, range(args.repeat)
+    ):
+        extra: dict[str, Any] = {}  # (only when not the defaults: the configuration names the run)
+        if compute_ms:
+            extra["step_compute_ms"] = compute_ms
+        if args.wait_for_round:
+            extra["wait_for_round"] = True
+        if repeat:
+            extra["repeat"] = repeat
+        label = _label(system) + f" p{args.averaging_steps_period}"
+        if compute_ms:
+            label += f" +{compute_ms:g} ms/step"
+        if args.wait_for_round:
+            label += " waits"
+        if repeat:
+            label += f" #{repeat + 1}"
+        kinds[label] = system
+        swarms[label] = runner.run(
             part="decentralized",
             system=system,
             peers=n,
@@ -786,34 +924,48 @@ def part_decentralized(runner: Runner, args: argparse.Namespace) -> list[dict[st
             steps_per_epoch=K,
             group_size=args.group_size or n,
             averaging_steps_period=args.averaging_steps_period,
+            **extra,
         )
-    collaborative = _collaborative(runner, args, E)
+    collaborative = (
+        _collaborative(runner, args, E)
+        if args.with_collaborative
+        else {"error": "not run (--no-collaborative)", "config": {}}
+    )
     most = max([E * T, *(r["samples"] for r in (collaborative,) if "error" not in r)])
     ref_epochs = math.ceil(most / T / args.eval_every) * args.eval_every + args.eval_every
     references = {
         optimizer: _reference(runner, args, optimizer, ref_epochs)
-        for optimizer in sorted({"adam", *("sgd" for s in swarms if s == "dsgd")})
+        for optimizer in sorted({"adam", *("sgd" for s in kinds.values() if s == "dsgd")})
     }
     collab_final = _final(collaborative, E)
     # swarmavg.Optimizer's own reference: alone with batch T (the convergence part's run)
     alone_epochs = max(E, math.ceil(most / T)) + args.eval_every
     alone_epochs = math.ceil(alone_epochs / args.eval_every) * args.eval_every
-    alone_T = runner.run(
-        part="convergence",
-        system="local",
-        peers=1,
-        target=T,
-        epochs=alone_epochs,
-        eval_every=args.eval_every,
+    alone_T = (
+        runner.run(
+            part="convergence",
+            system="local",
+            peers=1,
+            target=T,
+            epochs=alone_epochs,
+            eval_every=args.eval_every,
+        )
+        if args.with_collaborative
+        else {"error": "not run (--no-collaborative)", "config": {}}
     )
     rows: list[dict[str, Any]] = []
-    for system, swarm in [*swarms.items(), ("swarmavg", collaborative)]:
+    kinds["swarmavg.Optimizer"] = "swarmavg"
+    entries = [*swarms.items()]
+    if args.with_collaborative:
+        entries.append(("swarmavg.Optimizer", collaborative))
+    for label, swarm in entries:
+        system = kinds[label]
         optimizer = "sgd" if system == "dsgd" else "adam"
         batch = T if system == "swarmavg" else G
         reference = alone_T if system == "swarmavg" else references[optimizer]
         row: dict[str, Any] = {
             "part": "decentralized",
-            "system": _label(system),
+            "system": label,
             "peers": n,
             "global_batch": batch,
             "reference": f"alone, {optimizer}, batch {batch}",
@@ -835,12 +987,14 @@ def part_decentralized(runner: Runner, args: argparse.Namespace) -> list[dict[st
             row["collaborative_val_loss"] = collab
             row["ratio_collaborative"] = None if collab is None else final["val_loss"] / collab
         row |= _cost(swarm)
+        if system != "swarmavg" and row.get("steps_per_peer"):
+            row["rounds_asked_per_peer"] = row["steps_per_peer"] // args.averaging_steps_period
         rows.append(row)
     runner.curves["decentralized"] = {
-        **{_label(s): r for s, r in swarms.items()},
-        f"swarmavg.Optimizer, T={T}": collaborative,
+        **swarms,
+        **({f"swarmavg.Optimizer, T={T}": collaborative} if args.with_collaborative else {}),
         **{f"alone, {o}, batch {G}": r for o, r in references.items()},
-        f"alone, adam, batch {T}": alone_T,
+        **({f"alone, adam, batch {T}": alone_T} if args.with_collaborative else {}),
     }
     return rows
 
@@ -866,19 +1020,28 @@ def part_diloco(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]
     E = E0  # (the last round ends the run: all its local steps are a multiple of every H)
     while any((E * K) % H for H in args.sync_every):
         E += 1
-    outer = {  # (only when not DiLoCo's defaults: the configuration names the run)
-        key: value
-        for key, value, default in (
-            ("outer_lr", args.outer_lr, 0.7),
-            ("outer_momentum", args.outer_momentum, 0.9),
-        )
-        if value != default
-    }
+    outers: list[tuple[float, float]] = args.outer or [(args.outer_lr, args.outer_momentum)]
     configs = [(H, "none") for H in args.sync_every]
     configs += [(H, "fp16") for H in args.fp16_sync_every if H > 0]
-    runs: dict[tuple[int, str], dict[str, Any]] = {}
-    for H, compression in configs:
-        runs[H, compression] = runner.run(
+    #: (H, compression, (outer lr, momentum), repeat) -> run
+    runs: dict[tuple[int, str, tuple[float, float], int], dict[str, Any]] = {}
+    # (a data seed other than 0 counts as a repeat of its own: runs[..., repeat] keys)
+    repeats = [(seed, r) for seed in args.data_seeds for r in range(args.repeat)]
+    for (H, compression), (lr, momentum), (seed, rep_index) in itertools.product(
+        configs, outers, repeats
+    ):
+        repeat = rep_index + args.repeat * args.data_seeds.index(seed)
+        extra: dict[str, Any] = {  # (only when not the defaults: the configuration names the run)
+            key: value
+            for key, value, default in (
+                ("outer_lr", lr, 0.7),
+                ("outer_momentum", momentum, 0.9),
+                ("repeat", rep_index, 0),
+                ("data_seed", seed, 0),
+            )
+            if value != default
+        }
+        runs[H, compression, (lr, momentum), repeat] = runner.run(
             part="diloco",
             system="diloco",
             peers=n,
@@ -891,16 +1054,27 @@ def part_diloco(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]
             compression=compression,
             stagger=DILOCO_STAGGER,
             go_delay=DILOCO_GO_DELAY,
-            **outer,
+            **extra,
         )
     ref_epochs = math.ceil(E / args.eval_every) * args.eval_every + args.eval_every
     reference = _reference(runner, args, "adam", ref_epochs)
+
+    def label(H: int, compression: str, outer: tuple[float, float], repeat: int) -> str:
+        text = _label("diloco", H, compression)
+        if len(outers) > 1 or outer != (0.7, 0.9):
+            text += f" outer {outer[0]:g}/{outer[1]:g}"
+        seed = args.data_seeds[repeat // args.repeat]
+        text += f" seed {seed}" if seed else ""
+        return text + (f" #{repeat % args.repeat + 1}" if repeat % args.repeat else "")
+
     rows: list[dict[str, Any]] = []
-    for (H, compression), run in runs.items():
+    for (H, compression, outer, repeat), run in runs.items():
         row: dict[str, Any] = {
             "part": "diloco",
-            "system": _label("diloco", H, compression),
+            "system": label(H, compression, outer, repeat),
             "sync_every": H,
+            "outer_lr": outer[0],
+            "outer_momentum": outer[1],
             "compression": compression,
             "peers": n,
             "global_batch": G,
@@ -924,13 +1098,17 @@ def part_diloco(runner: Runner, args: argparse.Namespace) -> list[dict[str, Any]
             row["steps_per_round"] = row["steps_per_peer"] / rounds
             # what averaging the same tensors after every local step would send
             row["mb_per_step_averaging"] = sent / rounds * row["steps_per_peer"]
-        if compression != "none" and (H, "none") in runs:
-            fp32 = _final(runs[H, "none"], E)
+        if compression != "none" and (H, "none", outer, repeat) in runs:
+            fp32 = _final(runs[H, "none", outer, repeat], E)
             if fp32 is not None:
                 row["vs_fp32"] = final["val_loss"] / fp32["val_loss"] - 1
+        if repeat:  # the run-to-run noise: the same configuration's first run
+            first = _final(runs[H, compression, outer, 0], E)
+            if first is not None:
+                row["vs_first_run"] = final["val_loss"] / first["val_loss"] - 1
         rows.append(row)
     runner.curves["diloco"] = {
-        **{_label("diloco", H, c): r for (H, c), r in runs.items()},
+        **{label(*key): r for key, r in runs.items()},
         f"alone, adam, batch {G}": reference,
     }
     return rows
@@ -1015,6 +1193,25 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 ("alone s", "alone_wall_s"),
             ],
         )
+    light = [r for r in rows if r["part"] == "lightning"]
+    if light:
+        _table(
+            f"Lightning: {args.peers} peers, T={args.target_batch_size}, "
+            f"E={args.lightning_epochs}, Trainer.fit with SwarmStrategy vs swarmavg.Optimizer "
+            f"directly, {args.lightning_repeats} runs each, means (goals: val loss within "
+            f"{GOAL_LIGHTNING_LOSS:.0%}, wall-clock <= {1 + GOAL_LIGHTNING_WALL:.2f}x)",
+            light,
+            [
+                ("system", "system"),
+                ("val loss", "val_loss"),
+                ("each run", "val_losses"),
+                ("wall s", "wall_s"),
+                ("each run (s)", "walls"),
+                ("samples/epoch / T", "samples_per_epoch_over_T"),
+                ("loss ratio", "loss_ratio"),
+                ("wall ratio", "wall_ratio"),
+            ],
+        )
     speed = [r for r in rows if r["part"] == "speed"]
     if speed:
         _table(
@@ -1082,6 +1279,7 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 ("alone, same samples", "reference_val_loss"),
                 ("ratio", "ratio"),
                 ("fp16 vs fp32", "vs_fp32"),
+                ("vs run 1", "vs_first_run"),
                 ("steps/peer", "steps_per_peer"),
                 ("rounds/peer", "rounds_per_peer"),
                 ("steps/round", "steps_per_round"),
@@ -1104,10 +1302,28 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 ("MB sent/peer", "mb_sent_per_peer"),
                 ("MB received/peer", "mb_received_per_peer"),
                 ("all-reduce rounds/peer", "rounds_per_peer"),
+                ("asked/peer", "rounds_asked_per_peer"),
+                ("group sizes (all peers)", "group_sizes"),
+                ("waited", "waited"),
+                ("DiLoCo rounds (all peers)", "diloco_rounds"),
                 ("failed/peer", "rounds_failed_per_peer"),
                 ("state MB/peer", "mb_state_per_peer"),
             ],
         )
+
+
+def _parse_outer(text: str) -> list[tuple[float, float]]:
+    """``lr:momentum,...`` -> ``[(lr, momentum), ...]``."""
+    pairs: list[tuple[float, float]] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        lr, sep, momentum = item.partition(":")
+        try:
+            pairs.append((float(lr), float(momentum) if sep else 0.9))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"lr:momentum pairs, not {item!r}") from None
+    if not pairs:
+        raise argparse.ArgumentTypeError("an empty list")
+    return pairs
 
 
 def _parse_list(kind: type, choices: tuple[str, ...] = ()) -> Any:
@@ -1122,7 +1338,7 @@ def _parse_list(kind: type, choices: tuple[str, ...] = ()) -> Any:
     return parse
 
 
-PARTS = ("convergence", "speed", "overhead", "decentralized", "diloco")
+PARTS = ("convergence", "speed", "overhead", "decentralized", "diloco", "lightning")
 #: what runs without --parts (the parts of issue 23)
 DEFAULT_PARTS = ("convergence", "speed", "overhead")
 SYSTEMS = ("swarmavg", "hivemind")
@@ -1182,9 +1398,71 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD")
     group.add_argument("--outer-momentum", type=float, default=0.9, help="(Nesterov)")
     group.add_argument(
+        "--outer",
+        type=_parse_outer,
+        help="DiLoCo: outer SGD settings to run, lr:momentum,... (e.g. 0.7:0.9,1:0); "
+        "default --outer-lr:--outer-momentum",
+    )
+    group.add_argument(
+        "--samples",
+        type=int,
+        help="the sample budget of all peers (sets --decentralized-epochs to samples / T)",
+    )
+    group.add_argument(
+        "--repeat", type=int, default=1, help="run each decentralized/diloco config N times"
+    )
+    group.add_argument(
+        "--step-compute-ms",
+        type=_parse_list(float),
+        default=[0.0],
+        help="dsgd/dadam: ms of sleep per step standing for a bigger model's compute (a list)",
+    )
+    group.add_argument(
+        "--wait-for-round",
+        action="store_true",
+        help="dsgd/dadam: each step that asks for a round waits until it is written",
+    )
+    group.add_argument(
+        "--no-collaborative",
+        dest="with_collaborative",
+        action="store_false",
+        help="decentralized: leave swarmavg.Optimizer and its reference out",
+    )
+    parser.add_argument(
+        "--ordered-reduction",
+        action="store_true",
+        help="diagnostic: swarmavg peers sum each part's values in member order, not in "
+        "arrival order (see the peer script)",
+    )
+    group.add_argument(
+        "--data-seeds",
+        type=_parse_list(int),
+        default=[0],
+        help="diloco: run each configuration with each of these data seeds (the peers' "
+        "batches; the reference keeps seed 0)",
+    )
+    parser.add_argument(
+        "--identity-seed",
+        type=int,
+        default=0,
+        help="swarmavg peers get PeerIDs derived from this seed (the same member order, hence "
+        "the same all-reduce plan, in every run); -1: random ones",
+    )
+    group.add_argument(
         "--plot-decentralized", type=Path, default=Path("optimizer-decentralized.png")
     )
+    group = parser.add_argument_group("lightning part (issue 27)")
+    group.add_argument("--lightning-epochs", type=int, help="E: default 100 (--quick 20)")
+    group.add_argument("--lightning-repeats", type=int, default=2, help="runs of each system")
     args = parser.parse_args(argv)
+    if args.samples is not None:
+        if args.decentralized_epochs is not None:
+            parser.error("give --samples or --decentralized-epochs, not both")
+        args.decentralized_epochs = max(1, round(args.samples / args.target_batch_size))
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    if args.lightning_epochs is None:
+        args.lightning_epochs = 20 if args.quick else 100
     if args.decentralized_epochs is None:
         args.decentralized_epochs = 25 if args.quick else 100
     if args.convergence_epochs is None:
@@ -1203,6 +1481,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers < 2 or args.target_batch_size < 1 or args.batch_size < 1:
         parser.error("--peers must be >= 2, --target-batch-size and --batch-size >= 1")
     if min(args.eval_every, args.convergence_epochs, args.speed_epochs, args.overhead_epochs) < 1:
+        parser.error("--eval-every and the --*-epochs must be >= 1")
+    if min(args.lightning_epochs, args.lightning_repeats) < 1:
         parser.error("--eval-every and the --*-epochs must be >= 1")
     if args.logs is None:
         args.logs = Path(tempfile.mkdtemp(prefix="swarmavg-optimizer-bench-"))
@@ -1233,6 +1513,8 @@ def _main(args: argparse.Namespace) -> int:
             rows += part_decentralized(runner, args)
         if "diloco" in args.parts:
             rows += part_diloco(runner, args)
+        if "lightning" in args.parts:
+            rows += part_lightning(runner, args)
     except KeyboardInterrupt:  # every process was stopped on the way out
         _progress("interrupted")
         return 130

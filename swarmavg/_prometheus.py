@@ -245,22 +245,20 @@ def _optimizer_families(m: OptimizerMetrics) -> Iterator[Any]:
     )
     averaged.add_metric(labels, m.epochs_averaged)
     yield averaged
-    local = core.CounterMetricFamily(
+    yield _counter_by(
         "swarmavg_optimizer_epochs_local",
         "epochs stepped on this peer's own gradients, by reason",
-        labels=["run_id", "reason"],
+        m.run_id,
+        "reason",
+        m.local_epochs_by_reason(),
     )
-    for reason, count in m.local_epochs_by_reason().items():
-        local.add_metric([m.run_id, reason], count)
-    yield local
-    loads = core.CounterMetricFamily(
+    yield _counter_by(
         "swarmavg_optimizer_state_loads",
         "load_state_from_peers() calls, by outcome",
-        labels=["run_id", "outcome"],
+        m.run_id,
+        "outcome",
+        {"succeeded": m.state_loads, "failed": m.state_load_failures},
     )
-    loads.add_metric([m.run_id, "succeeded"], m.state_loads)
-    loads.add_metric([m.run_id, "failed"], m.state_load_failures)
-    yield loads
 
 
 def _diloco_families(m: DiLoCoMetrics) -> Iterator[Any]:
@@ -275,15 +273,13 @@ def _diloco_families(m: DiLoCoMetrics) -> Iterator[Any]:
         gauge = core.GaugeMetricFamily(f"swarmavg_diloco_{name}", doc, labels=["run_id"])
         gauge.add_metric(labels, value)
         yield gauge
-    rounds = core.CounterMetricFamily(
+    yield _counter_by(
         "swarmavg_diloco_rounds",
         "rounds, by outcome (averaged, alone, failed)",
-        labels=["run_id", "outcome"],
+        m.run_id,
+        "outcome",
+        {"averaged": m.rounds_averaged, "alone": m.rounds_alone, "failed": m.rounds_failed},
     )
-    rounds.add_metric([m.run_id, "averaged"], m.rounds_averaged)
-    rounds.add_metric([m.run_id, "alone"], m.rounds_alone)
-    rounds.add_metric([m.run_id, "failed"], m.rounds_failed)
-    yield rounds
     diverged = core.CounterMetricFamily(
         "swarmavg_diloco_rounds_diverged",
         "failed rounds where this peer held another theta_global than the reference",
@@ -291,11 +287,19 @@ def _diloco_families(m: DiLoCoMetrics) -> Iterator[Any]:
     )
     diverged.add_metric(labels, m.rounds_diverged)
     yield diverged
-    loads = core.CounterMetricFamily(
+    yield _counter_by(
         "swarmavg_diloco_state_loads",
         "downloads of theta_global and the outer state, by outcome",
-        labels=["run_id", "outcome"],
+        m.run_id,
+        "outcome",
+        {"succeeded": m.state_loads, "failed": m.state_load_failures},
     )
-    loads.add_metric([m.run_id, "succeeded"], m.state_loads)
-    loads.add_metric([m.run_id, "failed"], m.state_load_failures)
-    yield loads
+
+
+def _counter_by(name: str, doc: str, run_id: str, label: str, counts: dict[str, int]) -> Any:
+    """A counter family of one run, one sample per value of ``label``."""
+    core = importlib.import_module("prometheus_client.core")
+    family = core.CounterMetricFamily(name, doc, labels=["run_id", label])
+    for value, count in counts.items():
+        family.add_metric([run_id, value], count)
+    return family

@@ -1,7 +1,9 @@
 """``benchmarks/optimizer.py`` and its peer script: a process training alone reports its epochs
 and learns; two ``swarmavg.Optimizer`` peers finish their epochs; two peers of
 ``DecentralizedSGD``, ``DecentralizedAdam`` and ``DiLoCo`` (``--system dsgd|dadam|diloco``)
-finish theirs, average and report their traffic; the convergence figure's interpolation."""
+finish theirs, average and report their traffic and group sizes (with ``--wait-for-round`` and
+``--step-compute-ms`` too); the convergence figure's interpolation; the diagnostic ordered
+reduction sums in member order whatever the arrival order; ``--outer`` pairs."""
 
 from __future__ import annotations
 
@@ -116,6 +118,7 @@ def test_two_peers_of_each_parameter_averaging_system(
         verbose=False,
         hivemind_python="/nonexistent",
         logs=tmp_path,
+        identity_seed=7,
     )
     config = {
         "name": system,
@@ -130,8 +133,13 @@ def test_two_peers_of_each_parameter_averaging_system(
     }
     if system == "diloco":
         config |= {"sync_every": 2, "compression": "fp16", "go_delay": 2.0}
-    else:
-        config |= {"group_size": 2, "averaging_steps_period": 2}
+    else:  # (every round waited for: the same PeerIDs, 2 rounds per 2-step epoch of 2 peers)
+        config |= {
+            "group_size": 2,
+            "averaging_steps_period": 2,
+            "wait_for_round": True,
+            "step_compute_ms": 1.0,
+        }
     result = bench.run_config(args, config)
     assert result["epochs_reached"] == 3
     assert not result["timed_out"]
@@ -142,6 +150,14 @@ def test_two_peers_of_each_parameter_averaging_system(
     traffic = result["traffic"]
     assert traffic["rounds"] >= 1
     assert traffic["bytes_sent"] > 0
+    # rounds begun, by group size, summed over both peers (a round alone is not averaged)
+    assert set(traffic["group_sizes"]) <= {"1", "2"}
+    assert sum(traffic["group_sizes"].values()) >= 2 * traffic["rounds"]
+    if system == "diloco":
+        assert "waited" not in traffic
+    else:  # 3 rounds asked for (steps 2, 4, 6) and waited for by each peer
+        assert sum(traffic["waited"].values()) == 2 * 3
+        assert traffic["waited"].get("none", 0) == 0
 
 
 def test_interpolate(load_benchmark: Callable[[str], ModuleType]) -> None:
@@ -154,3 +170,63 @@ def test_interpolate(load_benchmark: Callable[[str], ModuleType]) -> None:
     assert bench._interpolate(curve, 150) == pytest.approx(2.5)
     assert bench._interpolate(curve, 100) == pytest.approx(3.0)
     assert bench._interpolate(curve, 250) is None
+
+
+def test_ordered_reduction_sums_in_member_order() -> None:
+    """The peer script's diagnostic ``--ordered-reduction``: a part's float32 mean is the same
+    to the last bit whatever order its senders' values arrive in (the library sums in arrival
+    order, which is not associative), and equals summing in member order."""
+    import numpy as np
+
+    sys.path.insert(0, str(PEER.parent))
+    try:
+        import _optimizer_peer as peer_script
+    finally:
+        sys.path.remove(str(PEER.parent))
+    from swarmavg.proto import allreduce
+
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(257).astype(np.float32) * 10.0**k for k in range(-3, 1)]
+
+    def reduce(order: list[int]) -> bytes:
+        reducer = allreduce.PartReducer(257, "float32", range(4))
+        for sender in order:
+            reducer.add(sender, values[sender], 1.0)
+        assert reducer.done
+        mean = reducer.result()
+        assert mean is not None
+        return mean.tobytes()
+
+    orders = [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]]
+    original = (allreduce.PartReducer.add, allreduce.PartReducer.add_nothing)
+    unordered = {reduce(order) for order in orders}
+    assert len(unordered) > 1  # (else this test shows nothing)
+    try:
+        peer_script._order_reductions()
+        ordered = {reduce(order) for order in orders}
+        # one sender sends nothing (weight 0, as a dropped one): the others still sum in order
+        reducer = allreduce.PartReducer(257, "float32", range(4))
+        reducer.add(2, values[2], 1.0)
+        reducer.add(0, values[0], 1.0)
+        reducer.add(1, values[1], 1.0)
+        reducer.add_nothing(3)
+        partial = reducer.result()
+    finally:
+        allreduce.PartReducer.add, allreduce.PartReducer.add_nothing = original
+    assert ordered == {reduce([0, 1, 2, 3])}
+    assert partial is not None
+    expected = allreduce.PartReducer(257, "float32", range(3))
+    for sender in range(3):
+        expected.add(sender, values[sender], 1.0)
+    expected_mean = expected.result()
+    assert expected_mean is not None
+    assert partial.tobytes() == expected_mean.tobytes()
+
+
+def test_parse_outer(load_benchmark: Callable[[str], ModuleType]) -> None:
+    bench = load_benchmark("optimizer.py")
+    assert bench._parse_outer("0.7:0.9, 1:0,1.5") == [(0.7, 0.9), (1.0, 0.0), (1.5, 0.9)]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench._parse_outer("fast:0")
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench._parse_outer(",")

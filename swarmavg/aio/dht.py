@@ -9,8 +9,9 @@ PeerID, and client-mode callers (no sender info) never enter the routing table.
 
 :class:`DHTNode` is the asking half: bootstrap, iterative lookups (:mod:`swarmavg.proto.lookup`),
 replicated stores, gets that merge what replicas hold, a local cache, and the upkeep tasks
-(pinging least recently seen peers, refreshing buckets). The facades ``swarmavg.aio.DHT`` and
-``swarmavg.DHT`` wrap it.
+(pinging least recently seen peers, refreshing buckets, rejoining through the initial peers and
+the peers dropped for failures while the routing table is small). The facades
+``swarmavg.aio.DHT`` and ``swarmavg.DHT`` wrap it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeAlias, TypeVar
 
@@ -80,6 +81,17 @@ _MAX_ENTRIES: Final = 4096
 
 #: Addresses of peers named in answers (not yet proven) kept for dialing them.
 _MAX_HINTS: Final = 4096
+
+#: Rejoining (:meth:`DHTNode._rejoin`): below this many peers in the routing table (or ``k``),
+#: the initial peers and the peers dropped for failures that are not in it are pinged again,
+#: the first time this many seconds after the table became small, then with the delay doubled
+#: after each try that reached nobody, up to the maximum (back to the first once one answers).
+_REJOIN_BELOW: Final = 10
+_REJOIN_FIRST: Final = 1.0
+_REJOIN_MAX: Final = 10.0
+#: Peers dropped for failures remembered for rejoining (the most recent), and for how long.
+_MAX_DROPPED: Final = 64
+_DROPPED_MEMORY: Final = 3600.0
 
 R = TypeVar("R", bound=Message)
 #: What one query of a lookup learned: the peers the answer named, and whether it held a value.
@@ -456,6 +468,8 @@ class DHTNode:
         self.cache: LocalStorage | None = LocalStorage(cache_size) if cache_locally else None
         self.clock = clock
         self._hints: dict[PeerID, list[Address]] = {}  # addresses answers named (unproven)
+        #: peers dropped for failures, to rejoin through: peer -> (its address, DHT time)
+        self._dropped: OrderedDict[PeerID, tuple[Address, float]] = OrderedDict()
         self._tasks: list[BackgroundTask] = []  # our upkeep tasks (run by the node)
         self._started = False
         self._wake_pinger: anyio.Event | None = None
@@ -493,6 +507,7 @@ class DHTNode:
         self._tasks.append(spawn(self._ping_stale_peers, name="dht: ping least recently seen"))
         if self.refresh_period is not None:
             self._tasks.append(spawn(self._refresh_buckets, name="dht: refresh buckets"))
+        self._tasks.append(spawn(self._rejoin, name="dht: rejoin"))
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -581,6 +596,12 @@ class DHTNode:
 
     def _failed(self, peer: PeerID, why: object) -> None:
         logger.debug("DHT peer %s failed: %s", peer.short(), why)
+        address = self._address_of(peer)
+        if address is not None and peer in self.protocol.routing:
+            self._dropped.pop(peer, None)
+            self._dropped[peer] = (address, self.clock())
+            while len(self._dropped) > _MAX_DROPPED:
+                self._dropped.popitem(last=False)
         self.protocol.forget(peer)
         self._hints.pop(peer, None)
 
@@ -618,6 +639,74 @@ class DHTNode:
                 target = routing.random_id_in(bucket)
                 logger.debug("refreshing a bucket of %d peers", len(bucket))
                 await self.find_peers(target)
+
+    async def _rejoin(self) -> None:
+        """Every :data:`_REJOIN_FIRST` seconds, while the routing table holds fewer than
+        :data:`_REJOIN_BELOW` (or ``k``) peers, ping the initial peers and the peers dropped
+        for failures (within :data:`_DROPPED_MEMORY`) that are not in it; those that answer
+        are taken back (their bans lifted), and a lookup of our own id refills the table from
+        them. A try that reached nobody doubles the delay to the next, up to
+        :data:`_REJOIN_MAX`. A node cut off for a while (every request failing, every peer
+        dropped, as the others dropped it) finds its way back by itself once its link is."""
+        delay = _REJOIN_FIRST
+        while True:
+            await anyio.sleep(delay)
+            if len(self.protocol.routing) >= min(_REJOIN_BELOW, self.k):
+                delay = _REJOIN_FIRST
+                continue
+            candidates = self._rejoin_candidates()
+            if not candidates:
+                delay = _REJOIN_FIRST
+                continue
+            if await self._rejoin_through(candidates):
+                delay = _REJOIN_FIRST
+            else:
+                delay = min(2 * delay, _REJOIN_MAX)
+
+    def _rejoin_candidates(self) -> list[Address]:
+        """Where to rejoin through: one address of each initial peer and remembered dropped
+        peer that is not in the routing table."""
+        routing = self.protocol.routing
+        since = self.clock() - _DROPPED_MEMORY
+        while self._dropped and next(iter(self._dropped.values()))[1] < since:
+            self._dropped.popitem(last=False)
+        found: dict[PeerID, Address] = {}
+        for address in (*self.initial_peers, *(a for a, _ in self._dropped.values())):
+            peer = address.peer_id
+            if peer is not None and peer != self.peer_id and peer not in routing:
+                found.setdefault(peer, address)
+        return list(found.values())
+
+    async def _rejoin_through(self, candidates: list[Address]) -> bool:
+        """Ping ``candidates`` at once (each within ``request_timeout``); if any answered,
+        look up our own id. Whether any answered."""
+        answered: list[Address] = []
+        before = len(self.protocol.routing)
+
+        async def ping(address: Address) -> None:
+            try:
+                await self._ping(address)
+            except (SwarmError, OSError, TimeoutError, ValueError) as exc:
+                logger.debug("rejoin: %s did not answer: %s", address, exc)
+                return
+            answered.append(address)
+
+        async with anyio.create_task_group() as tg:
+            for address in candidates:
+                tg.start_soon(ping, address)
+        if not answered:
+            return False
+        logger.info(
+            "rejoining the DHT (%d peers in the routing table): %d of %d known peers answered",
+            before,
+            len(answered),
+            len(candidates),
+        )
+        for address in answered:
+            assert address.peer_id is not None
+            self._dropped.pop(address.peer_id, None)
+        await self.find_peers(node_id(self.peer_id))
+        return True
 
     # -- asking ----------------------------------------------------------------------------------
 

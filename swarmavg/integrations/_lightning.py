@@ -169,6 +169,98 @@ class _EpochScheduler:
         return getattr(self.scheduler, name)
 
 
+#: ``sync_metrics``: the most metrics a peer shares with each round, and their longest name
+_MAX_SYNCED_METRICS = 32
+_MAX_METRIC_NAME = 100
+#: the key of the metrics in a gradient round's gathered metadata
+_GATHER_KEY = "lightning_metrics"
+#: what ``reduce`` is asked for: a value logged at a step (``self.log`` is on the stack), or at
+#: an epoch's end the weighted sum of a metric (``epoch``) and of a mean's batch sizes (``count``)
+_KINDS = ("step", "epoch", "count")
+_REDUCE_OPS = ("mean", "avg", "sum", "max", "min")
+
+
+class _MetricKey:
+    """The ``sync_dist_group`` that ``self.log(name, ..., sync_dist=True)`` gets under
+    ``sync_metrics``: Lightning passes it to ``reduce`` with each value of that metric (at its
+    steps and at its epoch's end), so ``reduce`` knows which metric it reduces. Equal by name
+    (Lightning compares a metric's options at each ``log``); not a dataclass (Lightning's
+    ``apply_to_collection`` would try to rebuild it)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MetricKey) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash((_MetricKey, self.name))
+
+    def __repr__(self) -> str:
+        return f"_MetricKey({self.name!r})"
+
+
+class _SwarmMetrics:
+    """``sync_metrics``' bookkeeping (no torch, no I/O): this peer's last value of each metric
+    it logged with ``sync_dist=True``, what it shares with a gradient round (:meth:`payload`),
+    the other members' values from the last round that completed (:meth:`update`), and their
+    reduction (:meth:`reduce`)."""
+
+    def __init__(self) -> None:
+        self.local: dict[str, dict[str, float]] = {kind: {} for kind in _KINDS}
+        self.others: list[dict[str, dict[str, float]]] = []
+
+    def payload(self) -> dict[str, Any]:
+        """What this peer gathers to a round: its last value of each metric."""
+        return {_GATHER_KEY: {kind: dict(values) for kind, values in self.local.items()}}
+
+    def update(self, gathered: Mapping[Any, Any], me: Any) -> None:
+        """The other members' values from a round's gathered metadata (``me``: this peer's
+        key there). A member whose metadata is malformed is left out; values that are not
+        finite numbers, and names unknown here, are dropped."""
+        others: list[dict[str, dict[str, float]]] = []
+        for peer, value in gathered.items():
+            if peer == me or not isinstance(value, Mapping):
+                continue
+            shared = value.get(_GATHER_KEY)
+            if not isinstance(shared, Mapping):
+                continue
+            member: dict[str, dict[str, float]] = {}
+            for kind in _KINDS:
+                values = shared.get(kind)
+                if not isinstance(values, Mapping):
+                    continue
+                member[kind] = {
+                    name: float(number)
+                    for name, number in list(values.items())[:_MAX_SYNCED_METRICS]
+                    if isinstance(name, str)
+                    and isinstance(number, int | float)
+                    and not isinstance(number, bool)
+                    and math.isfinite(number)
+                }
+            others.append(member)
+        self.others = others
+
+    def reduce(self, kind: str, name: str, value: float, op: str) -> float:
+        """``value`` (this peer's now) reduced by ``op`` with the other members' last values of
+        the same metric (those that have one); records ``value`` as this peer's."""
+        values = self.local[kind]
+        if name in values or (len(values) < _MAX_SYNCED_METRICS and len(name) <= _MAX_METRIC_NAME):
+            values[name] = value
+        numbers = [value]
+        for member in self.others:
+            number = member.get(kind, {}).get(name)
+            if number is not None:
+                numbers.append(number)
+        if op in ("mean", "avg"):
+            return math.fsum(numbers) / len(numbers)
+        if op == "sum":
+            return math.fsum(numbers)
+        return max(numbers) if op == "max" else min(numbers)
+
+
 class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
     """Train with a swarm of peers through :class:`swarmavg.Optimizer` (lightning-Hivemind's
     ``HivemindStrategy``; same parameters). Each process is one peer with one device; peers
@@ -181,10 +273,10 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
 
     The DHT starts when ``fit`` begins (``setup``); at the first training batch the optimizer
     of ``configure_optimizers`` is wrapped in a :class:`swarmavg.Optimizer` and its LR
-    scheduler is stepped by swarm epoch. ``self.log(..., sync_dist=True)``, ``barrier``,
-    ``broadcast`` and ``all_gather`` stay local (a swarm has no fixed world); every peer is
-    rank 0 and writes its own checkpoints and logs. The strategy logs ``swarm/local_epoch`` and
-    ``swarm/num_peers`` at each optimizer step.
+    scheduler is stepped by swarm epoch. ``self.log(..., sync_dist=True)`` (unless
+    ``sync_metrics``), ``barrier``, ``broadcast`` and ``all_gather`` stay local (a swarm has no
+    fixed world); every peer is rank 0 and writes its own checkpoints and logs. The strategy
+    logs ``swarm/local_epoch`` and ``swarm/num_peers`` at each optimizer step.
 
     :param target_batch_size: samples per epoch (one optimizer step of the swarm), over all
         peers.
@@ -214,6 +306,10 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
         ``host_maddrs``, ``initial_peers``, ``transport`` and ``identity_path`` must be unset.
     :param transport: the DHT's transport (``"tcp"``, ``"quic"``; default swarmavg.DHT's).
     :param identity_path: a file holding this peer's identity (made if missing).
+    :param sync_metrics: ``self.log(..., sync_dist=True)`` logs the metric's mean (or its
+        ``reduce_fx``) over this peer's value and the values the other peers of the last
+        gradient round that completed shared in it (their last ones then); it never waits for
+        a peer. Default: local values, as every collective.
     :param optimizer_kwargs: more keyword arguments of :class:`swarmavg.Optimizer` (e.g.
         ``grad_compression``, ``average_state_every``).
     :raises TypeError: an argument of the wrong type, an unknown keyword argument, or one of
@@ -249,6 +345,7 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
         dht: DHT | None = None,
         transport: str | None = None,
         identity_path: str | os.PathLike[str] | None = None,
+        sync_metrics: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         from swarmavg.dht import DHT as SyncDHT
@@ -263,6 +360,7 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
             ("delay_grad_averaging", delay_grad_averaging),
             ("reuse_grad_buffers", reuse_grad_buffers),
             ("verbose", verbose),
+            ("sync_metrics", sync_metrics),
         ):
             _flag(name, flag)
         _flag("delay_optimizer_step", delay_optimizer_step, optional=True)
@@ -362,7 +460,12 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
         self._swarm_optimizer: SwarmOptimizer | None = None
         self._inferred_batch_size: int | None = None
         self._pending_samples = 0
-        self._zero_grad_saved: Any = _MISSING
+        self._zero_grad_saved: Any = None
+        self._sync_metrics = sync_metrics
+        self._metrics = _SwarmMetrics()
+        self._metrics_gathered: Any = None  # (the gathered dict self._metrics was updated from)
+        self._log_saved: Any = None
+        self._logging = 0  # (inside the LightningModule's log(): a step's value)
         self._restored_optimizer_states: list[dict[str, Any]] | None = None
 
     # -- configuration ---------------------------------------------------------------------------
@@ -433,13 +536,78 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
     def is_global_zero(self) -> bool:
         return True
 
+    @property
+    def is_distributed(self) -> bool:
+        """Whether Lightning should sync what it asks to: only a ``self.log(...,
+        sync_dist=True)`` under ``sync_metrics`` while it runs (Lightning keeps ``sync_dist``
+        only when this is true; at any other time, e.g. when it prepares data loaders, a
+        swarm is not a distributed world of fixed ranks)."""
+        return self._logging > 0
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """This peer's value (local: a swarm has no fixed set of ranks to reduce over)."""
-        return tensor
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """This peer's value (local: a swarm has no fixed set of ranks to reduce over); with
+        ``sync_metrics``, a metric of ``self.log(..., sync_dist=True)`` reduced with the other
+        peers' values from the last gradient round (:class:`_SwarmMetrics`), at once."""
+        if not (
+            self._sync_metrics
+            and isinstance(group, _MetricKey)
+            and isinstance(tensor, torch.Tensor)
+            and tensor.numel() == 1
+        ):
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
+        if op not in _REDUCE_OPS:
+            return tensor
+        # (a mean at an epoch's end is reduced as a sum of values, then of batch sizes)
+        kind = ("step" if self._logging else "epoch") if tensor.is_floating_point() else "count"
+        self._refresh_metrics()
+        value = self._metrics.reduce(kind, group.name, float(tensor.item()), op)
+        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
+        return torch.tensor(value, dtype=dtype, device=tensor.device).reshape(tensor.shape)
+
+    def _refresh_metrics(self) -> None:
+        """The other peers' metrics from the last gradient round, once per round."""
+        swarm = self._swarm_optimizer
+        if swarm is None or swarm.grad_averager is None:
+            return
+        gathered = swarm.last_grad_gathered
+        if gathered is not self._metrics_gathered:
+            self._metrics_gathered = gathered
+            self._metrics.update(gathered, swarm.grad_averager.peer_id)
+
+    def _wrap_log(self) -> None:
+        """``sync_metrics``: the LightningModule's ``log`` passes a :class:`_MetricKey` as the
+        ``sync_dist_group`` of each metric logged with ``sync_dist=True`` (restored at
+        teardown)."""
+        module = self.lightning_module
+        if module is None or self._log_saved is not None:
+            return
+        original = module.log
+        signature = inspect.signature(original)
+        strategy = self
+
+        @functools.wraps(original)
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:  # (options given by position)
+                bound = signature.bind(name, value, *args, **kwargs)
+                name, value = bound.arguments.pop("name"), bound.arguments.pop("value")
+                kwargs = dict(bound.arguments)
+            if not kwargs.get("sync_dist"):
+                original(name, value, **kwargs)
+                return
+            kwargs["sync_dist_group"] = _MetricKey(name)
+            strategy._logging += 1
+            try:
+                original(name, value, **kwargs)
+            finally:
+                strategy._logging -= 1
+
+        self._log_saved = module.__dict__.get("log", _MISSING)
+        module.log = log
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
@@ -489,6 +657,8 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
             return
         self._install_grad_scaler()
         self._start_dht()
+        if self._sync_metrics:
+            self._wrap_log()
 
     def _install_grad_scaler(self) -> None:
         """Float16 AMP (``precision="16-mixed"``): swap the precision plugin's torch scaler for
@@ -659,6 +829,8 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
             raise
         self._restored_optimizer_states = None
         self._swarm_optimizer = swarm
+        if self._sync_metrics:
+            swarm.grad_gather = self._metrics.payload
         for config in configs:
             # (re-created optimizer without scheduler_fn: the scheduler is bound to the
             # configured optimizer, which no longer trains; it stays as it is)
@@ -682,6 +854,16 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
             )
         self._zero_grad_saved = module.__dict__.get("optimizer_zero_grad", _MISSING)
         module.optimizer_zero_grad = None
+
+    def _restore_log(self) -> None:
+        module = self.lightning_module
+        if module is None or self._log_saved is None:
+            return
+        if self._log_saved is _MISSING:
+            module.__dict__.pop("log", None)
+        else:
+            module.log = self._log_saved
+        self._log_saved = None
 
     def _restore_zero_grad(self) -> None:
         module = self.lightning_module
@@ -752,12 +934,15 @@ class _SwarmStrategy(_StrategyBase):  # type: ignore[misc]
         the DHT if the strategy started it; the strategy can ``fit`` again."""
         try:
             self._restore_zero_grad()
+            self._restore_log()
             if self._swarm_optimizer is not None:
                 self._swarm_optimizer.shutdown()
         finally:
             self._swarm_optimizer = None
             self._pending_samples = 0
             self._inferred_batch_size = None
+            self._metrics = _SwarmMetrics()
+            self._metrics_gathered = None
             if self._owns_dht and self.dht is not None:
                 logger.debug("%s: shutting the DHT down", self._run_id)
                 self.dht.shutdown()

@@ -359,6 +359,15 @@ class Optimizer(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True
         #: what the last epoch's rounds did (see :meth:`_log_epoch`)
         self.last_epoch_info: dict[str, Any] = {}
+        #: ``callable() -> value``: called when a gradient round of this peer begins looking
+        #: for a group; the value (msgpack-serializable, a few hundred bytes at most) is
+        #: shared with that round's group (its ``gather``). ``None``: nothing is shared.
+        #: Exceptions it raises are logged and nothing is shared then.
+        self.grad_gather: Callable[[], Any] | None = None
+        #: what each member of the last gradient round that completed shared through
+        #: :attr:`grad_gather` (this peer included): PeerID -> value as it arrived (untrusted:
+        #: check it before use). Empty before the first such round.
+        self.last_grad_gathered: dict[Any, Any] = {}
         self._epoch_started = time.perf_counter()
         self._counter = OptimizerCounter(run_id)
 
@@ -738,7 +747,7 @@ class Optimizer(torch.optim.Optimizer):
                     # of its own and says why that failed.)
                     with contextlib.suppress(Exception):
                         self.scheduled_grads = self.grad_averager.schedule_step(
-                            timeout=self.averaging_timeout
+                            timeout=self.averaging_timeout, gather=self._grad_gather()
                         )
                 alone = self.tracker.global_progress.num_peers <= 1
                 began = self._begin_averaging_gradients(grad_scaler)
@@ -859,8 +868,11 @@ class Optimizer(torch.optim.Optimizer):
         if self.tracker.global_progress.num_peers > 1:
             try:
                 self._expect_peers(self.grad_averager)
+                options = (
+                    {} if self.scheduled_grads is not None else {"gather": self._grad_gather()}
+                )
                 self.scheduled_grads = self.grad_averager.step(
-                    control=self.scheduled_grads, reset_accumulators=True, wait=False
+                    control=self.scheduled_grads, reset_accumulators=True, wait=False, **options
                 )
                 began = True
             except Exception as exc:
@@ -887,6 +899,8 @@ class Optimizer(torch.optim.Optimizer):
         try:
             if handle is not None:
                 result = handle.result(self.averaging_timeout)
+                if self.grad_gather is not None:
+                    self.last_grad_gathered = dict(result.gathered)
                 info["grad_group"] = result.group_size
                 info["grad_seconds"] = result.matchmaking_seconds + result.allreduce_seconds
                 self._load_averaged_gradients_into_optimizer()
@@ -926,6 +940,20 @@ class Optimizer(torch.optim.Optimizer):
                     else:
                         param.grad.copy_(grad, non_blocking=True)
         self.grad_averager.notify_used_averaged_gradients()
+
+    def _grad_gather(self) -> Any:
+        """What this peer shares with a gradient round's group (:attr:`grad_gather`)."""
+        if self.grad_gather is None:
+            return None
+        import msgpack
+
+        try:
+            value = self.grad_gather()
+            msgpack.packb(value, use_bin_type=True)
+        except Exception as exc:
+            logger.warning("%s: grad_gather failed (%s); sharing nothing", self.run_id, exc)
+            return None
+        return value
 
     def _expect_peers(self, averager: Any) -> None:
         """Tell ``averager``'s matchmaking how many peers the progress records show: a group
@@ -967,6 +995,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.scheduled_grads = self.grad_averager.schedule_step(
                     scheduled_time=get_dht_time() + max(eta, self.matchmaking_time),
                     timeout=self.averaging_timeout,
+                    gather=self._grad_gather(),
                 )
 
     def _maybe_schedule_state_averaging(self) -> None:
@@ -1153,14 +1182,24 @@ class Optimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (the epoch too)."""
+        """Load what :meth:`state_dict` returned (the epoch too: the progress tracker and the
+        state this peer shares move to it, so a peer resumed from a checkpoint is not out of
+        sync with its own, stale, record; one behind the swarm still downloads the state)."""
         assert self.state_averager is not None
+        assert self.tracker is not None
         state_dict = dict(state_dict)
         state = dict(state_dict.get("state", {}))
-        if "local_epoch" in state:
-            self.state_averager.local_epoch = int(state.pop("local_epoch"))
+        epoch = state.pop("local_epoch", None)
         state_dict["state"] = state
         self.opt.load_state_dict(state_dict)
+        if epoch is not None:
+            self.state_averager.local_epoch = int(epoch)
+            with self.tracker.pause_updates():
+                self.tracker.update_epoch(self.local_epoch)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+                if self.grad_averager is not None:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def __repr__(self) -> str:
         epoch = self.local_epoch if self.state_averager is not None else None

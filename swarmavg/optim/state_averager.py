@@ -738,9 +738,11 @@ class TrainingStateAverager(DecentralizedAverager):
                     return None
                 job.result = result
                 logger.log(self.status_loglevel, "averaged the state with %d peers", len(result))
-            job.averaged.set()
             if self.sync_epoch_when_averaging:
+                # (before the caller that awaits the round goes on: its epoch and learning
+                # rate have moved together when step() returns)
                 self._sync_epoch(result)
+            job.averaged.set()
             return result
         except BaseException:
             if control is not None and not control.done():

@@ -14,6 +14,11 @@ connection is a link that serializes messages at ``bandwidth`` bytes/s, then del
 ``retransmit_timeout`` (head-of-line blocking, as TCP and a QUIC stream would show it). The
 receiver does not return a message before its delivery time. Flow control is per stream: a
 sender waits while the bytes it has sent and the receiver has not yet read exceed ``window``.
+
+:meth:`MemoryTransport.set_link` pulls a peer's cable: while it is down, whatever is sent to or
+from it (messages, EOFs, resets) is lost without a word, and dialing it or from it waits until
+the link is back (callers' timeouts end the wait), as a SYN would be retransmitted. Connections
+stay open; messages sent after the link is back are delivered again.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ _EOF: Final = object()
 DEFAULT_WINDOW: Final = 4 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_SIZE: Final = 256 * 1024 * 1024
 _BACKLOG: Final = 256
+#: how often a dial over a pulled cable looks whether it is back (seconds)
+_LINK_POLL: Final = 0.05
 
 
 class MemoryNetwork:
@@ -147,6 +154,10 @@ class _MemoryStream(Stream):
     def max_message_size(self) -> int:
         return self._conn._transport.max_message_size
 
+    @property
+    def _cut(self) -> bool:
+        return self._conn._cut
+
     def _check_usable(self) -> None:
         if self._closed:
             raise anyio.ClosedResourceError
@@ -174,7 +185,7 @@ class _MemoryStream(Stream):
             raise ConnectionLost("connection closed")
         # one copy of mutable buffers: the receiver never aliases the sender's memory
         data = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        if peer._discard:
+        if peer._discard or self._cut:
             return
         at = self._conn._out_link.delivery_time(size)
         peer._buffered += size
@@ -243,7 +254,7 @@ class _MemoryStream(Stream):
         self._eof_sent = True
         peer = self._peer
         assert peer is not None
-        if not peer._discard:
+        if not peer._discard and not self._cut:
             peer._inbox.append((self._conn._out_link.delivery_time(0), _EOF))
             peer._changed.notify()
         await anyio.lowlevel.checkpoint()
@@ -272,7 +283,7 @@ class _MemoryStream(Stream):
         self._changed.notify()
         peer = self._peer
         assert peer is not None
-        if not peer._closed:
+        if not peer._closed and not self._cut:
             peer._reset_by_peer = True
             peer._inbox.clear()
             peer._buffered = 0
@@ -319,6 +330,12 @@ class _MemoryConnection(Connection):
     @property
     def is_closed(self) -> bool:
         return self._closed_event.is_set()
+
+    @property
+    def _cut(self) -> bool:
+        """Whether either end's link is down (see :meth:`MemoryTransport.set_link`)."""
+        peer = self._peer
+        return not self._transport.link_up or (peer is not None and not peer._transport.link_up)
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
@@ -459,6 +476,8 @@ class MemoryTransport(Transport):
         self._listeners: set[_MemoryListener] = set()
         self._connections: set[_MemoryConnection] = set()
         self._closed = False
+        #: whether this peer's link delivers anything (see :meth:`set_link`)
+        self.link_up = True
 
     def _link_to(self, other: MemoryTransport) -> _Link:
         bandwidths = [b for b in (self.bandwidth, other.bandwidth) if b is not None]
@@ -496,6 +515,11 @@ class MemoryTransport(Transport):
         remote = listener._transport
         if address.peer_id is not None and address.peer_id != remote.identity.peer_id:
             raise PeerIdentityMismatch(address.peer_id, remote.identity.peer_id)
+        while not (self.link_up and remote.link_up):  # (a SYN retransmitted until the link is back)
+            await anyio.sleep(_LINK_POLL)
+            self._check_open()
+            if listener._closed:
+                raise ConnectError(f"connection refused: nothing listens on {address}")
         if len(listener._pending) >= _BACKLOG:
             raise ConnectError(f"connection refused: backlog of {address} is full")
         link_out, link_in = self._link_to(remote), remote._link_to(self)
@@ -514,6 +538,14 @@ class MemoryTransport(Transport):
         listener._pending.append(theirs)
         listener._changed.notify()
         return ours
+
+    def set_link(self, up: bool) -> None:
+        """Pull (``False``) or plug back (``True``) this peer's cable: while it is down,
+        everything sent to or from it over any connection is lost silently, and dials to or
+        from it wait (see the module docstring)."""
+        if not isinstance(up, bool):
+            raise TypeError(f"up must be a bool, not {up!r}")
+        self.link_up = up
 
     def disconnect_all(self) -> None:
         """Break every connection of this transport at once, as if the process died."""

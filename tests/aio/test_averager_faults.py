@@ -472,3 +472,51 @@ def test_fault_matrix(seed: int) -> None:
         assert not outcome.incomplete
     after = [run["after"][i] for i in survivors]
     assert all(np.array_equal(after[0], other) for other in after[1:])
+
+
+def test_a_step_cut_off_mid_round_ends_within_its_timeout() -> None:
+    """A peer whose cable is pulled as its all-reduce begins (nothing it sends or is sent
+    arrives; dials wait): its round fails, it looks for another group until the step's
+    timeout, and the step raises by then, not request_timeout (and a withdrawal) later: the
+    search's own end (a leader's reply awaited request_timeout after begin_at) is kept inside
+    the step's deadline."""
+
+    async def main() -> tuple[BaseException | StepResult, float]:
+        options = {
+            "target_group_size": 2,
+            "allreduce_timeout": 4.0,  # (the round fails as a whole: nothing comes in time)
+            "sender_timeout": 10.0,
+            "reducer_timeout": 10.0,
+            "request_timeout": 3.0,
+        }
+        async with _swarm(2, averaging_expiration=8.0, **options) as swarm:
+            await _steps(swarm.averagers, timeout=30)  # (connected, as after a round)
+            victim = swarm.averagers[1]
+            transport = victim.dht.node._transports["memory"]
+            run = victim.allreduce.run  # type: ignore[union-attr]
+
+            async def cut_then_run(*args: Any, **kwargs: Any) -> Any:
+                transport.set_link(False)  # type: ignore[attr-defined]
+                return await run(*args, **kwargs)
+
+            victim.allreduce.run = cut_then_run  # type: ignore[method-assign,union-attr]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_quietly_step, swarm.averagers[0])
+                started = anyio.current_time()
+                try:
+                    outcome: BaseException | StepResult = await victim.step(timeout=10)
+                except Exception as exc:
+                    outcome = exc
+                took = anyio.current_time() - started
+                tg.cancel_scope.cancel()
+            transport.set_link(True)  # type: ignore[attr-defined]
+            return outcome, took
+
+    outcome, took = run_on_virtual_time(main)
+    assert isinstance(outcome, AllReduceFailed | MatchmakingFailed), outcome
+    assert took <= 10 + 1e-3, took
+
+
+async def _quietly_step(averager: DecentralizedAverager) -> None:
+    with contextlib.suppress(Exception):
+        await averager.step(timeout=10)

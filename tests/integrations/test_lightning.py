@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -481,73 +486,309 @@ def test_16_mixed_uses_swarmavgs_grad_scaler(pl: SimpleNamespace) -> None:
     assert seen[0].get_scale() > 1  # (the scale was applied and finite steps kept it)
 
 
-# -- two peers in two processes ------------------------------------------------------------------
+# -- sync_metrics ----------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(150)
-def test_two_processes_train_together(pl: SimpleNamespace, tmp_path: Path) -> None:
-    """Two processes run ``Trainer.fit`` on the workload with SwarmStrategy over TCP, joined
-    through ``SWARMAVG_INITIAL_PEERS``: each sees 2 peers and epochs > 0, the learning rate
-    follows the epoch, and both hold the same parameters after the same epoch."""
-    import numpy as np
+def _shared(step: dict[str, float], epoch: dict[str, float], count: dict[str, float]) -> Any:
+    from swarmavg.integrations._lightning import _GATHER_KEY
 
-    import swarmavg
+    return {_GATHER_KEY: {"step": step, "epoch": epoch, "count": count}}
 
-    epochs = 3
-    with swarmavg.DHT() as bootstrap:
-        env = {
+
+def test_swarm_metrics_reduce_with_the_other_members_last_values() -> None:
+    from swarmavg.integrations._lightning import _SwarmMetrics
+
+    metrics = _SwarmMetrics()
+    assert metrics.reduce("step", "loss", 2.0, "mean") == 2.0  # (no round yet: local)
+    metrics.update(
+        {
+            "me": _shared({"loss": 100.0}, {}, {}),  # (this peer's, as it was: ignored)
+            "a": _shared({"loss": 4.0, "acc": 1.0}, {"loss": 30.0}, {"loss": 10}),
+            "b": _shared({"loss": 6.0}, {}, {}),
+            "c": _shared({"loss": float("nan")}, {}, {}),  # not finite: dropped
+            "d": {"lightning_metrics": {"step": {"loss": "4"}}},  # not a number: dropped
+            "e": 7,  # malformed: left out
+            "f": {"lightning_metrics": [1, 2]},
+        },
+        me="me",
+    )
+    assert metrics.reduce("step", "loss", 2.0, "mean") == 4.0
+    assert metrics.reduce("step", "loss", 2.0, "sum") == 12.0
+    assert metrics.reduce("step", "loss", 2.0, "max") == 6.0
+    assert metrics.reduce("step", "loss", 2.0, "min") == 2.0
+    assert metrics.reduce("step", "other", 3.0, "mean") == 3.0  # (no one else has it)
+    # an epoch's mean: the sums and the batch sizes averaged, then divided
+    assert metrics.reduce("epoch", "loss", 2.0, "mean") / metrics.reduce(
+        "count", "loss", 2, "mean"
+    ) == pytest.approx(32 / 12)
+    assert metrics.payload() == _shared({"loss": 2.0, "other": 3.0}, {"loss": 2.0}, {"loss": 2.0})
+
+
+def test_swarm_metrics_share_a_bounded_number_of_names() -> None:
+    from swarmavg.integrations._lightning import (
+        _MAX_METRIC_NAME,
+        _MAX_SYNCED_METRICS,
+        _SwarmMetrics,
+    )
+
+    metrics = _SwarmMetrics()
+    for i in range(_MAX_SYNCED_METRICS + 5):
+        assert metrics.reduce("step", f"m{i}", float(i), "mean") == float(i)
+    metrics.reduce("epoch", "x" * (_MAX_METRIC_NAME + 1), 1.0, "mean")
+    shared = metrics.payload()["lightning_metrics"]
+    assert len(shared["step"]) == _MAX_SYNCED_METRICS
+    assert shared["epoch"] == {}
+
+
+def test_sync_metrics_logs_the_mean_over_the_last_rounds_members(pl: SimpleNamespace) -> None:
+    """With ``sync_metrics``, ``self.log(..., sync_dist=True)`` reads the other members' values
+    of the last gradient round (here: the round's gathered metadata as one with a groupmate
+    would leave it) at steps and at an epoch's end; metrics without ``sync_dist`` stay local,
+    and ``log`` is the module's own again after ``fit``."""
+    logged: list[tuple[float, float]] = []
+
+    class TestModel(pl.BoringModel):  # type: ignore[name-defined,misc]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.trainer.strategy.optimizer
+            if batch_idx == 1:
+                me = optimizer.grad_averager.peer_id
+                optimizer.last_grad_gathered = {
+                    me: optimizer.grad_gather(),
+                    "groupmate": _shared({"m": 5.0}, {"val": 30.0}, {"val": 10}),
+                }
+            self.log("m", 2.0, sync_dist=True)
+            self.log("local", 2.0)
+            return super().training_step(batch, batch_idx)
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            metrics = self.trainer.callback_metrics
+            logged.append((float(metrics["m"]), float(metrics["local"])))
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val", 1.0, sync_dist=True)  # (on_epoch: reduced at the epoch's end)
+
+    model = TestModel()
+    strategy = pl.SwarmStrategy(target_batch_size=100, sync_metrics=True)
+    trainer = _trainer(pl, strategy, max_epochs=1, limit_train_batches=3, limit_val_batches=2)
+    trainer.fit(model)
+    assert logged == [(2.0, 2.0), (3.5, 2.0), (3.5, 2.0)]
+    # this peer: 2 batches of 1 sample at 1.0 (a sum of 2); the groupmate: 30 over 10
+    assert float(trainer.callback_metrics["val"]) == pytest.approx(32 / 12)
+    assert "log" not in vars(model)
+
+
+def test_without_sync_metrics_sync_dist_stays_local(pl: SimpleNamespace) -> None:
+    logged: list[float] = []
+
+    class TestModel(pl.BoringModel):  # type: ignore[name-defined,misc]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.trainer.strategy.optimizer
+            assert optimizer.grad_gather is None
+            self.log("m", 2.0, sync_dist=True)
+            return super().training_step(batch, batch_idx)
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            logged.append(float(self.trainer.callback_metrics["m"]))
+
+    strategy = pl.SwarmStrategy(target_batch_size=100)
+    _trainer(pl, strategy, max_epochs=1, limit_train_batches=2).fit(TestModel())
+    assert logged == [2.0, 2.0]
+
+
+# -- peers in processes ---------------------------------------------------------------------------
+
+
+class _Peers:
+    """``lightning_peer.py`` processes over TCP on 127.0.0.1, joined through a bootstrap DHT of
+    this process (``SWARMAVG_INITIAL_PEERS``); their events arrive on one queue."""
+
+    def __init__(self, ns: str, out: Path, run_id: str, num_peers: int) -> None:
+        import swarmavg
+
+        self.ns, self.out, self.run_id, self.num_peers = ns, out, run_id, num_peers
+        self.bootstrap = swarmavg.DHT()
+        self.env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
-            "SWARMAVG_INITIAL_PEERS": ",".join(bootstrap.get_visible_maddrs()),
+            "SWARMAVG_INITIAL_PEERS": ",".join(self.bootstrap.get_visible_maddrs()),
         }
-        procs = []
-        for index in range(2):
-            config = {"index": index, "out": str(tmp_path), "epochs": epochs, "ns": pl.name}
-            stderr = open(tmp_path / f"peer{index}.err", "w")  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.integrations.lightning_peer", json.dumps(config)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                    cwd=ROOT,
-                    env=env,
-                )
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, index: int, epochs: int) -> None:
+        config = {
+            "index": index,
+            "out": str(self.out),
+            "epochs": epochs,
+            "ns": self.ns,
+            "num_peers": self.num_peers,
+            "run_id": self.run_id,
+        }
+        with open(self.out / f"peer{index}.err", "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.integrations.lightning_peer", json.dumps(config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                cwd=ROOT,
+                env=self.env,
             )
-            stderr.close()
-        try:
-            for proc in procs:  # both are in fit, their optimizers made: go
-                assert proc.stdout is not None
-                line = proc.stdout.readline()
-                assert json.loads(line or "{}").get("event") == "ready", _stderr(tmp_path)
-            for proc in procs:
-                assert proc.stdin is not None
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            for proc in procs:
-                assert proc.wait(timeout=120) == 0, _stderr(tmp_path)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                for pipe in (proc.stdin, proc.stdout):
-                    if pipe is not None:
-                        pipe.close()
-    results = [json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(2)]
-    for result in results:
-        assert 2 in result["num_peers"], result
-        assert max(result["epochs"]) >= epochs
+        self.procs[index] = proc
+        thread = threading.Thread(target=self._read, args=(index, proc), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _read(self, index: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("{"):
+                self.events.put((index, json.loads(line)))
+        self.events.put((index, {"event": "eof"}))
+
+    def wait_for(self, check: Any, timeout: float = 120) -> dict[int, dict[str, Any]]:
+        """The last event of each peer until ``check(index, event)`` held for one; raises if a
+        peer exits first or none does within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                index, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"timed out waiting\n{self.stderr()}") from None
+            if event["event"] == "eof" and self.procs[index].poll() != -signal.SIGKILL:
+                raise AssertionError(f"peer {index} exited\n{self.stderr()}")
+            if check(index, event):
+                return {index: event}
+
+    def send(self, index: int, line: str) -> None:
+        stdin = self.procs[index].stdin
+        assert stdin is not None
+        stdin.write(line + "\n")
+        stdin.flush()
+
+    def join(self, indices: list[int], timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        for index in indices:
+            code = self.procs[index].wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert code == 0, self.stderr()
+
+    def result(self, index: int) -> dict[str, Any]:
+        import numpy as np
+
+        result: dict[str, Any] = json.loads((self.out / f"peer{index}.json").read_text())
+        result["params"] = np.load(self.out / f"peer{index}.npy")
+        return result
+
+    def stderr(self) -> str:
+        return "\n".join(
+            f"--- peer{i}:\n{(self.out / f'peer{i}.err').read_text()[-3000:]}"
+            for i in sorted(self.procs)
+        )
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        for thread in self.threads:
+            thread.join(timeout=10)
+        self.bootstrap.shutdown()
+
+
+def _is(kind: str, who: int | None = None, epoch: int = -1) -> Any:
+    def check(index: int, event: dict[str, Any]) -> bool:
+        return (
+            event["event"] == kind
+            and (who is None or index == who)
+            and event.get("epoch", 0) >= epoch
+        )
+
+    return check
+
+
+def _metric_means(index: int, peers: int) -> set[float]:
+    """What ``peer_index`` can read on peer ``index``: its own index averaged with those of any
+    other peers of its last round."""
+    others = [i for i in range(peers) if i != index]
+    return {
+        (index + sum(group)) / (1 + len(group))
+        for size in range(peers)
+        for group in itertools.combinations(others, size)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_three_processes_train_together(pl: SimpleNamespace, tmp_path: Path) -> None:
+    """Three processes run ``Trainer.fit`` on the workload with SwarmStrategy over TCP: each
+    sees 3 peers and epochs > 0, the learning rate follows the epoch, ``self.log(...,
+    sync_dist=True)`` reads the mean over the round's peers (sync_metrics), and all hold the
+    same parameters after the same epoch."""
+    import numpy as np
+
+    epochs = 4
+    peers = _Peers(pl.name, tmp_path, "lightning_three_peers", num_peers=3)
+    try:
+        for index in range(3):
+            peers.start(index, epochs)
+        ready: set[int] = set()
+        while len(ready) < 3:  # all are in fit, their optimizers made: go
+            ready |= set(peers.wait_for(_is("ready")))
+        for index in range(3):
+            peers.send(index, "go")
+        peers.join([0, 1, 2])
+    finally:
+        peers.close()
+    results = [peers.result(i) for i in range(3)]
+    for index, result in enumerate(results):
+        assert 3 in result["num_peers"], result["num_peers"]
+        assert result["stop_epoch"] == epochs, result["epochs"]
         for epoch, lr in zip(result["epochs"], result["lrs"], strict=True):
             assert lr == pytest.approx(2e-3 * 0.9**epoch)
-    first, second = (np.load(tmp_path / f"peer{i}.npy") for i in range(2))
-    np.testing.assert_allclose(first, second, rtol=0, atol=1e-6)
+        # the logged metric: this peer's index averaged with its groupmates' (0, 1, 2: 1.0)
+        assert set(result["metric"]) <= _metric_means(index, 3), result["metric"]
+        assert 1.0 in result["metric"], result["metric"]
+    for result in results[1:]:
+        np.testing.assert_allclose(result["params"], results[0]["params"], rtol=0, atol=1e-6)
 
 
-def _stderr(tmp_path: Path) -> str:
-    return "\n".join(
-        f"--- peer{i}:\n{(tmp_path / f'peer{i}.err').read_text()[-3000:]}"
-        for i in range(2)
-        if (tmp_path / f"peer{i}.err").exists()
-    )
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_late_peer_catches_up_and_a_killed_one_leaves_the_others_training(
+    pl: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Two processes train; a third joins at epoch >= 2 and starts from the swarm's state (its
+    first batch at the swarm's epoch, the state downloaded); then one of the first two is
+    SIGKILLed mid-fit, and the other two train on to 4 more epochs, equal after the last."""
+    import numpy as np
+
+    peers = _Peers(pl.name, tmp_path, "lightning_churn", num_peers=3)
+    try:
+        for index in (0, 1):
+            peers.start(index, epochs=1 << 30)
+        ready: set[int] = set()
+        while len(ready) < 2:
+            ready |= set(peers.wait_for(_is("ready")))
+        for index in (0, 1):
+            peers.send(index, "go")
+        peers.wait_for(_is("epoch", who=0, epoch=2))
+        peers.start(2, epochs=1 << 30)
+        peers.wait_for(_is("ready", who=2))
+        peers.send(2, "go")
+        joined = peers.wait_for(_is("epoch", who=2, epoch=2))[2]["epoch"]
+        peers.procs[1].send_signal(signal.SIGKILL)
+        stop_at = joined + 4
+        for index in (0, 2):
+            peers.send(index, json.dumps({"stop_at": stop_at}))
+        peers.join([0, 2])
+    finally:
+        peers.close()
+    first, late = peers.result(0), peers.result(2)
+    assert late["state_loads"] >= 1
+    assert late["epochs"][0] >= 2, late["epochs"]  # (its first batch at the swarm's epoch)
+    assert first["stop_epoch"] == late["stop_epoch"] == stop_at
+    np.testing.assert_allclose(late["params"], first["params"], rtol=0, atol=1e-6)

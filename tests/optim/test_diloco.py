@@ -22,7 +22,7 @@ from optim_helpers import FAST, run_threads, swarm
 
 import swarmavg.optim
 from swarmavg import DHT
-from swarmavg.compression import Float16Compression
+from swarmavg.compression import Float16Compression, Uniform8BitQuantization
 from swarmavg.metrics import DiLoCoMetrics
 from swarmavg.optim import DiLoCo
 
@@ -197,11 +197,24 @@ def _make(dht: DHT, model: torch.nn.Module, run_id: str, **kwargs: Any) -> DiLoC
     return DiLoCo(model.parameters(), **options)
 
 
-@pytest.mark.parametrize("compression", [None, Float16Compression()])
-def test_two_peers_with_h1_equal_synchronous_parameter_averaging(compression: Any) -> None:
+@pytest.mark.parametrize(
+    ("compression", "dim", "rounds", "atol"),
+    [
+        (None, 3, 6, 1e-6),
+        (Float16Compression(), 3, 6, 2e-3),
+        # (without error feedback 30 rounds of 8-bit Δ end 1.8e-2 away; with it 7e-3)
+        (Uniform8BitQuantization(), 64, 30, 1e-2),
+    ],
+    ids=["fp32", "fp16", "8bit"],
+)
+def test_two_peers_with_h1_equal_synchronous_parameter_averaging(
+    compression: Any, dim: int, rounds: int, atol: float
+) -> None:
     """H=1, inner SGD, outer SGD lr 1 without momentum: θ' = θ − mean(θ − θ_i) = mean(θ_i),
-    i.e. each step of synchronous parameter averaging (with fp16 Δ: to fp16's precision)."""
-    dim, rounds, count = 3, 6, 2
+    i.e. each step of synchronous parameter averaging (with fp16 Δ: to fp16's precision; with
+    8-bit Δ and error feedback, on by default: within a round's quantization error, which
+    does not add up over the rounds)."""
+    count = 2
     torch.manual_seed(2)
     initial = torch.nn.Linear(dim, 1)
     data = [_peer_batches(peer, rounds, dim) for peer in range(count)]
@@ -241,7 +254,6 @@ def test_two_peers_with_h1_equal_synchronous_parameter_averaging(compression: An
         mean = torch.stack(locals_).mean(0)
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(mean, reference.parameters())
-    atol = 1e-6 if compression is None else 2e-3
     for peer in range(count):
         assert metrics[peer].rounds_averaged == rounds
         assert metrics[peer].averager.steps_succeeded == rounds

@@ -105,6 +105,40 @@ def test_one_peer_runs_three_epochs(
             opt.step(batch_size=1)
 
 
+def test_load_state_dict_moves_the_tracker_to_the_saved_epoch() -> None:
+    """A peer resumed from a checkpoint alone trains on from the saved epoch (its progress
+    record at epoch 0 made it look out of sync with itself: it tried to download the state from
+    no one, and its epochs stalled)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    with swarm(1) as (dht,):
+        opt = Optimizer(
+            dht=dht,
+            run_id="resumed",
+            target_batch_size=2,
+            batch_size_per_step=1,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            matchmaking_time=1.0,
+            averaging_timeout=5.0,
+            averager_opts=FAST,
+            tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.1},
+        )
+        saved = opt.state_dict()
+        saved["state"] = {**saved["state"], "local_epoch": 3}
+        opt.load_state_dict(saved)
+        assert opt.local_epoch == opt.tracker.local_progress.epoch == 3
+        assert opt.tracker.global_epoch == 3
+        for _ in range(40):  # (two steps an epoch; bounded)
+            if opt.local_epoch == 5:
+                break
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch == 5
+        assert opt.metrics.state_load_failures == 0
+        opt.shutdown()
+
+
 def test_argument_errors_name_the_argument() -> None:
     model = torch.nn.Linear(2, 1)
     with swarm(1) as (dht,):

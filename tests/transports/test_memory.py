@@ -93,3 +93,33 @@ def test_bad_knobs_name_the_argument(kwargs: dict[str, float], name: str) -> Non
 def test_identity_type_checked() -> None:
     with pytest.raises(TypeError, match="identity"):
         MemoryTransport("not an identity")  # type: ignore[arg-type]
+
+
+async def test_a_pulled_cable_loses_what_is_sent_and_holds_dials_until_it_is_back() -> None:
+    network = MemoryNetwork()
+    a = MemoryTransport(Identity.generate(), network=network)
+    b = MemoryTransport(Identity.generate(), network=network)
+    async with a, b:
+        listener = await b.listen("memory://local:0")
+        conn = await a.connect(listener.address)
+        peer = await listener.accept()
+        stream = await conn.open_stream()
+        remote = await peer.accept_stream()
+        with pytest.raises(TypeError, match="up"):
+            a.set_link(0)  # type: ignore[arg-type]
+        a.set_link(False)
+        await stream.send(b"lost")  # (no error: the cable is pulled, not the connection)
+        await remote.send(b"lost too")
+        with anyio.move_on_after(0.2) as waited:
+            await remote.receive()
+        assert waited.cancelled_caught
+        with anyio.move_on_after(0.2) as dialing:
+            await a.connect(listener.address)
+        assert dialing.cancelled_caught
+        a.set_link(True)
+        await stream.send(b"after")
+        assert bytes(await remote.receive()) == b"after"
+        with pytest.raises(anyio.WouldBlock):  # ("lost too" never came)
+            stream.receive_nowait()
+        second = await a.connect(listener.address)
+        assert not second.is_closed

@@ -1,0 +1,333 @@
+"""The network lab's link emulator (a userspace ``netem``): one process in the lab's core
+namespace that is the switch between the hosts.
+
+Run by :class:`swarmavg.testing.netlab.NetLab` as ``python _netemu.py`` (by path: it imports
+nothing but the standard library, so it runs whatever ``sys.path`` the namespace gives it).
+
+Each host's veth pair ends in the core namespace; the emulator holds one ``AF_PACKET`` socket per
+core end, with virtio-net headers on (``PACKET_VNET_HDR``), so a TCP segmentation-offload frame
+(up to 64 KiB) travels as one frame, checksum offload and all, and the kernel segments it where
+it must. A frame read from host ``i`` (its upload) is forwarded to the host that owns its
+destination MAC (or to every other host for a broadcast), after:
+
+- **loss**: dropped with the probability that any of its segments is lost on host ``i``'s uplink
+  or host ``j``'s downlink (``1 - (1-p)^segments`` per hop);
+- **delay and jitter**: held for ``delay_up[i] + delay_down[j]``, each hop's delay drawn
+  uniformly in ``delay ± jitter/2`` (never below 0); frames between a pair leave in order
+  (a frame is never sent before the previous one of its pair) unless **reordered**: with the
+  hop's ``reorder`` probability a frame takes half the delay and skips the queue.
+
+Rates are not the emulator's job: ``tc`` ``tbf`` shapes each host's upload (on the host's end of
+its veth) and download (on the core end, which the emulator sends through, so a full download
+queue drops the frame like a router would: counted as ``queue_drops``).
+
+A host whose link is down loses every frame from or to it, including frames already held.
+
+Control: JSON lines on stdin, one answer a line on stdout (``{"ok": true, ...}`` or
+``{"ok": false, "error": ...}``):
+
+- the first line configures: ``{"hosts": [{"ifname", "mac", "up": HOP, "down": HOP}], "seed",
+  "max_held_bytes"}`` where ``HOP`` is ``{"delay", "jitter", "loss", "reorder"}`` (seconds and
+  probabilities); answered ``{"ok": true, "ready": true}`` once every socket is bound;
+- ``{"op": "set", "host": i, "up": HOP, "down": HOP}``, ``{"op": "link", "host": i, "up": bool}``,
+  ``{"op": "stats"}`` (counters per host), ``{"op": "exit"}``.
+
+The process exits when stdin closes (its owner died) and on ``exit``.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import json
+import os
+import random
+import select
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+ETH_P_ALL = 0x0003
+SOL_PACKET = 263
+PACKET_STATISTICS = 6
+PACKET_VNET_HDR = 15
+PACKET_IGNORE_OUTGOING = 23
+VNET_HDR_LEN = 10
+VNET_HDR = struct.Struct("=BBHHHH")  # flags, gso_type, hdr_len, gso_size, csum_start, csum_off
+HEADERS_GUESS = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps: only to count segments
+BATCH = 256  # frames read from one socket per wake-up (bounded work per turn)
+SOCKET_BUFFER = 8 << 20
+SO_SNDBUFFORCE = 32
+SO_RCVBUFFORCE = 33
+
+
+class Hop:
+    """One direction of one host's access link."""
+
+    __slots__ = ("delay", "jitter", "loss", "reorder")
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.delay = float(spec.get("delay", 0.0))
+        self.jitter = float(spec.get("jitter", 0.0))
+        self.loss = float(spec.get("loss", 0.0))
+        self.reorder = float(spec.get("reorder", 0.0))
+        if not (self.delay >= 0 and self.jitter >= 0):
+            raise ValueError("delay and jitter must be >= 0")
+        if not (0 <= self.loss <= 1 and 0 <= self.reorder <= 1):
+            raise ValueError("loss and reorder must be probabilities")
+
+
+class Host:
+    __slots__ = ("counters", "down", "ifname", "index", "link_up", "mac", "sock", "up")
+
+    def __init__(self, index: int, spec: dict[str, Any]) -> None:
+        self.index = index
+        self.ifname = str(spec["ifname"])
+        self.mac = bytes.fromhex(str(spec["mac"]).replace(":", ""))
+        self.up = Hop(spec.get("up", {}))
+        self.down = Hop(spec.get("down", {}))
+        self.link_up = True
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        sock.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
+        sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        for option in (SO_RCVBUFFORCE, SO_SNDBUFFORCE):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        sock.bind((self.ifname, ETH_P_ALL))
+        sock.setblocking(False)
+        self.sock = sock
+        self.counters = dict.fromkeys(
+            (
+                "rx_frames",
+                "rx_bytes",
+                "tx_frames",
+                "tx_bytes",
+                "lost",
+                "link_drops",
+                "queue_drops",
+                "held_drops",
+                "reordered",
+                "socket_drops",
+            ),
+            0,
+        )
+
+    def socket_drops(self) -> int:
+        """Frames the kernel dropped because the emulator did not read them in time (since the
+        last call: the kernel resets the counter on read)."""
+        raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
+        drops: int = struct.unpack("=II", raw)[1]
+        return drops
+
+
+def segments(frame: bytes) -> int:
+    """How many wire packets a (possibly GSO) frame with its virtio-net header stands for."""
+    fields: tuple[int, ...] = VNET_HDR.unpack_from(frame)
+    gso_type, gso_size = fields[1], fields[3]
+    if gso_type == 0 or gso_size == 0:
+        return 1
+    payload = len(frame) - VNET_HDR_LEN - HEADERS_GUESS
+    return max(1, -(-payload // gso_size))
+
+
+class Emulator:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.rng = random.Random(config.get("seed"))
+        self.max_held = int(config.get("max_held_bytes", 128 << 20))
+        self.hosts = [Host(i, spec) for i, spec in enumerate(config["hosts"])]
+        self.by_mac = {host.mac: host for host in self.hosts}
+        self.by_fd = {host.sock.fileno(): host for host in self.hosts}
+        # (due, seq, source index, destination, frame)
+        self.held: list[tuple[float, int, int, Host, bytes]] = []
+        self.held_bytes = 0
+        self.seq = 0
+        self.last_due: dict[tuple[int, int], float] = {}
+        self.stdin_buffer = b""
+        self.running = True
+
+    # -- forwarding
+
+    def hop_delay(self, hop: Hop) -> float:
+        if hop.jitter:
+            return max(0.0, hop.delay + (self.rng.random() - 0.5) * hop.jitter)
+        return hop.delay
+
+    def receive(self, source: Host, now: float) -> None:
+        for _ in range(BATCH):
+            try:
+                frame = source.sock.recv(65536 + VNET_HDR_LEN + 64)
+            except BlockingIOError:
+                return
+            except OSError as exc:  # (the link went away under us: ENETDOWN and the like)
+                if exc.errno in (errno.ENETDOWN, errno.ENXIO, errno.ENODEV):
+                    return
+                raise
+            source.counters["rx_frames"] += 1
+            source.counters["rx_bytes"] += len(frame) - VNET_HDR_LEN
+            if len(frame) < VNET_HDR_LEN + 14:
+                continue
+            dst = frame[VNET_HDR_LEN : VNET_HDR_LEN + 6]
+            if dst[0] & 1:  # broadcast or multicast: to every other host
+                targets = [h for h in self.hosts if h is not source]
+            else:
+                target = self.by_mac.get(dst)
+                if target is None or target is source:
+                    continue
+                targets = [target]
+            for target in targets:
+                self.forward(source, target, frame, now)
+
+    def forward(self, source: Host, target: Host, frame: bytes, now: float) -> None:
+        if not (source.link_up and target.link_up):
+            source.counters["link_drops"] += 1
+            return
+        up, down = source.up, target.down
+        if up.loss or down.loss:
+            keep = ((1.0 - up.loss) * (1.0 - down.loss)) ** segments(frame)
+            if self.rng.random() >= keep:
+                source.counters["lost"] += 1
+                return
+        if self.held_bytes + len(frame) > self.max_held:
+            source.counters["held_drops"] += 1
+            return
+        delay = self.hop_delay(up) + self.hop_delay(down)
+        pair = (source.index, target.index)
+        reorder = up.reorder + down.reorder
+        if reorder and self.rng.random() < reorder:
+            due = now + delay / 2
+            source.counters["reordered"] += 1
+        else:
+            due = max(now + delay, self.last_due.get(pair, 0.0))
+            self.last_due[pair] = due
+        if due <= now and not self.held:
+            self.send(source.index, target, frame)
+            return
+        self.seq += 1
+        heapq.heappush(self.held, (due, self.seq, source.index, target, frame))
+        self.held_bytes += len(frame)
+
+    def send(self, source: int, target: Host, frame: bytes) -> None:
+        counters = self.hosts[source].counters
+        if not target.link_up:
+            counters["link_drops"] += 1
+            return
+        try:
+            target.sock.send(frame)
+        except (BlockingIOError, OSError) as exc:
+            # ENOBUFS: the download queue (tbf) is full; EAGAIN: the socket buffer; ENETDOWN
+            counters["queue_drops"] += 1
+            if not isinstance(exc, BlockingIOError) and exc.errno not in (
+                errno.ENOBUFS,
+                errno.ENETDOWN,
+                errno.ENXIO,
+                errno.EMSGSIZE,
+            ):
+                raise
+            return
+        counters["tx_frames"] += 1
+        counters["tx_bytes"] += len(frame) - VNET_HDR_LEN
+
+    def release(self, now: float) -> None:
+        held = self.held
+        while held and held[0][0] <= now:
+            _due, _seq, source, target, frame = heapq.heappop(held)
+            self.held_bytes -= len(frame)
+            self.send(source, target, frame)
+
+    # -- control
+
+    def control(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "set":
+            host = self.hosts[int(request["host"])]
+            if "up" in request:
+                host.up = Hop(request["up"])
+            if "down" in request:
+                host.down = Hop(request["down"])
+            return {"ok": True}
+        if op == "link":
+            host = self.hosts[int(request["host"])]
+            host.link_up = bool(request["up"])
+            if not host.link_up:  # the cable is cut: what was on it is gone
+                kept = []
+                for item in self.held:
+                    if item[3] is host or self.hosts[item[2]] is host:
+                        self.hosts[item[2]].counters["link_drops"] += 1
+                        self.held_bytes -= len(item[4])
+                    else:
+                        kept.append(item)
+                heapq.heapify(kept)
+                self.held = kept
+            return {"ok": True}
+        if op == "stats":
+            for host in self.hosts:
+                host.counters["socket_drops"] += host.socket_drops()
+            return {
+                "ok": True,
+                "hosts": [dict(host.counters) for host in self.hosts],
+                "held_bytes": self.held_bytes,
+            }
+        if op == "exit":
+            self.running = False
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def read_control(self) -> None:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            self.running = False
+            return
+        self.stdin_buffer += chunk
+        while b"\n" in self.stdin_buffer:
+            line, self.stdin_buffer = self.stdin_buffer.split(b"\n", 1)
+            try:
+                answer = self.control(json.loads(line))
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            say(answer)
+
+    def run(self) -> None:
+        fds = [0, *self.by_fd]
+        while self.running:
+            now = time.monotonic()
+            self.release(now)
+            timeout = None if not self.held else max(0.0, self.held[0][0] - now)
+            readable, _, _ = select.select(fds, [], [], timeout)
+            now = time.monotonic()
+            for fd in readable:
+                if fd == 0:
+                    self.read_control()
+                else:
+                    self.receive(self.by_fd[fd], now)
+
+
+def say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    pending = b""
+    while b"\n" not in pending:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return 0
+        pending += chunk
+    line, rest = pending.split(b"\n", 1)
+    try:
+        emulator = Emulator(json.loads(line))
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        say({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    emulator.stdin_buffer = rest
+    say({"ok": True, "ready": True})
+    try:
+        emulator.run()
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The network lab's own checks (Linux, root): its links have the profile's round trip, rate and
+loss (loose bounds: these are sanity checks on a shared machine, not measurements), a cut link
+blocks traffic and restoring it lets a TCP connection carry on, a profile changes live, and
+nothing of a lab outlives it, also after an exception or the death of its owner."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from swarmavg.testing import netlab
+from swarmavg.testing.netlab import LinkProfile, NetLab, NetLabError
+
+_reason = netlab.unavailable_reason()
+pytestmark = [
+    pytest.mark.skipif(_reason is not None, reason=_reason or ""),
+    pytest.mark.timeout(40),
+]
+
+PORT = 9100
+
+
+def _namespaces(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return [line.split(" ")[0] for line in out.stdout.splitlines() if line.startswith(prefix)]
+
+
+def _udp_pair(lab: NetLab, a: int, b: int) -> tuple[socket.socket, socket.socket]:
+    """A UDP socket in host ``a`` and one bound to host ``b``'s address, each in its host."""
+    with lab.host(b).entered():
+        server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        server.bind((lab.host(b).address, PORT))
+    with lab.host(a).entered():
+        client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    return client, server
+
+
+class _Echo:
+    """Echoes UDP datagrams on ``server`` from a thread until stopped."""
+
+    def __init__(self, server: socket.socket) -> None:
+        self.server = server
+        self.stop = threading.Event()
+        server.settimeout(0.1)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                data, peer = self.server.recvfrom(2048)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.server.sendto(data, peer)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.server.close()
+
+
+def _pings(client: socket.socket, address: str, count: int, wait: float) -> list[float]:
+    """Round trips of ``count`` UDP pings (lost ones left out)."""
+    client.settimeout(wait)
+    rtts = []
+    for i in range(count):
+        payload = i.to_bytes(4, "big")
+        start = time.monotonic()
+        client.sendto(payload, (address, PORT))
+        deadline = start + wait
+        while time.monotonic() < deadline:
+            try:
+                data, _ = client.recvfrom(2048)
+            except TimeoutError:
+                break
+            if data == payload:
+                rtts.append(time.monotonic() - start)
+                break
+    return rtts
+
+
+@pytest.fixture
+def wan_lab() -> Iterator[NetLab]:
+    with NetLab(2, profile=netlab.WAN.replace(loss=0.0)) as lab:
+        yield lab
+
+
+def test_udp_round_trip_is_the_profiles(wan_lab: NetLab) -> None:
+    client, server = _udp_pair(wan_lab, 0, 1)
+    echo = _Echo(server)
+    try:
+        rtts = _pings(client, wan_lab.host(1).address, 15, wait=1.0)
+    finally:
+        echo.close()
+        client.close()
+    assert len(rtts) == 15  # no loss in this profile
+    assert min(rtts) >= 0.040  # the emulator never delivers early
+    assert statistics.median(rtts) < 0.040 + 0.040  # loose: a busy machine adds its own
+
+
+def test_tcp_connect_takes_one_round_trip_and_live_profile_change(wan_lab: NetLab) -> None:
+    def connect_time() -> float:
+        with wan_lab.host(1).entered():
+            listener = socket.create_server((wan_lab.host(1).address, PORT))
+        with wan_lab.host(0).entered():
+            start = time.monotonic()
+            conn = socket.create_connection((wan_lab.host(1).address, PORT), timeout=5)
+            elapsed = time.monotonic() - start
+        conn.close()
+        listener.close()
+        return elapsed
+
+    assert 0.040 <= connect_time() < 0.040 + 0.060
+    wan_lab.set_profile(1, LinkProfile(rate_bps=100e6, rtt_s=0.300))
+    # host 0 keeps 10 ms per hop, host 1 now has 75 ms: 2 x (10 + 75) ms
+    assert 0.170 <= connect_time() < 0.170 + 0.100
+
+
+def test_rate_is_limited_both_ways() -> None:
+    fast = LinkProfile(rate_bps=200e6, rtt_s=0.002)
+    slow = LinkProfile(rate_bps=8e6, rtt_s=0.002)
+    with NetLab([fast, slow]) as lab:
+        assert not lab.offload
+        rates = {}
+        for sender, receiver in ((1, 0), (0, 1)):  # slow upload, then slow download
+            with lab.host(receiver).entered():
+                listener = socket.create_server((lab.host(receiver).address, PORT))
+            received = [0, 0.0]
+
+            def sink(listener: socket.socket = listener, received: list[float] = received) -> None:
+                conn, _ = listener.accept()
+                with conn:
+                    start = time.monotonic()
+                    while chunk := conn.recv(1 << 16):
+                        received[0] += len(chunk)
+                    received[1] = time.monotonic() - start
+
+            thread = threading.Thread(target=sink, daemon=True)
+            thread.start()
+            with lab.host(sender).entered():
+                conn = socket.create_connection((lab.host(receiver).address, PORT), timeout=5)
+            data = b"\0" * (1 << 16)
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                conn.sendall(data)
+            conn.close()
+            thread.join(timeout=15)
+            listener.close()
+            rates[sender] = received[0] * 8 / received[1]
+    for rate in rates.values():
+        assert 8e6 / 2 < rate < 8e6 * 1.1  # the shaper's rate, give or take a factor
+
+
+def test_loss_is_as_configured_and_counted_exactly() -> None:
+    lossy = LinkProfile(rate_bps=50e6, rtt_s=0.001, loss=0.2)
+    sent = 600
+    with NetLab(2, profile=lossy, seed=7) as lab:
+        client, server = _udp_pair(lab, 0, 1)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        for i in range(sent):
+            client.sendto(i.to_bytes(4, "big"), (lab.host(1).address, PORT))
+            if i % 50 == 49:
+                time.sleep(0.005)  # (stay far below the rate: no queue drops)
+        server.settimeout(0.5)
+        got = set()
+        try:
+            while True:
+                got.add(int.from_bytes(server.recv(16), "big"))
+        except TimeoutError:
+            pass
+        stats = lab.stats()
+        client.close()
+        server.close()
+    assert stats[0]["rx_frames"] == sent
+    assert stats[0]["lost"] + len(got) == sent  # every missing datagram is an emulated loss
+    assert stats[0]["queue_drops"] == stats[0]["socket_drops"] == 0
+    assert 0.2 * sent / 2 < stats[0]["lost"] < 0.2 * sent * 1.6
+
+
+def test_cut_link_blocks_traffic_and_restoring_it_lets_tcp_carry_on(wan_lab: NetLab) -> None:
+    client, server = _udp_pair(wan_lab, 0, 1)
+    echo = _Echo(server)
+    with wan_lab.host(1).entered():
+        listener = socket.create_server((wan_lab.host(1).address, PORT + 1))
+    with wan_lab.host(0).entered():
+        tcp = socket.create_connection((wan_lab.host(1).address, PORT + 1), timeout=5)
+    peer, _ = listener.accept()
+    peer.settimeout(10)
+    try:
+        wan_lab.host(1).set_link(False)
+        assert _pings(client, wan_lab.host(1).address, 3, wait=0.3) == []
+        tcp.sendall(b"sent while cut")
+        peer.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            peer.recv(100)
+        assert wan_lab.stats()[0]["link_drops"] >= 4
+        wan_lab.host(1).set_link(True)
+        assert len(_pings(client, wan_lab.host(1).address, 3, wait=1.0)) == 3
+        peer.settimeout(10)  # TCP retransmits what was lost while the link was cut
+        assert peer.recv(100) == b"sent while cut"
+    finally:
+        echo.close()
+        for sock in (client, tcp, peer, listener):
+            sock.close()
+
+
+def test_processes_and_functions_run_inside_a_host() -> None:
+    with NetLab(2) as lab:
+        assert lab.offload  # lan: 1 Gbit/s is beyond the emulator without offload
+        assert sorted(lab.host(0).call(os.listdir, "/sys/class/net", timeout=20)) == [
+            "eth0",
+            "lo",
+        ]
+        done = lab.host(1).run(["ip", "-4", "-o", "addr", "show", "dev", "eth0"], timeout=10)
+        assert f"{lab.host(1).address}/24" in done.stdout
+        # the hosts reach each other and nothing else (no route out of the lab)
+        with lab.host(0).entered():
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with pytest.raises(OSError):  # (in the lab's /16, outside its hosts' /24)
+            probe.connect(("10.77.1.1", 1))
+        probe.close()
+
+
+def test_nothing_outlives_a_lab_even_after_an_exception() -> None:
+    seen: dict[str, Any] = {}
+
+    def use_and_fail() -> None:
+        with NetLab(3, profile="bad") as lab:
+            seen.update(lab=lab, sleeper=lab.host(2).popen(["sleep", "60"]))
+            seen.update(emulator=lab._emulator, namespaces=_namespaces(lab.name))
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        use_and_fail()
+    lab, sleeper, emulator = seen["lab"], seen["sleeper"], seen["emulator"]
+    name = lab.name
+    assert len(seen["namespaces"]) == 4
+    assert _namespaces(name) == []
+    assert sleeper.poll() is not None
+    assert emulator.poll() is not None
+    with pytest.raises(NetLabError):
+        lab.host(0).popen(["true"])
+    lab.close()  # idempotent
+
+
+def test_a_dead_owners_lab_is_removed_by_the_next_one() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"{netlab.PREFIX}{dead.pid}-0-core"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    orphan = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "60"])
+    try:
+        with NetLab(1, profile=LinkProfile(rate_bps=None)) as lab:
+            assert _namespaces(stale) == []
+            assert orphan.wait(timeout=10) != 0  # killed
+            assert _namespaces(lab.name)
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+        subprocess.run(["ip", "netns", "delete", stale], capture_output=True, check=False)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="hosts"):
+        NetLab(0)
+    with pytest.raises(ValueError, match="profile"):
+        NetLab(2, profile="moon")
+    with pytest.raises(TypeError, match="hosts"):
+        NetLab(2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss"):
+        LinkProfile(rate_bps=1e6, loss=1.5)
+    with pytest.raises(ValueError, match="emulate=False"):
+        NetLab(2, profile="wan", emulate=False)
