@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from swarmavg._time import get_dht_time
+from swarmavg.accumulator import Accumulator, Group
 from swarmavg.address import Address
 from swarmavg.aio.averager import AveragingStage, StepResult
 from swarmavg.aio.node import Node
@@ -75,6 +76,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DHT",
+    "Accumulator",
     "Address",
     "AddressInUse",
     "AllReduceFailed",
@@ -86,6 +88,7 @@ __all__ = [
     "DecentralizedAverager",
     "DecentralizedOptimizer",
     "DecentralizedSGD",
+    "Group",
     "Identity",
     "LoadStateFailed",
     "LocalProtocolError",
