@@ -70,7 +70,8 @@ class Group:
     :param member_ttl: seconds a member's record lives unless renewed (a member that dies
         leaves the view after this long at most, or at once when it does not answer).
     :param refresh_period: seconds between reads of the records.
-    :raises TypeError / ValueError: a bad argument (named).
+    :raises TypeError: an argument of the wrong type.
+    :raises ValueError: a bad argument (named).
     :raises RuntimeError: the DHT is not running.
     """
 
@@ -322,7 +323,9 @@ class Accumulator:
         int, float, bool, None, bytes, tensors and numpy arrays (an optimizer's
         ``state_dict()`` fits); it is checked before anything is sent.
 
-        :raises TypeError / ValueError: ``state`` holds something that cannot travel (named by
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: ``state`` holds something that cannot travel (named by
             its path from ``state``, e.g. ``state['optimizer']['param_groups'][0]['fn']``).
         """
         from swarmavg.aio.accumulator import _copy_user_tensors, tensor_dtype
@@ -343,7 +346,8 @@ class Accumulator:
         cohort's result comes in a later :meth:`update` (:meth:`has_gradients`).
 
         :raises RuntimeError: :meth:`wants_gradients` is false (``.grad`` is left as it is).
-        :raises TypeError / ValueError: ``batch_size`` is not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+        :raises ValueError: ``batch_size`` is not an int >= 1.
         """
         self._check_open()
         grads = self._acc._read_grads()
@@ -384,14 +388,18 @@ class Accumulator:
         """Set the model version (a restored checkpoint): the greatest version leads at the next
         election and the others download its state.
 
-        :raises TypeError / ValueError: not an int in ``[0, 2**63)``.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int in ``[0, 2**63)``.
         """
         self._call(self._acc.set_model_version, n)
 
     def set_virtual_batch_size(self, n: int) -> None:
         """The summed batch size a result needs at least (every member must use the same).
 
-        :raises TypeError / ValueError: not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int >= 1.
         """
         self._call(self._acc.set_virtual_batch_size, n)
 
@@ -399,7 +407,9 @@ class Accumulator:
         """Use ``n`` slots: up to ``n`` contributions in flight, results up to ``n`` versions
         stale, applied in order.
 
-        :raises TypeError / ValueError: not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int >= 1.
         :raises RuntimeError: contributions are in flight (call it before the first one, or
             right after a result was read).
         """

@@ -536,21 +536,27 @@ class Accumulator:
         """Set the model version (a restored checkpoint): the greatest version leads at the
         next election, and the others download its state.
 
-        :raises TypeError / ValueError: not an int in ``[0, 2**63)``.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int in ``[0, 2**63)``.
         """
         self.core.set_model_version(version)
 
     def set_virtual_batch_size(self, size: int) -> None:
         """The summed batch size a result needs at least (every member must use the same).
 
-        :raises TypeError / ValueError: not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int >= 1.
         """
         self.core.set_virtual_batch_size(size)
 
     def set_parallel_gradients(self, n: int) -> None:
         """Use ``n`` slots (before the first contribution, or right after a result).
 
-        :raises TypeError / ValueError: not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int >= 1.
         :raises RuntimeError: contributions are in flight.
         """
         self.core.set_parallel_gradients(n)
@@ -574,7 +580,9 @@ class Accumulator:
         """The user state to hand to joiners, with a copy of the parameters and buffers as
         they are now, at the current model version (checked now: nothing is sent otherwise).
 
-        :raises TypeError / ValueError: ``state`` holds something that cannot travel (named
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: ``state`` holds something that cannot travel (named
             by its path from ``state``).
         """
         skeleton, tensors = split_state(state, tensor_dtype)
@@ -607,7 +615,8 @@ class Accumulator:
         :meth:`wait_gradients`).
 
         :raises RuntimeError: :meth:`wants_gradients` is false (nothing was read or zeroed).
-        :raises TypeError / ValueError: ``batch_size`` is not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+        :raises ValueError: ``batch_size`` is not an int >= 1.
         """
         actions = self._contribute(batch_size, self._read_grads())
         self._zero_grads()

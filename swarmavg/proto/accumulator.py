@@ -321,7 +321,9 @@ class AccumulatorCore:
     PeerID text); names order the leader election. ``cohort`` (the group's name) goes into the
     all-reduce group ids.
 
-    :raises TypeError / ValueError: a bad argument (named).
+    :raises TypeError: an argument of the wrong type.
+
+    :raises ValueError: a bad argument (named).
     """
 
     def __init__(
@@ -380,7 +382,9 @@ class AccumulatorCore:
         """Set the model version (a restored checkpoint: the model is another one, so its
         lineage is new); it takes effect in the next election.
 
-        :raises TypeError / ValueError: not an int in ``[0, 2**63)``.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int in ``[0, 2**63)``.
         """
         self._version = _check_int("version", version, 0)
         self._lineage = b""
@@ -392,7 +396,9 @@ class AccumulatorCore:
     def set_virtual_batch_size(self, size: int) -> None:
         """The lower bound on a result's summed batch size; every member must use the same.
 
-        :raises TypeError / ValueError: not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int >= 1.
         """
         self._virtual_batch_size = _check_int("size", size, 1)
 
@@ -403,7 +409,9 @@ class AccumulatorCore:
     def set_parallel_gradients(self, n: int) -> None:
         """Use ``n`` slots. Only while no slot holds data or a round (as moolib resets them).
 
-        :raises TypeError / ValueError: not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: not an int >= 1.
         :raises RuntimeError: a slot holds contributions or a round is in flight.
         """
         n = _check_int("n", n, 1)
@@ -660,7 +668,9 @@ class AccumulatorCore:
         """A gradient of ``batch_size`` samples: returns the slot the caller adds ``.grad``
         into (times ``batch_size`` with ``weighting="samples"``), and what to do.
 
-        :raises TypeError / ValueError: ``batch_size`` not an int >= 1.
+        :raises TypeError: an argument of the wrong type.
+
+        :raises ValueError: ``batch_size`` not an int >= 1.
         :raises RuntimeError: :meth:`wants_gradients` is false.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
