@@ -648,17 +648,7 @@ def test_diloco_serves_its_metrics() -> None:
 
     model = torch.nn.Linear(3, 1)
     with swarm(1) as (dht,):
-        inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        diloco = DiLoCo(
-            model.parameters(),
-            inner_optimizer=inner,
-            dht=dht,
-            run_id="served",
-            sync_every=2,
-            averager_opts=FAST,
-            metrics_port=0,
-        )
-        with diloco:
+        with _make(dht, model, "served", sync_every=2, metrics_port=0) as diloco:
             _checkpoint_run([(torch.randn(4, 3), torch.randn(4, 1))] * 5, model, diloco)
             address = diloco.metrics_address
             assert address is not None
