@@ -28,7 +28,7 @@ import torch
 
 from swarmavg.aio.averager import AveragingStage
 from swarmavg.compression import AdaptiveCompression, CompressionBase, NoCompression
-from swarmavg.errors import LoadStateFailed
+from swarmavg.errors import LoadStateFailed, MatchmakingFailed
 from swarmavg.metrics import OptimizerCounter, OptimizerMetrics
 from swarmavg.optim.grad_averager import GradientAverager
 from swarmavg.optim.grad_scaler import GradScaler
@@ -781,6 +781,19 @@ class Optimizer(torch.optim.Optimizer):
                 and next_epoch % self.average_state_every == 0
                 and (queue_round or not self.state_averager.averaging_in_progress)
             )
+            if average_state and info.get("grad_no_group"):
+                # The gradient round found nobody within averaging_timeout: a state round now
+                # would most likely wait as long for nobody, and two peers that each wait in a
+                # different kind of round (one in its gradient round while the other is in its
+                # state round, as after a groupmate's death) would then miss each other epoch
+                # after epoch. Going on to the next epoch puts both in its gradient round.
+                average_state = False
+                logger.log(
+                    self.status_loglevel,
+                    "%s epoch %d: no state round this epoch (the gradient round found no group)",
+                    self.run_id,
+                    info["epoch"],
+                )
             if average_state and self.scheduled_state is not None:
                 if self.scheduled_state.triggered or self.scheduled_state.done():
                     self.scheduled_state = None
@@ -908,6 +921,11 @@ class Optimizer(torch.optim.Optimizer):
                 self._counter.gradients_averaged()
         except Exception as exc:
             info["grad_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            # (no group: matchmaking gave up, or the wait ended while it still looked)
+            info["grad_no_group"] = isinstance(exc, MatchmakingFailed) or (
+                handle is not None
+                and handle.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+            )
             # (a delayed round that shutdown() cancelled is no news)
             logger.log(
                 self.status_loglevel if self._closed else logging.WARNING,

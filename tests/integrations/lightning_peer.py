@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import logging
 import select
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def main(config: dict[str, Any]) -> None:
     from swarmavg.testing import workload
 
     torch.set_num_threads(1)  # (the peers share the machine's cores)
+    logging.basicConfig(  # (what the test shows of this peer when it fails)
+        level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s", datefmt="%X"
+    )
     ns = config["ns"]
     index, out, epochs = int(config["index"]), Path(config["out"]), int(config["epochs"])
     lightning = importlib.import_module(ns)
@@ -50,7 +54,7 @@ def main(config: dict[str, Any]) -> None:
     stream = workload.batches(
         corpus, 16, peer=index, num_peers=int(config["num_peers"]), sharded=True
     )
-    data = list(itertools.islice(stream, 400))
+    data = list(itertools.islice(stream, 2000))  # (more than any test trains on)
     seen: dict[str, Any] = {"num_peers": [], "epochs": [], "lrs": [], "metric": []}
     stop_at = [epochs]
 

@@ -670,7 +670,10 @@ class _Peers:
     def join(self, indices: list[int], timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         for index in indices:
-            code = self.procs[index].wait(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                code = self.procs[index].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"peer {index} did not exit\n{self.stderr()}") from None
             assert code == 0, self.stderr()
 
     def result(self, index: int) -> dict[str, Any]:

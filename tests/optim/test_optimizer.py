@@ -622,3 +622,64 @@ def test_the_delayed_gradient_round_is_not_pre_scheduled(
         else:
             assert opt.scheduled_grads is not None
             assert not opt.scheduled_grads.triggered
+
+
+def test_an_epoch_whose_gradient_round_found_no_group_has_no_state_round() -> None:
+    """A gradient round that finds nobody within ``averaging_timeout`` (the other peer's record
+    is there, but it is not averaging) is followed by no state round that epoch: such a round
+    would wait as long for nobody, and two peers that wait in different kinds of rounds (one
+    in its gradient round, the other in its state round) missed each other epoch after epoch
+    (seen after a third peer was SIGKILLed). The epoch still ends, on local gradients."""
+    models = [torch.nn.Linear(3, 1) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    with swarm(2) as dhts, ExitStack() as stack:
+        opts = [
+            stack.enter_context(
+                Optimizer(
+                    dht=dht,
+                    run_id="no_group_no_state_round",
+                    target_batch_size=16,
+                    batch_size_per_step=4,
+                    params=model.parameters(),
+                    optimizer=partial(torch.optim.SGD, lr=0.1),
+                    matchmaking_time=0.5,
+                    averaging_timeout=2.0,
+                    delay_state_averaging=False,
+                    averager_opts=FAST,
+                    tracker_opts={
+                        "min_refresh_period": 0.05,
+                        "max_refresh_period": 0.2,
+                        "default_refresh_period": 0.1,
+                    },
+                )
+            )
+            for dht, model in zip(dhts, models, strict=True)
+        ]
+        rounds: list[bool] = []
+        state_step = opts[0].state_averager.step
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("increment_epoch"):  # (the epoch's end)
+                rounds.append(bool(kwargs.get("averaging_round")))
+            return state_step(*args, **kwargs)
+
+        opts[0].state_averager.step = spy  # type: ignore[method-assign]
+        models[1](torch.ones(4, 3)).sum().backward()
+        opts[1].step()  # (peer 1 reports its samples, then only watches)
+        models[0](torch.ones(4, 3)).sum().backward()
+        opts[0].step()  # (counted from now on, with peer 1: 8 of 16 samples)
+        deadline = time.monotonic() + 30
+        while opts[0].tracker.global_progress.num_peers < 2:  # peer 1's record is read
+            assert time.monotonic() < deadline, "peer 1's progress record was never read"
+            time.sleep(0.05)
+        for _ in range(8):
+            models[0](torch.ones(4, 3)).sum().backward()
+            opts[0].step()
+            if opts[0].local_epoch == 1:
+                break
+        assert opts[0].local_epoch == 1
+        info = opts[0].last_epoch_info
+        assert info is not None
+        assert info["peers"] == 2, info
+        assert info["grad_error"] is not None, info
+        assert rounds == [False], rounds
