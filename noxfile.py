@@ -75,7 +75,7 @@ def tests(session: nox.Session) -> None:
     codes = [0, 5] if session.posargs else [0]
     session.run(
         "pytest",
-        *session.posargs,
+        *(session.posargs or ["--durations=25"]),  # (where the suite's time goes)
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=codes,
     )
@@ -99,7 +99,7 @@ def oldest(session: nox.Session) -> None:
     )
     session.run(
         "pytest",
-        *(session.posargs or ["-q"]),
+        *(session.posargs or ["-q", "--durations=25"]),
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=[0, 5] if session.posargs else [0],
     )
