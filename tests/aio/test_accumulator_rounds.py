@@ -20,13 +20,7 @@ from swarmavg.errors import AllReduceFailed, RemoteError
 from swarmavg.proto.accumulator import AccAck, Count, Hello, SlotTotals
 from swarmavg.testing import MemoryNetwork, run_on_virtual_time
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    # issue 26, open: with cryptography 47.0 (nox -s oldest) every test here timed out in
-    # the cohort's setup (joiners retried the leader's state, which was not served); they
-    # pass with cryptography 50. Not understood yet (a worker thread under virtual time?).
-    pytest.mark.xfail(strict=False, reason="issue 26: joiners never connect in nox -s oldest"),
-]
+pytestmark = pytest.mark.timeout(60)
 
 
 def model(seed: int) -> torch.nn.Module:
