@@ -363,7 +363,8 @@ class Accumulator:
         moolib) or ``"samples"`` (the sample-weighted mean).
     :param model_version: the version to start at (a restored checkpoint: see
         :meth:`set_model_version`).
-    :param round_timeout: seconds an exchange or an all-reduce waits for a member.
+    :param round_timeout: seconds an exchange or an all-reduce waits for a member, and
+        messages to a member keep failing, before it is suspected (left out of the view).
     :param state_timeout: seconds a donor waits for :meth:`set_state`, and a joiner for a
         download, before asking again.
     :param state_donors: donors a joiner downloads from at once.
