@@ -9,14 +9,16 @@ import time
 from contextlib import AsyncExitStack
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import torch
 
 from swarmavg import get_dht_time
 from swarmavg.aio import DHT
 from swarmavg.aio.averager import DecentralizedAverager, MatchmakingFailed
-from swarmavg.testing import MemoryNetwork, VirtualClockLoop, run_on_virtual_time
+from swarmavg.testing import MemoryNetwork, VirtualClockLoop, _clock, run_on_virtual_time
 
 
 def test_an_hour_of_sleep_costs_no_real_time_and_dht_time_follows() -> None:
@@ -82,6 +84,58 @@ def test_a_cancelled_task_in_a_timed_shielded_clean_up_lets_the_clock_move() -> 
     took = run_on_virtual_time(main)
     assert time.monotonic() - real < 10
     assert 3 <= took < 10
+
+
+def test_work_in_a_worker_thread_takes_no_virtual_time() -> None:
+    """A thread that computes for the loop (here it sleeps 0.2 s of real time, freeing the
+    GIL as hashing and torch do) holds the clock as the loop's own work would: the task that
+    ticks every virtual second meanwhile does not tick. (Without it, a state snapshot in a
+    thread let the joiners' minute-long timeouts run out: the accumulator's tests under older
+    dependencies.)"""
+
+    async def main() -> tuple[float, float, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.sleep(1)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.sleep(0.5)
+            started = anyio.current_time()
+            await anyio.to_thread.run_sync(time.sleep, 0.2)
+            in_thread = anyio.current_time() - started
+            started = anyio.current_time()
+            await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.2)
+            in_executor = anyio.current_time() - started
+            tg.cancel_scope.cancel()
+        return in_thread, in_executor, ticks
+
+    in_thread, in_executor, ticks = run_on_virtual_time(main)
+    assert in_thread < 0.01
+    assert in_executor < 0.01
+    assert ticks == 0
+
+
+def test_a_worker_thread_that_waits_for_the_clock_holds_it_only_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread that waits for a timer of the loop (``from_thread.run(anyio.sleep, 5)``)
+    would hold the clock forever: past ``_THREAD_HOLD`` real seconds the clock moves on."""
+    monkeypatch.setattr(_clock, "_THREAD_HOLD", 0.1)
+
+    async def main() -> float:
+        started = anyio.current_time()
+        await anyio.to_thread.run_sync(anyio.from_thread.run, anyio.sleep, 5)
+        return anyio.current_time() - started
+
+    real = time.monotonic()
+    took = run_on_virtual_time(main)
+    assert time.monotonic() - real < 10
+    assert took == pytest.approx(5, abs=0.01)
 
 
 def test_averagers_wait_out_long_timeouts_on_virtual_time() -> None:

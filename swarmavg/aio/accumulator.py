@@ -71,6 +71,11 @@ __all__ = ["METHOD", "Accumulator", "Group", "tensor_dtype"]
 logger = logging.getLogger(__name__)
 
 METHOD: Final = "acc.msg"
+#: an ``acc.msg`` is tried again after a failure for ``round_timeout``, each try waiting at
+#: most this fraction of it for the answer
+_SEND_TRIES: Final = 4
+#: seconds between tries of an ``acc.msg``: the first, doubling up to the second
+_RESEND_DELAY: Final = (0.25, 2.0)
 _MAX_ADDRESS_LENGTH: Final = 512
 _MAX_MEMBERS: Final = 256
 
@@ -116,7 +121,10 @@ class Group:
         self.epoch_count = 0
         self._since = 0.0
         self._suspects: dict[PeerID, float] = {}  # peer -> its record's expiration then
-        self._expirations: dict[PeerID, float] = {}
+        #: the newest record read of each member: (address, since, expiration). A read that
+        #: misses a record (a partial answer while a link fails) does not drop its member:
+        #: only the record's expiration, its owner's tombstone or a suspicion does
+        self._records: dict[PeerID, tuple[Address | None, float, float]] = {}
         self._last_read = -math.inf
         self._renewer: BackgroundTask | None = None
         self._closed = False
@@ -188,8 +196,18 @@ class Group:
     def suspect(self, peer: PeerID) -> None:
         """Leave ``peer`` out of the view until its record is renewed (it stopped answering)."""
         if peer != self.me:
-            self._suspects[peer] = self._expirations.get(peer, math.inf)
+            record = self._records.get(peer)
+            self._suspects[peer] = record[2] if record is not None else math.inf
             self._last_read = -math.inf
+
+    def unsuspect(self, peer: PeerID) -> bool:
+        """``peer`` answered or spoke: take it back into the view at the next read (a link
+        that failed for a while must not keep the cohort split until its record is renewed).
+        Whether it was suspected."""
+        if self._suspects.pop(peer, None) is None:
+            return False
+        self._last_read = -math.inf
+        return True
 
     def refresh_soon(self) -> None:
         """Make the next :meth:`update` read the records whatever ``refresh_period`` says."""
@@ -240,26 +258,50 @@ class Group:
         return epoch_digest([str(p) for p in order], [repr(view[p][1]) for p in order])
 
     async def _read(self) -> dict[PeerID, tuple[Address | None, float]] | None:
-        """The members whose records are alive (suspects too); ``None`` if the read failed."""
+        """The members whose records are alive (suspects too), as this read and the earlier
+        ones saw them; ``None`` if the read failed."""
         try:
             with anyio.fail_after(max(self.refresh_period * 5, 5.0)):
                 found = await self.dht.get(self.key, latest=True)
         except (SwarmError, OSError, TimeoutError) as exc:
             logger.debug("reading %s failed: %s", self.key, exc)
             return None
-        members: dict[PeerID, tuple[Address | None, float]] = {}
         entries = found.value if found is not None else None
         if isinstance(entries, dict):
             for subkey, item in list(entries.items())[:_MAX_MEMBERS]:
-                parsed = _parse_record(subkey, getattr(item, "value", None))
+                expiration = getattr(item, "expiration_time", None)
+                if not isinstance(expiration, int | float):
+                    continue
+                value = getattr(item, "value", None)
+                parsed = _parse_record(subkey, value)
                 if parsed is not None:
                     peer, address, since = parsed
-                    members[peer] = (address, since)
-                    self._expirations[peer] = float(item.expiration_time)
+                    known = self._records.get(peer)
+                    if known is None or expiration >= known[2]:
+                        self._records[peer] = (address, since, float(expiration))
+                elif value is None and (owner := _tombstone_owner(subkey)) is not None:
+                    known = self._records.get(owner)
+                    if known is not None and expiration > known[2]:
+                        del self._records[owner]  # (it left after that record)
+        now = get_dht_time()
+        for peer in [p for p, (_, _, expiration) in self._records.items() if expiration <= now]:
+            del self._records[peer]
+        members = {p: (address, since) for p, (address, since, _) in self._records.items()}
         for peer, until in list(self._suspects.items()):
-            if self._expirations.get(peer, -math.inf) > until or peer not in members:
+            if peer not in self._records or self._records[peer][2] > until:
                 del self._suspects[peer]  # renewed since (or gone anyway)
         return members
+
+
+def _tombstone_owner(subkey: object) -> PeerID | None:
+    """The member whose tombstone this subkey holds (the DHT checked its signature)."""
+    if not isinstance(subkey, bytes) or not subkey.startswith(b"[owner:"):
+        return None
+    try:
+        peer = PeerID.from_string(subkey[len(b"[owner:") : -1].decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return peer if owner_marker(peer) == subkey else None
 
 
 def _parse_record(subkey: object, value: object) -> tuple[PeerID, Address | None, float] | None:
@@ -321,7 +363,8 @@ class Accumulator:
         moolib) or ``"samples"`` (the sample-weighted mean).
     :param model_version: the version to start at (a restored checkpoint: see
         :meth:`set_model_version`).
-    :param round_timeout: seconds an exchange or an all-reduce waits for a member.
+    :param round_timeout: seconds an exchange or an all-reduce waits for a member, and
+        messages to a member keep failing, before it is suspected (left out of the view).
     :param state_timeout: seconds a donor waits for :meth:`set_state`, and a joiner for a
         download, before asking again.
     :param state_donors: donors a joiner downloads from at once.
@@ -811,45 +854,96 @@ class Accumulator:
                 self._apply(action)
         self._signal()
 
+    def _obsolete(self, message: Message) -> bool:
+        """Whether sending ``message`` is moot now: closed, or an exchange of a past epoch."""
+        if isinstance(message, AccLeave):
+            return False
+        return self._closed or getattr(message, "epoch", None) != self.core.epoch
+
     async def _send_one(self, peer: PeerID, message: Message) -> None:
+        """Send ``message`` and read the answer. A transport failure or a timeout is tried
+        again (with a backoff) until the member has not answered for ``round_timeout``: only
+        then is it suspected (a message lost to a link that failed for a moment would
+        otherwise split the cohort). An ``AccLeave`` is sent once."""
         address = self.group.addresses.get(peer)
         if address is None:
             return
         if self._closed and not isinstance(message, AccLeave):
             return
-        try:
-            with anyio.fail_after(self.core.round_timeout):
-                ack = await self.dht.node.rpc.call(address, METHOD, message, response_type=AccAck)
-        except (TransportError, OSError, TimeoutError) as exc:
-            # (it left or died: out of the view until its record is renewed, rather than
-            # waiting round_timeout for its answer in the exchange)
-            logger.info(
-                "cohort %s: could not send %s to %s: %s",
-                self.name,
-                type(message).__name__,
-                peer.short(),
-                exc,
-            )
-            if not isinstance(message, AccLeave) and not self._closed:
-                self.group.suspect(peer)
+        once = isinstance(message, AccLeave)
+        tries = 1 if once else _SEND_TRIES
+        deadline = anyio.current_time() + self.core.round_timeout
+        delay = _RESEND_DELAY[0]
+        ack: AccAck | None = None
+        while ack is None:
+            left = deadline - anyio.current_time()
+            try:
+                with anyio.fail_after(max(min(self.core.round_timeout / tries, left), 0.0)):
+                    ack = await self.dht.node.rpc.call(
+                        address, METHOD, message, response_type=AccAck
+                    )
+            except (TransportError, OSError, TimeoutError) as exc:
+                left = deadline - anyio.current_time()
+                if not once and left > 0 and not self._obsolete(message):
+                    logger.debug(
+                        "cohort %s: sending %s to %s failed (again in %.2f s): %s",
+                        self.name,
+                        type(message).__name__,
+                        peer.short(),
+                        delay,
+                        exc,
+                    )
+                    await anyio.sleep(min(delay, left))
+                    delay = min(delay * 2, _RESEND_DELAY[1])
+                    if not self._obsolete(message):
+                        continue
+                    return
+                # it left or died (or its link is down): out of the view until it is heard
+                # from again or its record is renewed, rather than waited for in every
+                # exchange
+                logger.info(
+                    "cohort %s: could not send %s to %s: %s",
+                    self.name,
+                    type(message).__name__,
+                    peer.short(),
+                    exc,
+                )
+                if not once and not self._obsolete(message):
+                    self.group.suspect(peer)
+                    self._wake.set()
+                return
+            except SwarmError as exc:  # (it refused the message: our views differ)
+                logger.info(
+                    "cohort %s: %s refused %s: %s",
+                    self.name,
+                    peer.short(),
+                    type(message).__name__,
+                    exc,
+                )
+                self._heard_from(peer)
+                self.group.refresh_soon()
                 self._wake.set()
-            return
-        except SwarmError as exc:  # (it refused the message: our views differ)
-            logger.info(
-                "cohort %s: %s refused %s: %s", self.name, peer.short(), type(message).__name__, exc
-            )
-            self.group.refresh_soon()
-            self._wake.set()
-            return
-        except (RuntimeError, anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
-            # (our own node is closed: shutting down, or the process' node was taken away)
-            logger.debug("could not send %s: our node is closed: %s", type(message).__name__, exc)
-            return
+                return
+            except (RuntimeError, anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+                # (our own node is closed: shutting down, or the process' node was taken away)
+                logger.debug(
+                    "could not send %s: our node is closed: %s", type(message).__name__, exc
+                )
+                return
+        self._heard_from(peer)
         if ack.epoch != getattr(message, "epoch", None):
             self.group.refresh_soon()
             self._wake.set()
 
+    def _heard_from(self, peer: PeerID) -> None:
+        """``peer`` answered or spoke: if this member suspected it, the views merge again."""
+        if self.group.unsuspect(peer):
+            logger.info("cohort %s: %s answers again", self.name, peer.short())
+            self._wake.set()
+
     async def _serve(self, message: Message, ctx: CallContext) -> AccAck:
+        if not isinstance(message, AccLeave):
+            self._heard_from(ctx.peer_id)
         if isinstance(message, AccLeave):
             self.group.refresh_soon()
             self._wake.set()

@@ -371,6 +371,8 @@ class AccumulatorCore:
         self._has_gradients = False
         self._stats = GradientStats()
         self._state_requests = False
+        #: (epoch, count index) of the result in .grad, until zero_gradients reads it
+        self._unread = (b"", 0)
 
     # --- settings and accessors --------------------------------------------------------------
 
@@ -780,6 +782,7 @@ class AccumulatorCore:
         slot.phase = "open"
         self._stats = pending.stats
         self._has_gradients = True
+        self._unread = (self._epoch or b"", index)
         return [ApplyResult(index, pending.slot, pending.stats, pending.zero, self._version + 1)]
 
     def zero_gradients(self) -> list[Action]:
@@ -790,6 +793,10 @@ class AccumulatorCore:
             return []
         self._has_gradients = False
         self._version += 1
+        # the model now holds this result: those that stepped with it (the members of its
+        # epoch) share the new lineage, and a member that stepped with another result of the
+        # same version (a cohort split in two for a while) does not
+        self._lineage = _next_lineage(self._lineage, *self._unread)
         return self._apply_ready()
 
     # --- faults ---------------------------------------------------------------------------------
@@ -812,6 +819,14 @@ def _new_lineage(me: str, epoch: bytes) -> bytes:
     digest = hashlib.sha256(b"swarmavg.acc.lineage")
     raw = me.encode()
     digest.update(len(raw).to_bytes(4, "big") + raw + epoch)
+    return digest.digest()[:16]
+
+
+def _next_lineage(lineage: bytes, epoch: bytes, index: int) -> bytes:
+    """The lineage of a model of ``lineage`` stepped with count ``index``'s result of
+    ``epoch``."""
+    digest = hashlib.sha256(b"swarmavg.acc.step")
+    digest.update(len(lineage).to_bytes(4, "big") + lineage + epoch + index.to_bytes(8, "big"))
     return digest.digest()[:16]
 
 

@@ -8,20 +8,29 @@ process takes to run them all, and a ``sleep(60)`` costs nothing. DHT time
 (:func:`swarmavg.get_dht_time`) follows it on such a loop, from the wall-clock time at which the
 loop was made.
 
-Only the loop's clock is virtual: work that waits outside it (a worker thread, a real socket)
-does not hold the clock back, so a timer may fire while such work runs. Meant for code on the
-in-process :class:`~swarmavg.testing.MemoryTransport`.
+Work that the loop hands to a worker thread (``anyio.to_thread.run_sync`` with the default
+limiter, under :func:`run_on_virtual_time`; ``loop.run_in_executor``) is computation too, so
+it takes no virtual time either: while such a thread runs and nothing else is ready, the clock
+stands still and the loop waits (in real time) for the thread's result, up to
+5 real seconds per move of the clock (a thread that waits for the clock
+itself would otherwise hold it forever). Without this, a loop that only jumps from timer to
+timer runs through minutes of timeouts while a thread hashes a few kilobytes (the thread gets
+the GIL only between the loop's cycles). Anything else that waits outside the loop (a real
+socket) does not hold the clock back. Meant for code on the in-process
+:class:`~swarmavg.testing.MemoryTransport`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
+import anyio.to_thread
 
 __all__ = ["VirtualClockLoop", "run_on_virtual_time"]
 
@@ -31,6 +40,8 @@ T = TypeVar("T")
 _BUSY_CYCLE = 1e-6
 #: Loop cycles that only retry delivering a cancellation before the clock moves on regardless.
 _CANCELLATION_SPINS = 100
+#: Real seconds the clock waits for busy worker threads before it moves on regardless.
+_THREAD_HOLD = 5.0
 
 
 class _JumpingSelector(selectors.BaseSelector):
@@ -59,6 +70,9 @@ class _JumpingSelector(selectors.BaseSelector):
                 self._spins += 1
                 if self._spins >= _CANCELLATION_SPINS:
                     self._spins = 0
+                    hold = self._loop._thread_hold()
+                    if hold > 0:  # (the task may wait for a worker thread: as below)
+                        return self._real.select(min(hold, 0.01))
                     self._loop._advance_to_next_timer()
             else:
                 self._spins = 0
@@ -66,6 +80,11 @@ class _JumpingSelector(selectors.BaseSelector):
         self._spins = 0
         if timeout is None:  # no timer at all: only I/O (another thread) can wake us
             return self._real.select(None)
+        hold = self._loop._thread_hold()
+        if hold > 0:
+            # a worker thread computes for the loop: wait for its result (it wakes the real
+            # selector) rather than jump; the loop comes back here if it has not reported
+            return self._real.select(hold)
         self._loop._advance(timeout)
         return []
 
@@ -102,6 +121,42 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self.epoch = time.time() - self._now
         real: selectors.BaseSelector = self._selector  # type: ignore[has-type]
         self._selector = _JumpingSelector(real, self)
+        self._thread_limiters: list[anyio.CapacityLimiter] = []
+        self._executor_jobs = 0
+        #: real time since which the clock has waited for worker threads (None: it is not)
+        self._held_since: float | None = None
+
+    def watch_thread_limiter(self, limiter: anyio.CapacityLimiter) -> None:
+        """Hold the clock while ``limiter`` has tokens borrowed (worker threads run work of
+        this loop under it): :func:`run_on_virtual_time` passes anyio's default thread
+        limiter."""
+        if limiter not in self._thread_limiters:
+            self._thread_limiters.append(limiter)
+
+    def run_in_executor(  # type: ignore[override]
+        self, executor: concurrent.futures.Executor | None, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        """As asyncio's; the clock stands still while the job runs (see the module)."""
+        future = super().run_in_executor(executor, func, *args)
+        self._executor_jobs += 1
+        future.add_done_callback(self._executor_job_done)
+        return future
+
+    def _executor_job_done(self, _: object) -> None:
+        self._executor_jobs -= 1
+
+    def _thread_hold(self) -> float:
+        """Real seconds the clock may still wait for busy worker threads (0: move on)."""
+        busy = self._executor_jobs > 0 or any(
+            limiter.borrowed_tokens for limiter in self._thread_limiters
+        )
+        if not busy:
+            self._held_since = None
+            return 0.0
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        return max(self._held_since + _THREAD_HOLD - now, 0.0)
 
     def time(self) -> float:
         return self._now
@@ -112,11 +167,14 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def _advance(self, seconds: float) -> None:
         self._now += seconds
+        if seconds > _BUSY_CYCLE:
+            self._held_since = None  # (the next wait for a thread holds the clock anew)
 
     def _advance_to_next_timer(self) -> None:
         scheduled = self._scheduled  # type: ignore[attr-defined]
         if scheduled:
             self._now = max(self._now, scheduled[0].when())
+            self._held_since = None
 
     def _only_retrying_cancellation(self) -> bool:
         """Whether every callback ready to run is anyio's retry of a cancellation."""
@@ -127,10 +185,17 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
 
 def run_on_virtual_time(fn: Callable[..., Awaitable[T]], *args: Any, start: float = 0.0) -> T:
-    """``anyio.run(fn, *args)`` on a :class:`VirtualClockLoop`."""
+    """``anyio.run(fn, *args)`` on a :class:`VirtualClockLoop` (whose clock also waits for
+    ``anyio.to_thread`` work under the default limiter)."""
+
+    async def main() -> T:
+        loop = asyncio.get_running_loop()
+        if isinstance(loop, VirtualClockLoop):
+            loop.watch_thread_limiter(anyio.to_thread.current_default_thread_limiter())
+        return await fn(*args)
+
     return anyio.run(
-        fn,
-        *args,
+        main,
         backend="asyncio",
         backend_options={"loop_factory": lambda: VirtualClockLoop(start)},
     )

@@ -44,11 +44,19 @@ async def cohort(
 
 async def serve_states(accs: list[Accumulator], state: object) -> None:
     """Answer wants_state() until every member is connected."""
-    while not all(a.connected() for a in accs):
-        for a in accs:
-            if a.wants_state():
-                a.set_state(state)
-        await anyio.sleep(0.05)
+
+    async def serve(acc: Accumulator) -> None:
+        while True:
+            await acc.wait_state_request()
+            acc.set_state(state)
+
+    async with anyio.create_task_group() as tg:
+        for acc in accs:
+            tg.start_soon(serve, acc)
+        while not all(acc.connected() for acc in accs):  # (bounded by the caller)
+            for acc in accs:
+                await acc.wait_state()
+        tg.cancel_scope.cancel()
 
 
 async def test_three_peers_connect_and_apply_the_mean_of_their_contributions() -> None:

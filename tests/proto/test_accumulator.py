@@ -314,6 +314,40 @@ def test_members_that_started_alone_hold_other_models_and_download_the_leaders()
         assert len(member.state_requests) == (0 if name == "c" else 1)
 
 
+def test_halves_of_a_split_cohort_that_stepped_apart_are_one_model_again_after_they_meet() -> None:
+    """A cohort split in two views for a while ({a, b} and {c}, e.g. c suspected by the
+    others and the others by c) steps apart: each side applies its own result and reaches
+    the same version. When the views merge, the versions tie, but the models differ: the
+    lineage says so, and a and b take the leader's (c's) state instead of carrying on with
+    another model than c's at the same version."""
+    cohort = connected_cohort(["a", "b", "c"])
+    shared = cohort.members["a"].core.lineage
+    assert {cohort.members[n].core.lineage for n in "abc"} == {shared}
+    cohort.epoch(["a", "b"], who=["a", "b"])
+    cohort.epoch(["c"], who=["c"])
+    cohort.deliver()
+    for name, grad in (("a", 1.0), ("b", 3.0), ("c", 10.0)):
+        cohort.reduce(name, grad, 1)
+    cohort.deliver()
+    cohort.finish_reduces()
+    for name in "abc":
+        assert cohort.members[name].core.has_gradients()
+        cohort.zero(name)
+        assert cohort.members[name].core.model_version == 1
+    assert [cohort.members[n].grad for n in "abc"] == [2.0, 2.0, 10.0]
+    lineages = {n: cohort.members[n].core.lineage for n in "abc"}
+    assert lineages["a"] == lineages["b"] != lineages["c"]
+    assert shared not in lineages.values()
+    cohort.epoch(["a", "b", "c"], epoch=epoch_digest(["a", "b", "c"], ["1", "1", "1"]))
+    cohort.deliver()
+    for name in "ab":
+        core = cohort.members[name].core
+        assert core.leader == "c"
+        assert not core.connected()
+        assert cohort.members[name].state_requests[-1] == RequestState(("c",), 1)
+    assert cohort.members["c"].core.connected()
+
+
 def test_a_joiner_blocks_rounds_until_it_has_the_state() -> None:
     cohort = connected_cohort(["a", "b"])
     cohort.members["c"] = Member(AccumulatorCore("c", cohort="c"), [0.0] * 4)
