@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -65,6 +66,8 @@ OPTIONS: dict[str, Any] = {
     "startup-timeout": 60.0,
 }
 STARTUP = 90.0
+#: the peers' ``--num-peers`` (their streams of batches are keyed by their index below it)
+MAX_PEERS = 64
 
 
 class TrainPeer:
@@ -80,6 +83,7 @@ class TrainPeer:
         log: Path,
         options: dict[str, Any],
         run_id: str,
+        wait_go: bool = False,
     ) -> None:
         self.host = host
         self.index = index
@@ -88,9 +92,15 @@ class TrainPeer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         argv = [
             *(sys.executable, str(PEER), "--system=swarmavg", "--probe", "--epochs=1000000"),
-            *(f"--peer={index}", f"--run-id={run_id}", f"--host={lab.host(host).address}"),
-            *(f"--{key}={value}" for key, value in options.items()),
+            *(f"--peer={index}", f"--num-peers={max(MAX_PEERS, index + 1)}"),
+            *(f"--run-id={run_id}", f"--host={lab.host(host).address}"),
+            *(
+                f"--{key}" if value is True else f"--{key}={value}"
+                for key, value in options.items()
+            ),
         ]
+        if wait_go:
+            argv.append("--wait-go")
         if initial:
             argv += ["--initial-peers", *initial]
         self.proc: subprocess.Popen[str] = lab.host(host).popen(
@@ -138,6 +148,11 @@ class TrainPeer:
                 if left <= 0:
                     raise TimeoutError(f"peer {self.index}: no such event in time")
                 self._changed.wait(left)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
 
     def wait_ready(self, deadline: float) -> TrainPeer:
         self.maddrs = self.wait(lambda e: e["event"] == "ready", deadline)["maddrs"]
@@ -191,22 +206,28 @@ class TrainSwarm:
         self.options = {**OPTIONS, **(options or {})}
         self.run_id = run_id
         self.peers: list[TrainPeer] = []
-        try:
-            self.peers.append(self._start(0).wait_ready(time.monotonic() + STARTUP))
-            self.peers += [self._start(h) for h in range(1, peers)]
+        self._indices = itertools.count()
+        try:  # (the first alone, then the others from it; they start training together)
+            self.peers.append(self._start(0, wait_go=True).wait_ready(time.monotonic() + STARTUP))
+            self.peers += [self._start(h, wait_go=True) for h in range(1, peers)]
             deadline = time.monotonic() + STARTUP
             for peer in self.peers[1:]:
                 peer.wait_ready(deadline)
+            go = json.dumps({"go": time.monotonic() + 0.5})
+            for peer in self.peers:
+                peer.send(go)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, host: int) -> TrainPeer:
+    def _start(self, host: int, wait_go: bool = False) -> TrainPeer:
         live = [p for p in self.peers if p.alive and p.maddrs]
         initial = live[-1].maddrs if live else []
-        index = len(self.peers)
+        index = next(self._indices)
         log = self.logs / f"peer{index}-host{host}.log"
-        return TrainPeer(self.lab, host, index, initial, log, self.options, self.run_id)
+        return TrainPeer(
+            self.lab, host, index, initial, log, self.options, self.run_id, wait_go=wait_go
+        )
 
     @property
     def live(self) -> list[TrainPeer]:
@@ -254,7 +275,7 @@ def regressions(peers: Sequence[TrainPeer]) -> list[str]:
     problems = []
     for peer in peers:
         epochs = [int(e["epoch"]) for e in peer.epochs()]
-        for before, after in zip(epochs, epochs[1:], strict=False):
+        for before, after in itertools.pairwise(epochs):
             if after <= before:
                 problems.append(f"peer {peer.index}: epoch {before} then {after}")
     return problems
@@ -332,57 +353,91 @@ def churn_problems(swarm: TrainSwarm, changes: Sequence[Change], period: float) 
 
 @dataclasses.dataclass
 class Partition:
-    """What a partition run saw: each half's epoch when cut and when healed, and after
-    healing the epoch at which every peer agreed, when, and the largest relative distance
-    between two peers' parameters there."""
+    """What a partition run saw: the hosts of each side; each side's epoch when cut and when
+    healed, and the samples its peers fed meanwhile; ``apart``: the largest relative distance
+    between the parameters of a peer of one side and one of the other, at the last epoch
+    both sides reported before the heal (how far the split drove them apart); and after
+    healing the first epoch at which every peer agreed (within the tolerance), how long
+    after the heal the last of them reported it, and their largest distance there."""
 
     halves: list[list[int]]
     cut_epochs: list[int]
     healed_epochs: list[int]
+    split_samples: list[int]
+    apart: float | None = None
+    healed_at: float = 0.0
     agreed_epoch: int | None = None
     agreed_s: float | None = None
     distance: float | None = None
 
 
-def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+def distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The relative distance between the parameters of two ``epoch`` events (their probes'
+    distance over the larger norm)."""
     diff = math.sqrt(sum((x - y) ** 2 for x, y in zip(a["probe"], b["probe"], strict=True)))
-    return diff / max(a["norm"], b["norm"], 1e-12)
+    return float(diff / max(a["norm"], b["norm"], 1e-12))
 
 
-def agreement(peers: Sequence[TrainPeer], since: float, tolerance: float) -> tuple[int, float] | None:
+def _by_epoch(peer: TrainPeer, since: float, until: float) -> dict[int, dict[str, Any]]:
+    return {int(e["epoch"]): e for e in peer.epochs() if since <= e["at"] < until and "probe" in e}
+
+
+def agreement(
+    peers: Sequence[TrainPeer], since: float, tolerance: float
+) -> tuple[int, float] | None:
     """The first epoch, reported after ``since``, that every one of ``peers`` reported with
     parameters within ``tolerance`` of each other: (epoch, largest distance), or ``None``."""
-    by_peer = [
-        {int(e["epoch"]): e for e in p.epochs() if e["at"] >= since and "probe" in e}
-        for p in peers
-    ]
+    by_peer = [_by_epoch(p, since, math.inf) for p in peers]
     common = set.intersection(*(set(epochs) for epochs in by_peer))
     for epoch in sorted(common):
         events = [epochs[epoch] for epochs in by_peer]
-        worst = max(_distance(a, b) for a in events for b in events)
+        worst = max(distance(a, b) for a in events for b in events)
         if worst <= tolerance:
             return epoch, worst
     return None
 
 
+def apart(sides: Sequence[Sequence[TrainPeer]], since: float, until: float) -> float | None:
+    """The largest distance between a peer of ``sides[0]`` and one of ``sides[1]`` at the last
+    epoch that every peer reported between ``since`` and ``until`` (``None``: no such epoch)."""
+    by_peer = [[_by_epoch(p, since, until) for p in side] for side in sides]
+    common = set.intersection(*(set(epochs) for side in by_peer for epochs in side))
+    if not common:
+        return None
+    epoch = max(common)
+    return max(distance(a[epoch], b[epoch]) for a in by_peer[0] for b in by_peer[1])
+
+
 def partition(
-    swarm: TrainSwarm, warmup: float, split: float, settle: float, tolerance: float
+    swarm: TrainSwarm,
+    warmup: float,
+    split: float,
+    settle: float,
+    tolerance: float,
+    first: int | None = None,
 ) -> Partition:
-    """Split the swarm in two halves (hosts ``[0, n/2)`` and the rest) after ``warmup``
-    seconds, heal it ``split`` seconds later, and wait at most ``settle`` seconds for the
-    peers to agree (see :func:`agreement`)."""
+    """Split the live peers in two sides (the first ``first``, default half of them, and the
+    rest) after ``warmup`` seconds (cutting every path between the sides' hosts), heal it
+    ``split`` seconds later, and wait at most ``settle`` seconds for the peers to agree (see
+    :func:`agreement`)."""
     peers = swarm.live
-    half = len(peers) // 2
-    groups = [peers[:half], peers[half:]]
-    halves = [[p.host for p in g] for g in groups]
+    half = len(peers) // 2 if first is None else first
+    sides = [peers[:half], peers[half:]]
+    halves = [[p.host for p in side] for side in sides]
     time.sleep(warmup)
-    cut_epochs = [max(p.epoch for p in g) for g in groups]
+    cut_epochs = [max(p.epoch for p in side) for side in sides]
     swarm.lab.partition(*halves)
+    cut = time.monotonic()
     time.sleep(split)
-    healed_epochs = [max(p.epoch for p in g) for g in groups]
+    healed_epochs = [max(p.epoch for p in side) for side in sides]
     swarm.lab.partition()
     healed = time.monotonic()
-    result = Partition(halves, cut_epochs, healed_epochs)
+    samples = [
+        sum(int(e["samples"]) for p in side for e in p.epochs() if cut <= e["at"] < healed)
+        for side in sides
+    ]
+    result = Partition(halves, cut_epochs, healed_epochs, samples, healed_at=healed)
+    result.apart = apart(sides, cut, healed)
     deadline = healed + settle
     while time.monotonic() < deadline:
         found = agreement(peers, healed, tolerance)
@@ -397,11 +452,18 @@ def partition(
     return result
 
 
-def partition_problems(swarm: TrainSwarm, result: Partition) -> list[str]:
+def partition_problems(swarm: TrainSwarm, result: Partition, tolerance: float) -> list[str]:
+    """What a partition run broke (empty: nothing)."""
     problems = regressions(swarm.peers)
+    target = int(swarm.options["target-batch-size"])
     for i, (cut, healed) in enumerate(zip(result.cut_epochs, result.healed_epochs, strict=True)):
-        if healed <= cut:
-            problems.append(f"half {i} did not train while split: epoch {cut} then {healed}")
+        if healed < cut + 2 or result.split_samples[i] < target:
+            problems.append(
+                f"side {i} did not train while split: epoch {cut} then {healed}, "
+                f"{result.split_samples[i]} samples"
+            )
+    if result.apart is None or result.apart <= 2 * tolerance:
+        problems.append(f"the split did not drive the sides apart: {result.apart}")
     if result.agreed_epoch is None:
         problems.append("the peers did not agree on one state after healing")
     return problems
@@ -422,7 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="partition: before the cut")
     parser.add_argument("--split", type=float, default=30.0, help="partition: seconds cut")
     parser.add_argument("--settle", type=float, default=60.0, help="partition: to agree")
-    parser.add_argument("--tolerance", type=float, default=1e-3, help="partition")
+    parser.add_argument("--tolerance", type=float, default=5e-3, help="partition")
+    parser.add_argument(
+        "--first", type=int, default=None, help="partition: peers in the first side"
+    )
+    parser.add_argument("--verbose", action="store_true", help="the peers log every event")
     parser.add_argument("--logs", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -430,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"scenario": args.scenario, "profile": args.profile}
     with NetLab(args.peers, profile=args.profile, seed=args.seed, offload=False) as lab:
-        swarm = TrainSwarm(lab, args.peers, logs)
+        swarm = TrainSwarm(lab, args.peers, logs, {"verbose": True} if args.verbose else None)
         try:
             if args.scenario == "churn":
                 changes = churn(swarm, args.changes, args.period, args.seed)
@@ -452,15 +518,21 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 print(f"losses at the end (epoch, loss): {final}")
             else:
-                result = partition(swarm, args.warmup, args.split, args.settle, args.tolerance)
-                problems = partition_problems(swarm, result)
+                result = partition(
+                    swarm, args.warmup, args.split, args.settle, args.tolerance, args.first
+                )
+                problems = partition_problems(swarm, result, args.tolerance)
                 report["partition"] = dataclasses.asdict(result)
                 print(json.dumps(report["partition"]))
         finally:
             swarm.close()
     report["problems"] = problems
     report["epochs"] = {
-        p.index: [(e["epoch"], round(e["at"], 2)) for e in p.epochs()] for p in swarm.peers
+        p.index: [
+            {key: e[key] for key in ("epoch", "at", "norm", "probe", "val_loss") if key in e}
+            for e in p.epochs()
+        ]
+        for p in swarm.peers
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

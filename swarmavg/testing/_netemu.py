@@ -275,7 +275,7 @@ class Emulator:
             return {"ok": True}
         if op == "path":
             a, b = sorted(int(i) for i in request["hosts"])
-            if a == b or not (0 <= a and b < len(self.hosts)):
+            if a == b or a < 0 or b >= len(self.hosts):
                 return {"ok": False, "error": f"path: bad hosts {request['hosts']!r}"}
             if request["up"]:
                 self.cut_paths.discard((a, b))

@@ -656,7 +656,7 @@ class NetLab:
         ``IndexError`` for a host that does not exist, ``ValueError`` if ``a == b``."""
         self._check_open()
         for index in (a, b):
-            self._hosts[index]  # noqa: B018 (IndexError for a host that does not exist)
+            self._hosts[index]  # (IndexError for a host that does not exist)
         if a == b:
             raise ValueError(f"set_path needs two different hosts, got {a} twice")
         with self._lock:
@@ -676,7 +676,7 @@ class NetLab:
         seen: set[int] = set()
         for group in groups:
             for index in group:
-                self._hosts[index]  # noqa: B018
+                self._hosts[index]  # (IndexError)
                 if index in seen:
                     raise ValueError(f"partition: host {index} is in two groups")
                 seen.add(index)
