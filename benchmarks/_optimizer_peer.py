@@ -45,6 +45,10 @@ with batch ``peers x batch_size``):
 - ``--step-compute-ms`` (all three): a sleep per step, standing for a bigger model's forward
   and backward (averaging rounds run meanwhile); ``--wait-for-round`` (dsgd/dadam): after a
   step that asked for a round, ``wait_for_round()`` until its result is written.
+- ``--host`` (the swarmavg systems but lightning): the address the DHT listens on (default
+  127.0.0.1; a network lab host's address in ``benchmarks/network_training.py``); ``--probe``:
+  every ``epoch`` event carries ``norm`` and ``probe``, a fingerprint of the parameters that
+  tells how far two peers' parameters are apart (see :func:`parameter_probe`).
 - ``--identity-seed`` (every swarmavg system): the PeerID derives from it and ``--peer``, so
   that the members of a group are in the same order (the same all-reduce plan) in every run;
   ``--ordered-reduction``: a diagnostic that makes the reducers of this process sum in member
