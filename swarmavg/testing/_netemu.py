@@ -183,16 +183,15 @@ class Emulator:
             for target in targets:
                 self.forward(source, target, frame, now)
 
-    def path_up(self, source: Host, target: Host) -> bool:
-        if not (source.link_up and target.link_up):
-            return False
-        if self.cut_paths:
-            a, b = sorted((source.index, target.index))
-            return (a, b) not in self.cut_paths
-        return True
+    def path_cut(self, source: Host, target: Host) -> bool:
+        """Whether the path between the two is cut (their links are not looked at)."""
+        i, j = source.index, target.index
+        return (i, j) in self.cut_paths if i < j else (j, i) in self.cut_paths
 
     def forward(self, source: Host, target: Host, frame: bytes, now: float) -> None:
-        if not self.path_up(source, target):
+        if not (source.link_up and target.link_up) or (
+            self.cut_paths and self.path_cut(source, target)
+        ):
             source.counters["link_drops"] += 1
             return
         up, down = source.up, target.down
@@ -222,7 +221,7 @@ class Emulator:
 
     def send(self, source: int, target: Host, frame: bytes) -> None:
         counters = self.hosts[source].counters
-        if not self.path_up(self.hosts[source], target):
+        if not target.link_up or (self.cut_paths and self.path_cut(self.hosts[source], target)):
             counters["link_drops"] += 1
             return
         try:
