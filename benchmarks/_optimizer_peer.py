@@ -96,6 +96,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import select
 import sys
 import time
@@ -606,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
             format="%(asctime)s.%(msecs)03d %(threadName)s %(name)s: %(message)s",
             datefmt="%H:%M:%S",
         )
+        # (to trace a failure: SWARMAVG_DEBUG_LOGGERS=swarmavg.aio.state,... at DEBUG)
+        for name in filter(None, os.environ.get("SWARMAVG_DEBUG_LOGGERS", "").split(",")):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     torch.set_num_threads(1)
     began = time.perf_counter()
     workload = load_workload()

@@ -11,8 +11,9 @@ its host's address (``--host``) and ``--probe`` (each ``epoch`` event carries a 
 the parameters). The peers start at once (no go), the first alone, the others bootstrapping
 from it; a joiner bootstraps from a live peer.
 
-- ``churn``: every ``--period`` seconds a change, alternately: a random live peer is SIGKILLed
-  (its process group), then a fresh process (a new identity) starts in the host it left.
+- ``churn``: a change ``--period`` seconds after the previous one was done, alternately: a
+  random live peer is SIGKILLed (its process group), then a fresh process (a new identity)
+  starts in the host it left (done once it is ready).
   Checks: every peer's epochs only go up; after every change the swarm's epoch advances
   before the next one; a joiner downloads the state (its first epoch after 0 is the swarm's,
   not 1) and reaches the epoch the swarm had when it joined within one period; the swarm's
@@ -301,15 +302,15 @@ class Change:
 
 
 def churn(swarm: TrainSwarm, changes: int, period: float, seed: int) -> list[Change]:
-    """Run ``changes`` changes ``period`` seconds apart (leave, join, leave, ...) and return
-    them (see the module docstring); ``TimeoutError`` if the swarm's epoch did not advance
-    after a change within two periods."""
+    """Make ``changes`` changes (leave, join, leave, ...), each ``period`` seconds after the
+    previous one was done (a joiner is done once its process is ready), and return them (see
+    the module docstring), a period after the last one."""
     rng = random.Random(seed)
     done: list[Change] = []
     free: list[int] = []
-    began = time.monotonic()
+    last = time.monotonic()
     for k in range(changes):
-        time.sleep(max(0.0, began + (k + 1) * period - time.monotonic()))
+        time.sleep(max(0.0, last + period - time.monotonic()))
         if done:
             done[-1].epoch_after = swarm.epoch()
         epoch = swarm.epoch()
@@ -321,7 +322,8 @@ def churn(swarm: TrainSwarm, changes: int, period: float, seed: int) -> list[Cha
         else:
             joiner = swarm.join(free.pop(0))
             done.append(Change("join", joiner.index, joiner.host, time.monotonic(), epoch))
-    time.sleep(period)
+        last = done[-1].at
+    time.sleep(max(0.0, last + period - time.monotonic()))
     done[-1].epoch_after = swarm.epoch()
     for change in done:
         if change.kind == "join":
@@ -398,14 +400,19 @@ def agreement(
 
 
 def apart(sides: Sequence[Sequence[TrainPeer]], since: float, until: float) -> float | None:
-    """The largest distance between a peer of ``sides[0]`` and one of ``sides[1]`` at the last
-    epoch that every peer reported between ``since`` and ``until`` (``None``: no such epoch)."""
-    by_peer = [[_by_epoch(p, since, until) for p in side] for side in sides]
-    common = set.intersection(*(set(epochs) for side in by_peer for epochs in side))
-    if not common:
-        return None
-    epoch = max(common)
-    return max(distance(a[epoch], b[epoch]) for a in by_peer[0] for b in by_peer[1])
+    """The largest distance between a peer of ``sides[0]`` and one of ``sides[1]``, each pair
+    at the last epoch both reported between ``since`` and ``until`` (``None``: a pair with no
+    such epoch)."""
+    worst = 0.0
+    for a in sides[0]:
+        for b in sides[1]:
+            ours, theirs = _by_epoch(a, since, until), _by_epoch(b, since, until)
+            common = set(ours) & set(theirs)
+            if not common:
+                return None
+            epoch = max(common)
+            worst = max(worst, distance(ours[epoch], theirs[epoch]))
+    return worst
 
 
 def partition(
