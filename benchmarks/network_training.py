@@ -385,14 +385,19 @@ def _by_epoch(peer: TrainPeer, since: float, until: float) -> dict[int, dict[str
 
 
 def agreement(
-    peers: Sequence[TrainPeer], since: float, tolerance: float
+    peers: Sequence[TrainPeer], since: float, tolerance: float, quorum: int | None = None
 ) -> tuple[int, float] | None:
-    """The first epoch, reported after ``since``, that every one of ``peers`` reported with
-    parameters within ``tolerance`` of each other: (epoch, largest distance), or ``None``."""
+    """The first epoch, reported after ``since`` by at least ``quorum`` of ``peers`` (default:
+    all), whose parameters there are all within ``tolerance`` of each other: (epoch, largest
+    distance), or ``None``. (A peer that keeps resyncing skips epochs: it downloads the
+    state instead of reporting them; ``quorum`` lets one such straggler be absent.)"""
+    need = len(peers) if quorum is None else quorum
     by_peer = [_by_epoch(p, since, math.inf) for p in peers]
-    common = set.intersection(*(set(epochs) for epochs in by_peer))
-    for epoch in sorted(common):
-        events = [epochs[epoch] for epochs in by_peer]
+    epochs = sorted({epoch for reported in by_peer for epoch in reported})
+    for epoch in epochs:
+        events = [reported[epoch] for reported in by_peer if epoch in reported]
+        if len(events) < need:
+            continue
         worst = max(distance(a, b) for a in events for b in events)
         if worst <= tolerance:
             return epoch, worst
@@ -422,11 +427,12 @@ def partition(
     settle: float,
     tolerance: float,
     first: int | None = None,
+    quorum: int | None = None,
 ) -> Partition:
     """Split the live peers in two sides (the first ``first``, default half of them, and the
     rest) after ``warmup`` seconds (cutting every path between the sides' hosts), heal it
-    ``split`` seconds later, and wait at most ``settle`` seconds for the peers to agree (see
-    :func:`agreement`)."""
+    ``split`` seconds later, and wait at most ``settle`` seconds for the peers (``quorum`` of
+    them, default all) to agree (see :func:`agreement`)."""
     peers = swarm.live
     half = len(peers) // 2 if first is None else first
     sides = [peers[:half], peers[half:]]
@@ -447,7 +453,7 @@ def partition(
     result.apart = apart(sides, cut, healed)
     deadline = healed + settle
     while time.monotonic() < deadline:
-        found = agreement(peers, healed, tolerance)
+        found = agreement(peers, healed, tolerance, quorum)
         if found is not None:
             result.agreed_epoch, result.distance = found
             at = max(
