@@ -45,6 +45,10 @@ with batch ``peers x batch_size``):
 - ``--step-compute-ms`` (all three): a sleep per step, standing for a bigger model's forward
   and backward (averaging rounds run meanwhile); ``--wait-for-round`` (dsgd/dadam): after a
   step that asked for a round, ``wait_for_round()`` until its result is written.
+- ``--host`` (the swarmavg systems but lightning): the address the DHT listens on (default
+  127.0.0.1; a network lab host's address in ``benchmarks/network_training.py``); ``--probe``:
+  every ``epoch`` event carries ``norm`` and ``probe``, a fingerprint of the parameters that
+  tells how far two peers' parameters are apart (see :func:`parameter_probe`).
 - ``--identity-seed`` (every swarmavg system): the PeerID derives from it and ``--peer``, so
   that the members of a group are in the same order (the same all-reduce plan) in every run;
   ``--ordered-reduction``: a diagnostic that makes the reducers of this process sum in member
@@ -92,6 +96,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import select
 import sys
 import time
@@ -117,6 +122,26 @@ def load_workload() -> ModuleType:
 
 def emit(**record: Any) -> None:
     print(json.dumps(record), flush=True)
+
+
+#: dimensions of :func:`parameter_probe`'s projection
+PROBE_DIMS = 16
+_probe_matrix: torch.Tensor | None = None
+
+
+def parameter_probe(model: torch.nn.Module) -> dict[str, Any]:
+    """A fingerprint of the model's parameters, comparable between peers: ``norm`` (L2 of
+    all parameters) and ``probe``, their projection on :data:`PROBE_DIMS` fixed random
+    directions (Gaussian, seed 0, scaled by ``1/sqrt(PROBE_DIMS)``: the distance between two
+    peers' probes estimates the distance between their parameters, within ~25% here)."""
+    global _probe_matrix
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    if _probe_matrix is None or _probe_matrix.shape[0] != flat.numel():
+        generator = torch.Generator().manual_seed(0)
+        _probe_matrix = torch.randn(flat.numel(), PROBE_DIMS, generator=generator)
+        _probe_matrix /= PROBE_DIMS**0.5
+    probe = (flat.double() @ _probe_matrix.double()).tolist()
+    return {"norm": float(flat.double().norm()), "probe": probe}
 
 
 def warmup_lambda(warmup_epochs: int) -> Any:
@@ -161,6 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after done, go on training (uncounted) until told to stop, as in a longer run",
     )
     p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument("--host", default="127.0.0.1", help="swarmavg systems: the DHT's address")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="epoch events carry a fingerprint of the parameters (see parameter_probe)",
+    )
     p.add_argument("--local-optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD (dsgd, --local-optimizer sgd)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
@@ -325,7 +356,7 @@ def _swarmavg_dht(args: argparse.Namespace) -> Any:
         identity = Identity.from_private_bytes(seed.digest())
     return swarmavg.DHT(
         initial_peers=args.initial_peers,
-        host="127.0.0.1",
+        host=args.host,
         port=0,
         startup_timeout=args.startup_timeout,
         identity=identity,
@@ -576,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
             format="%(asctime)s.%(msecs)03d %(threadName)s %(name)s: %(message)s",
             datefmt="%H:%M:%S",
         )
+        # (to trace a failure: SWARMAVG_DEBUG_LOGGERS=swarmavg.aio.state,... at DEBUG)
+        for name in filter(None, os.environ.get("SWARMAVG_DEBUG_LOGGERS", "").split(",")):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     torch.set_num_threads(1)
     began = time.perf_counter()
     workload = load_workload()
@@ -632,6 +666,8 @@ def _train(
     first: dict[str, Any] = {}
     if args.eval_every:
         first["val_loss"] = evaluate()
+    if args.probe:
+        first.update(parameter_probe(model))
     emit(
         event="epoch", peer=args.peer, epoch=system.local_epoch, t=0.0, samples=0, steps=0, **first
     )
@@ -659,6 +695,8 @@ def _train(
             record: dict[str, Any] = {}
             if args.eval_every and (epoch % args.eval_every == 0 or epoch >= args.epochs):
                 record["val_loss"] = evaluate()
+            if args.probe:
+                record.update(parameter_probe(model))
             emit(
                 event="epoch",
                 peer=args.peer,

@@ -641,6 +641,10 @@ class _Download:
         self.in_flight -= 1
         if rest is not None and rest[0] < rest[1]:
             self.pending.append(rest)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake whoever waits on :attr:`changed` (a fresh event for the next wait)."""
         self.changed.set()
         self.changed = anyio.Event()
 
@@ -850,31 +854,78 @@ async def _session(
     max_bytes: int,
 ) -> tuple[_Download | None, list[Donor]]:
     """Probe ``batch`` and download from those whose snapshot is ``download``'s (none: the
-    best-ranked one's). The download as it stands, and the donors whose snapshot differs."""
+    best-ranked one's, see :func:`_choose`). The download as it stands, and the donors whose
+    snapshot differs. Returns as soon as the download is complete: donors still silent then
+    (unreachable, or still hashing) are not waited for."""
     probes = [_Probe(donor) for donor in batch]
     wait = max(chunk_timeout, header_timeout)
     async with anyio.create_task_group() as tg:
         for probe in probes:
             tg.start_soon(probe.run, node, prefix, wait, max_bytes)
         if download is None:
-            for probe in probes:  # (by rank: the best one that answers sets the state)
-                await probe.done.wait()
-                if probe.header is not None and probe.layout is not None:
-                    try:
-                        download = _Download(probe.header, probe.layout)
-                    except (MemoryError, RuntimeError, ValueError) as exc:
-                        _warn(probe.donor, exc)
-                        probe.header = None
-                        continue
-                    break
+            download = await _choose(probes, chunk_timeout)
         if download is not None:
-            for probe in probes:
-                tg.start_soon(_fetch, node, prefix, probe, download, chunk_timeout)
+            await _fetch_all(node, prefix, probes, download, chunk_timeout)
+        # (a probe still running has nothing left to add: a cut-off donor would hold the
+        # download for its whole header wait)
+        tg.cancel_scope.cancel()
     target = download.id if download is not None else b""
     others = [p.donor for p in probes if p.header is not None and p.id != target]
     if download is not None and not download.complete and len(others) == len(batch):
         download = None  # (none of them holds it: start over with theirs)
     return download, others
+
+
+async def _choose(probes: list[_Probe], chunk_timeout: float) -> _Download | None:
+    """The download of the best-ranked probed donor whose header arrives, waiting on them in
+    rank order; but once a lower-ranked donor answered, a better one still silent gets
+    ``chunk_timeout`` more at most (it may be cut off: its header wait is 30 s). ``None`` when
+    no probe delivered a usable header."""
+    for i, probe in enumerate(probes):
+        while not probe.done.is_set():
+            with anyio.move_on_after(chunk_timeout):
+                await probe.done.wait()
+            if not probe.done.is_set() and any(p.header is not None for p in probes[i + 1 :]):
+                break
+        if probe.header is not None and probe.layout is not None:
+            try:
+                return _Download(probe.header, probe.layout)
+            except (MemoryError, RuntimeError, ValueError) as exc:
+                _warn(probe.donor, exc)
+                probe.header = None
+    # (every probe skipped above has answered by now or is still silent: take the best that
+    # answered, if a skipped one did since)
+    for probe in probes:
+        if probe.header is not None and probe.layout is not None:
+            try:
+                return _Download(probe.header, probe.layout)
+            except (MemoryError, RuntimeError, ValueError) as exc:
+                _warn(probe.donor, exc)
+                probe.header = None
+    return None
+
+
+async def _fetch_all(
+    node: Node, prefix: str, probes: list[_Probe], download: _Download, chunk_timeout: float
+) -> None:
+    """Fetch ``download`` from every probed donor with its snapshot; return once it is
+    complete (fetchers waiting for a silent donor's header are cancelled) or every fetcher
+    is over (the rest of it is for the next donors)."""
+    running = [len(probes)]
+
+    async def fetch(probe: _Probe) -> None:
+        try:
+            await _fetch(node, prefix, probe, download, chunk_timeout)
+        finally:
+            running[0] -= 1
+            download.wake()
+
+    async with anyio.create_task_group() as tg:
+        for probe in probes:
+            tg.start_soon(fetch, probe)
+        while running[0] and not download.complete:
+            await download.changed.wait()
+        tg.cancel_scope.cancel()
 
 
 async def load_state(

@@ -21,7 +21,9 @@ Rates are not the emulator's job: ``tc`` ``tbf`` shapes each host's upload (on t
 its veth) and download (on the core end, which the emulator sends through, so a full download
 queue drops the frame like a router would: counted as ``queue_drops``).
 
-A host whose link is down loses every frame from or to it, including frames already held.
+A host whose link is down loses every frame from or to it, including frames already held; a
+pair of hosts whose path is cut (a partition) loses every frame between the two, the same way,
+while each keeps reaching the others.
 
 Control: JSON lines on stdin, one answer a line on stdout (``{"ok": true, ...}`` or
 ``{"ok": false, "error": ...}``):
@@ -30,6 +32,7 @@ Control: JSON lines on stdin, one answer a line on stdout (``{"ok": true, ...}``
   "max_held_bytes"}`` where ``HOP`` is ``{"delay", "jitter", "loss", "reorder"}`` (seconds and
   probabilities); answered ``{"ok": true, "ready": true}`` once every socket is bound;
 - ``{"op": "set", "host": i, "up": HOP, "down": HOP}``, ``{"op": "link", "host": i, "up": bool}``,
+  ``{"op": "path", "hosts": [i, j], "up": bool}`` (the path between two hosts, both ways),
   ``{"op": "stats"}`` (counters per host), ``{"op": "exit"}``.
 
 The process exits when stdin closes (its owner died) and on ``exit``.
@@ -143,6 +146,8 @@ class Emulator:
         self.held_bytes = 0
         self.seq = 0
         self.last_due: dict[tuple[int, int], float] = {}
+        #: pairs of host indices (lower first) whose path is cut
+        self.cut_paths: set[tuple[int, int]] = set()
         self.stdin_buffer = b""
         self.running = True
 
@@ -178,8 +183,15 @@ class Emulator:
             for target in targets:
                 self.forward(source, target, frame, now)
 
+    def path_cut(self, source: Host, target: Host) -> bool:
+        """Whether the path between the two is cut (their links are not looked at)."""
+        i, j = source.index, target.index
+        return (i, j) in self.cut_paths if i < j else (j, i) in self.cut_paths
+
     def forward(self, source: Host, target: Host, frame: bytes, now: float) -> None:
-        if not (source.link_up and target.link_up):
+        if not (source.link_up and target.link_up) or (
+            self.cut_paths and self.path_cut(source, target)
+        ):
             source.counters["link_drops"] += 1
             return
         up, down = source.up, target.down
@@ -209,7 +221,7 @@ class Emulator:
 
     def send(self, source: int, target: Host, frame: bytes) -> None:
         counters = self.hosts[source].counters
-        if not target.link_up:
+        if not target.link_up or (self.cut_paths and self.path_cut(self.hosts[source], target)):
             counters["link_drops"] += 1
             return
         try:
@@ -253,6 +265,25 @@ class Emulator:
                 kept = []
                 for item in self.held:
                     if item[3] is host or self.hosts[item[2]] is host:
+                        self.hosts[item[2]].counters["link_drops"] += 1
+                        self.held_bytes -= len(item[4])
+                    else:
+                        kept.append(item)
+                heapq.heapify(kept)
+                self.held = kept
+            return {"ok": True}
+        if op == "path":
+            a, b = sorted(int(i) for i in request["hosts"])
+            if a == b or a < 0 or b >= len(self.hosts):
+                return {"ok": False, "error": f"path: bad hosts {request['hosts']!r}"}
+            if request["up"]:
+                self.cut_paths.discard((a, b))
+            else:  # (frames on their way between the two are gone too)
+                self.cut_paths.add((a, b))
+                ends = {a, b}
+                kept = []
+                for item in self.held:
+                    if {item[2], item[3].index} == ends:
                         self.hosts[item[2]].counters["link_drops"] += 1
                         self.held_bytes -= len(item[4])
                     else:

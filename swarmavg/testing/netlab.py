@@ -9,6 +9,8 @@
         lab.host(1).run(["curl", f"http://{lab.host(0).address}:8000/"], timeout=10)
         lab.host(2).set_link(False)                 # cut host 2 off (partition, kill tests)
         lab.set_profile(1, "bad")                   # change host 1's link live
+        lab.partition([0], [1, 2])                  # cut the paths between 0 and 1, 2
+        lab.partition()                             # and heal them
 
 How it is built (see ``docs/design/netlab.md``):
 
@@ -429,6 +431,7 @@ class NetLab:
         self._emulator: subprocess.Popen[bytes] | None = None
         self._emulator_lines = b""
         self._lock = threading.Lock()
+        self._cut_paths: set[tuple[int, int]] = set()
         self._state = "new"
 
     # -- life cycle
@@ -645,6 +648,48 @@ class NetLab:
         else:
             state = "up" if up else "down"
             _run(["ip", "-n", self.core, "link", "set", host.core_ifname, state])
+
+    def set_path(self, a: int, b: int, up: bool) -> None:
+        """Cut (``False``) or restore (``True``) the path between hosts ``a`` and ``b``, both
+        ways: while it is cut every frame between the two is lost (those on the way too), and
+        each still reaches every other host. Needs the emulator (``emulate=True``). Raises
+        ``IndexError`` for a host that does not exist, ``ValueError`` if ``a == b``."""
+        self._check_open()
+        for index in (a, b):
+            self._hosts[index]  # (IndexError for a host that does not exist)
+        if a == b:
+            raise ValueError(f"set_path needs two different hosts, got {a} twice")
+        with self._lock:
+            self._ask({"op": "path", "hosts": [a, b], "up": bool(up)})
+            pair = (min(a, b), max(a, b))
+            if up:
+                self._cut_paths.discard(pair)
+            else:
+                self._cut_paths.add(pair)
+
+    def partition(self, *groups: Sequence[int]) -> None:
+        """Split the lab: cut every path between hosts of different ``groups`` (a host in no
+        group keeps every path). ``partition()`` with no groups heals every cut path. Hosts'
+        own links (:meth:`set_link`) are left as they are. Raises ``ValueError`` if a host is
+        in two groups."""
+        self._check_open()
+        seen: set[int] = set()
+        for group in groups:
+            for index in group:
+                self._hosts[index]  # (IndexError)
+                if index in seen:
+                    raise ValueError(f"partition: host {index} is in two groups")
+                seen.add(index)
+        with self._lock:
+            for a, b in sorted(self._cut_paths):
+                self._ask({"op": "path", "hosts": [a, b], "up": True})
+            self._cut_paths.clear()
+            for i, first in enumerate(groups):
+                for second in groups[i + 1 :]:
+                    for a in first:
+                        for b in second:
+                            self._ask({"op": "path", "hosts": [a, b], "up": False})
+                            self._cut_paths.add((min(a, b), max(a, b)))
 
     def set_profile(self, index: int, profile: LinkProfile | str) -> None:
         """Change host ``index``'s link to ``profile`` while the lab runs (rates at once,

@@ -594,6 +594,38 @@ async def test_a_donor_killed_mid_download_is_replaced(max_donors: int) -> None:
         assert SAME_BYTES - lost - 1024 <= rest < SAME_BYTES
 
 
+def _silent(donor: DecentralizedAverager) -> None:
+    """``donor`` never answers a state call (a peer cut off by a network split: its header
+    never comes, and nothing tells the taker so before its header wait, 30 s)."""
+
+    async def silent(request: StateRequest, ctx: CallContext) -> AsyncIterator[Message]:
+        await anyio.sleep_forever()
+        yield StateChunk(0, np.zeros(0, dtype=np.uint8))  # (never: an async generator)
+
+    donor._state_sharer._serve = silent  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("silent_rank", [0, 1], ids=["silent-best", "silent-second"])
+async def test_a_silent_donor_does_not_hold_the_download(silent_rank: int) -> None:
+    """Of two donors probed at once, one never answers: the state comes from the other within
+    about ``next_chunk_timeout``, not after the silent one's header wait (30 s). Before, the
+    download waited for every probe (silent second) and for the best-ranked one in any case
+    (silent best): a peer resyncing during a network split stalled its training ~30 s."""
+    async with _swarm() as swarm:
+        donors = await _donors(swarm, [5, 1])
+        _silent(donors[silent_rank])
+        taker = await swarm.averager([torch.zeros(1)], next_chunk_timeout=1)
+        await _wait_until(_sharing(*donors), taker.dht)
+        started = anyio.current_time()
+        with anyio.fail_after(20):
+            loaded = await taker.load_state_from_peers(timeout=60)
+        assert anyio.current_time() - started < 8
+        assert loaded is not None
+        _assert_state_equal(loaded[1], SAME)
+        assert donors[1 - silent_rank]._state_sharer.bytes_served == SAME_BYTES
+        assert donors[silent_rank]._state_sharer.bytes_served == 0
+
+
 async def test_a_donor_sending_a_corrupt_block_is_dropped() -> None:
     async with _swarm() as swarm:
         liar, honest = await _donors(swarm, [5, 1])

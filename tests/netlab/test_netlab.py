@@ -282,3 +282,36 @@ def test_bad_arguments_are_refused() -> None:
         LinkProfile(rate_bps=1e6, loss=1.5)
     with pytest.raises(ValueError, match="emulate=False"):
         NetLab(2, profile="wan", emulate=False)
+
+
+def test_a_partition_cuts_the_paths_between_groups_only() -> None:
+    with NetLab(3, profile=netlab.WAN.replace(loss=0.0)) as lab:
+        client0, server1 = _udp_pair(lab, 0, 1)
+        client1, server2 = _udp_pair(lab, 1, 2)
+        echoes = [_Echo(server1), _Echo(server2)]
+        paths = {(0, 1): client0, (0, 2): client0, (1, 2): client1}
+
+        def reachable() -> dict[tuple[int, int], bool]:
+            return {
+                (a, b): len(_pings(client, lab.host(b).address, 2, wait=0.4)) == 2
+                for (a, b), client in paths.items()
+            }
+
+        try:
+            assert reachable() == {(0, 1): True, (0, 2): True, (1, 2): True}
+            lab.partition([0], [1, 2])
+            assert reachable() == {(0, 1): False, (0, 2): False, (1, 2): True}
+            assert lab.stats()[0]["link_drops"] >= 4
+            lab.set_path(0, 2, True)
+            assert reachable() == {(0, 1): False, (0, 2): True, (1, 2): True}
+            lab.partition()
+            assert reachable() == {(0, 1): True, (0, 2): True, (1, 2): True}
+            with pytest.raises(ValueError, match="two groups"):
+                lab.partition([0, 1], [1])
+            with pytest.raises(ValueError, match="two different hosts"):
+                lab.set_path(1, 1, False)
+        finally:
+            for echo in echoes:
+                echo.close()
+            client0.close()
+            client1.close()
