@@ -230,7 +230,9 @@ def launch(args: argparse.Namespace) -> int:
     def start(index: int, join: list[str]) -> None:
         argv = [sys.executable, __file__, "--peer-index", str(index), *join, *common]
         # (a session of its own: Ctrl+C reaches this process alone, which ends the peers once)
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(  # noqa: S603 (this script, by its path)
+            argv, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         procs.append(proc)
         thread = threading.Thread(target=relay, args=(index, proc), daemon=True)
         thread.start()
