@@ -1,5 +1,5 @@
 """One process of ``benchmarks/accumulator.py`` (not run by hand): a cohort member
-(``swarmavg.aio.accumulator.Accumulator`` over TCP on 127.0.0.1, plain,
+(``swarmavg.aio.accumulator.Accumulator`` over TCP on 127.0.0.1, plain unless ``encryption``,
 ``torch.set_num_threads(1)``) or, in mode ``local``, the one-process reference of the
 convergence figure. The driver passes one JSON object as the only argument; this process writes
 JSON lines on stdout (``started`` with its address, then one ``result``, or ``error``) and exits.
@@ -8,8 +8,9 @@ Modes:
 
 - ``latency``: one float32 parameter of ``size`` elements, gradient all ones,
   ``virtual_batch_size = peers`` (each count decides); ``warmup`` untimed rounds, then ``rounds``
-  timed ones: ``perf_counter`` around ``await reduce_gradients(1)`` (it returns with the result
-  in ``.grad``), then ``zero_gradients()``. Reports every round's seconds.
+  timed ones: ``perf_counter`` and ``process_time`` around ``await reduce_gradients(1)`` (it
+  returns with the result in ``.grad``), then ``zero_gradients()``. Reports every round's
+  seconds and this process's CPU seconds over it (all its threads).
 - ``throughput``: the same with ``set_parallel_gradients(parallel)`` and ``wait=False``: for
   ``duration`` seconds after a start time the driver gives, contribute whenever
   ``wants_gradients()`` and read every result; reports results applied in the window, its
@@ -68,7 +69,7 @@ async def cohort(cfg: dict[str, Any]) -> None:
         vbs = peers
     initial = [cfg["initial"]] if cfg.get("initial") else []
     async with (
-        DHT(initial) as dht,
+        DHT(initial, transport_options={"encryption": cfg.get("encryption", False)}) as dht,
         Accumulator(
             "bench",
             params,
@@ -94,6 +95,19 @@ async def cohort(cfg: dict[str, Any]) -> None:
         if acc.has_new_state():
             opt.load_state_dict(acc.state()["optimizer"])  # type: ignore[index]
 
+        allreduce_s: list[float] = []
+        if cfg.get("profile"):  # (--profile: time the all-reduce inside each round)
+            run = acc.allreduce.run
+
+            async def timed_run(*a: Any, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return await run(*a, **k)
+                finally:
+                    allreduce_s.append(time.perf_counter() - t)
+
+            acc.allreduce.run = timed_run  # type: ignore[method-assign]
+
         def set_grads() -> None:
             for p in params:
                 p.grad = torch.ones_like(p)
@@ -101,12 +115,12 @@ async def cohort(cfg: dict[str, Any]) -> None:
         out: dict[str, Any] = {}
         with anyio.fail_after(cfg["run_timeout"]):
             if mode == "latency":
-                times = []
+                times, cpus = [], []
                 for i in range(cfg["warmup"] + cfg["rounds"]):
                     while not acc.wants_gradients():  # noqa: ASYNC110 (not after a result)
                         await anyio.sleep(0.001)
                     set_grads()
-                    t = time.perf_counter()
+                    t, cpu = time.perf_counter(), time.process_time()
                     await acc.reduce_gradients(1)
                     while not acc.has_gradients():  # (a count to retry after a fault)
                         if acc.wants_gradients():
@@ -115,10 +129,12 @@ async def cohort(cfg: dict[str, Any]) -> None:
                             with anyio.move_on_after(0.05):
                                 await acc.wait_gradients()
                     elapsed = time.perf_counter() - t
+                    cpu = time.process_time() - cpu
                     acc.zero_gradients()
                     if i >= cfg["warmup"]:
                         times.append(elapsed)
-                out = {"times_s": times}
+                        cpus.append(cpu)
+                out = {"times_s": times, "cpu_s": cpus, "allreduce_s": allreduce_s[cfg["warmup"] :]}
             elif mode == "throughput":
                 epochs0 = acc.group.epoch_count
                 start = cfg["start_at"]
@@ -203,6 +219,12 @@ def main() -> int:
     try:
         if cfg["mode"] == "local":
             local(cfg)
+        elif cfg.get("profile"):
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.runcall(anyio.run, cohort, cfg)
+            profiler.dump_stats(f"{cfg['profile']}.{cfg['index']}")
         else:
             anyio.run(cohort, cfg)
     except BaseException as exc:

@@ -5,6 +5,7 @@ and convergence against one process, with every peer a process of its own on 127
                                      [--peers 4] [--rounds 100] [--warmup 10] [--gloo-iters 50]
                                      [--duration 60] [--parallel 2] [--steps 100]
                                      [--no-latency] [--no-throughput] [--no-convergence]
+                                     [--profile PREFIX]
 
 Every process is ``benchmarks/_accumulator_peer.py`` (its docstring has the method) or a gloo
 rank (``_averaging_gloo.py``), with ``torch.set_num_threads(1)``, over plain TCP; the cohort's
@@ -15,7 +16,8 @@ Runs go one after the other, never two at once.
 ``--peers`` (4) members, one float32 gradient of each of ``--sizes`` (64 Ki and 4 Mi),
 ``virtual_batch_size = peers`` so that every count decides a result; ``--warmup`` untimed and
 ``--rounds`` timed rounds, each peer timing ``await reduce_gradients(1)`` (count, all-reduce,
-result in ``.grad``); a round's time is the max over peers. gloo: ``barrier()`` then a timed
+result in ``.grad``); a round's time is the max over peers, its CPU the sum over peers of their
+process CPU time over it (all threads; gloo's likewise). gloo: ``barrier()`` then a timed
 ``all_reduce(SUM)`` of the same size, the max over ranks, ``--gloo-iters`` times, in the same run
 (before ours). Median and p99 of each (p99 over ``--gloo-iters`` samples is near their max).
 
@@ -152,7 +154,7 @@ def free_port() -> int:
         return port
 
 
-def run_gloo(n: int, size: int, iters: int, warmup: int) -> list[float]:
+def run_gloo(n: int, size: int, iters: int, warmup: int) -> tuple[list[float], list[float]]:
     ctx = mp.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     procs: list[Any] = []
@@ -170,8 +172,7 @@ def run_gloo(n: int, size: int, iters: int, warmup: int) -> list[float]:
         if not receiver.poll(START_TIMEOUT):
             raise TimeoutError("gloo: no result in time")
         raw: dict[str, Any] = receiver.recv()
-        times: list[float] = raw["times_s"]
-        return times
+        return raw["times_s"], raw["cpu_s"]
     finally:
         for proc in procs:
             proc.join(EXIT_TIMEOUT)
@@ -184,14 +185,21 @@ def run_gloo(n: int, size: int, iters: int, warmup: int) -> list[float]:
 def latency(args: argparse.Namespace, rows: list[dict[str, Any]], raw: dict[str, Any]) -> None:
     for size in args.sizes:
         progress(f"(a) gloo all_reduce, {args.peers} ranks, {size} float32 ...")
-        gloo = run_gloo(args.peers, size, args.gloo_iters, min(args.warmup, 5))
+        gloo, gloo_cpu = run_gloo(args.peers, size, args.gloo_iters, min(args.warmup, 5))
         progress(f"(a) accumulator, {args.peers} peers, {size} float32 ...")
         results = run_cohort(
             args.peers,
-            {"mode": "latency", "size": size, "rounds": args.rounds, "warmup": args.warmup},
+            {
+                "mode": "latency",
+                "size": size,
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "profile": f"{args.profile}.{size}" if args.profile else None,
+            },
             600.0,
         )
         per_round = [max(ts) for ts in zip(*(r["times_s"] for r in results), strict=True)]
+        cpu = [sum(cs) for cs in zip(*(r["cpu_s"] for r in results), strict=True)]
         row = {
             "figure": "latency",
             "size": size,
@@ -202,8 +210,13 @@ def latency(args: argparse.Namespace, rows: list[dict[str, Any]], raw: dict[str,
             "gloo_p99_s": percentile(gloo, 99),
             "rounds": len(per_round),
             "gloo_iters": len(gloo),
+            "ours_cpu_median_s": statistics.median(cpu),  # all peers' CPU over a round
+            "gloo_cpu_median_s": statistics.median(gloo_cpu),
         }
         row["ratio_median"] = row["ours_median_s"] / row["gloo_median_s"]
+        if args.profile:  # the all-reduce's part of each peer's round (medians over rounds)
+            row["allreduce_median_s"] = [statistics.median(r["allreduce_s"]) for r in results]
+            row["round_median_per_peer_s"] = [statistics.median(r["times_s"]) for r in results]
         row["target_ratio"] = 3.0 if size <= 65536 else 2.0
         rows.append(row)
         raw[f"latency_{size}"] = {"ours": per_round, "gloo": gloo}
@@ -300,6 +313,8 @@ def print_table(rows: list[dict[str, Any]], loads: dict[str, str]) -> None:
                 f"gloo all_reduce median {r['gloo_median_s'] * 1e3:.2f} ms, "
                 f"p99 {r['gloo_p99_s'] * 1e3:.2f} ms"
             )
+            ours += f"; CPU {r['ours_cpu_median_s'] * 1e3:.1f} ms"
+            ref += f"; CPU {r['gloo_cpu_median_s'] * 1e3:.1f} ms"
             ratio = f"{r['ratio_median']:.2f}x (<= {r['target_ratio']:.0f}x)"
         elif r["figure"] == "throughput":
             what = (
@@ -340,6 +355,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="latency: time each peer's all-reduce and write cProfile stats to PREFIX.SIZE.PEER",
+    )
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--no-convergence", action="store_true")
