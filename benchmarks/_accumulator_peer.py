@@ -141,7 +141,7 @@ async def cohort(cfg: dict[str, Any]) -> None:
                 await anyio.sleep(max(0.0, start - time.monotonic()))
                 end = start + cfg["duration"]
                 began = time.monotonic()  # (later than start if the cohort formed late)
-                results = contributions = failed = 0
+                results = contributions = failed = timeouts = 0
                 while time.monotonic() < end:
                     if acc.has_gradients():
                         results += 1
@@ -152,14 +152,16 @@ async def cohort(cfg: dict[str, Any]) -> None:
                         contributions += 1
                     else:
                         before = acc.failed_rounds
-                        with anyio.move_on_after(0.05):
+                        with anyio.move_on_after(0.05) as scope:
                             await acc.wait_gradients()
+                        timeouts += scope.cancelled_caught
                         failed += max(0, acc.failed_rounds - before)
                 out = {
                     "results": results,
                     "contributions": contributions,
                     "epoch_changes": acc.group.epoch_count - epochs0,
                     "failed_allreduces": failed,
+                    "wait_timeouts": timeouts,  # (waits for a result cut at 50 ms)
                     "version": acc.model_version(),
                     "window_s": end - began,
                 }

@@ -257,6 +257,7 @@ def throughput(args: argparse.Namespace, rows: list[dict[str, Any]], raw: dict[s
             "results_per_peer": counts,
             "epoch_changes": [r["epoch_changes"] for r in results],
             "failed_allreduces": [r["failed_allreduces"] for r in results],
+            "wait_timeouts": [r["wait_timeouts"] for r in results],
             "rounds_lost": lost,
             "results_agree": max(counts) - min(counts) <= args.parallel,
         }
