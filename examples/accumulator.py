@@ -11,8 +11,10 @@ or one process per peer, e.g. in three terminals (the first prints the address t
 others; ``--peer-index`` picks each peer's own stream of batches)::
 
     python examples/accumulator.py
-    python examples/accumulator.py --peer-index 1 --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/12D3Koo...
-    python examples/accumulator.py --peer-index 2 --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/12D3Koo...
+    python examples/accumulator.py --peer-index 1 --initial-peers ADDRESS
+    python examples/accumulator.py --peer-index 2 --initial-peers ADDRESS
+
+(``ADDRESS`` as the first one prints it: ``/ip4/127.0.0.1/tcp/PORT/p2p/12D3Koo...``)
 
 The loop is the reference's (``moolib.Accumulator``'s docstring) line for line; what differs:
 

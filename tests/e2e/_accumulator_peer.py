@@ -10,8 +10,11 @@ are in the cohort.
 
 JSON lines on stdout (one object a line, nothing else; each with ``t``, ``time.monotonic()``):
 
-- ``{"event": "started", "address"}`` once the DHT runs;
+- ``{"event": "started", "address"}`` once the DHT runs (with ``--initial-peers -`` the peer
+  imports everything, then reads the address to join as a line on stdin);
 - ``{"event": "contributed", "version", "total"}`` after each ``reduce_gradients``;
+- ``{"event": "refused", "error"}`` where ``reduce_gradients`` raised ``RuntimeError`` although
+  ``wants_gradients()`` was true just before (the cohort changed in between: see the test);
 - ``{"event": "result", "version", "min", "max", "stats", "mine"}`` for each result before it
   is stepped: ``version`` the model version it makes (after ``zero_gradients``), ``min`` and
   ``max`` of ``.grad``, ``mine`` this peer's contributions since its previous result;
@@ -47,6 +50,19 @@ def exit_requested(timeout: float) -> bool:
     return bool(ready) and sys.stdin.readline().strip() in ("exit", "")
 
 
+def contribute(call: Any) -> bool:
+    """``call()`` (a ``reduce_gradients``), or False where the accumulator refused it because
+    its state changed since the predicates were read (see the test module's docstring)."""
+    try:
+        call()
+    except RuntimeError as exc:
+        if "while wants_gradients() is false" not in str(exc):
+            raise
+        say(event="refused", error=str(exc))
+        return False
+    return True
+
+
 def run_sync(args: argparse.Namespace) -> int:
     import torch
 
@@ -61,10 +77,15 @@ def run_sync(args: argparse.Namespace) -> int:
         acc.connect(args.initial_peers)
     say(event="started", address=dht.get_visible_maddrs()[0])
     deadline = time.monotonic() + args.deadline
-    while len(group.members()) < args.members:
+    # (the test's: every member in the accumulator's epoch, and connected, before anyone
+    # trains; group.members() alone is not enough, see the test module's docstring)
+    while len(acc._acc.core.members) < args.members or not acc.connected():
         assert time.monotonic() < deadline, "the cohort did not form"
         group.update()
-        time.sleep(0.05)
+        acc.update()
+        if acc.wants_state():
+            acc.set_state({"optimizer": opt.state_dict()})
+        time.sleep(0.02)
     mine = total = 0
     while acc.model_version() < args.rounds:
         assert time.monotonic() < deadline, f"stuck at version {acc.model_version()}"
@@ -80,7 +101,8 @@ def run_sync(args: argparse.Namespace) -> int:
         if acc.wants_gradients():
             time.sleep(args.step_delay)
             param.grad = torch.full_like(param, args.value)
-            acc.reduce_gradients(1)
+            if not contribute(lambda: acc.reduce_gradients(1)):
+                continue
             mine += 1
             total += 1
             say(event="contributed", version=acc.model_version(), total=total)
@@ -141,8 +163,8 @@ def run_async(args: argparse.Namespace) -> int:
             tg.start_soon(serve_states)
             mine = total = 0
             with anyio.fail_after(args.deadline):
-                while len(group.members) < args.members:  # noqa: ASYNC110 (the test's wait)
-                    await anyio.sleep(0.05)
+                while len(acc.core.members) < args.members or not acc.connected():  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
                 while acc.model_version() < args.rounds:
                     await acc.wait_state()
                     if acc.has_new_state():
@@ -150,6 +172,9 @@ def run_async(args: argparse.Namespace) -> int:
                     if acc.wants_gradients():
                         await anyio.sleep(args.step_delay)
                         param.grad = torch.full_like(param, args.value)
+                        if not acc.wants_gradients():  # (it changed while we "computed")
+                            say(event="refused", error="wants_gradients() turned false")
+                            continue
                         mine += 1
                         total += 1
                         await acc.reduce_gradients(1)
@@ -195,6 +220,11 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    import swarmavg.accumulator
+    import swarmavg.aio.accumulator  # noqa: F401 (imported before the address is known)
+
+    if args.initial_peers == "-":  # (started at once with the others: the address comes later)
+        args.initial_peers = sys.stdin.readline().strip()
     try:
         return run_sync(args) if args.api == "sync" else run_async(args)
     except BaseException as exc:

@@ -9,7 +9,18 @@ and end at the same model version with the same parameter, bit for bit.
 Every result's expected value is known: the survivors report their contributions since their
 previous result (``mine``), and the killed peer's are the rest of the result's
 ``num_gradients`` (its value is 4), so ``.grad`` must be
-``(sum of mine_i * value_i + rest * 4) / num_gradients`` everywhere."""
+``(sum of mine_i * value_i + rest * 4) / num_gradients`` everywhere.
+
+The peers tolerate one thing the reference loop does not expect: ``reduce_gradients`` raising
+``RuntimeError`` ("while wants_gradients() is false: electing a leader") right after
+``wants_gradients()`` said true, when the cohort changed in between (a member joining while
+the others already train; seen in about one run of two here). The sync facade's predicates are
+a snapshot of the last call while ``reduce_gradients`` checks the live state; moolib changes
+its state only inside ``update()``, so its loop never meets this (reported in issue 26).
+
+Each peer waits, before it trains, until its accumulator's epoch holds all four members:
+waiting for ``Group.members()`` to list four was not enough (in one run of two, one peer then
+applied 30 results alone within 0.8 s while the group listed four members; reported too)."""
 
 from __future__ import annotations
 
@@ -59,9 +70,11 @@ def test_survivors_apply_the_exact_mean_after_a_peer_is_killed_mid_round(tmp_pat
 
     try:
         first = start(0, "")
-        address = first.wait_for(lambda e: e["event"] == "started", 60)["address"]
-        for i in range(1, len(VALUES)):
-            start(i, address)
+        for i in range(1, len(VALUES)):  # (all at once: they import while peer 0 starts)
+            start(i, "-")
+        address = first.wait_for(lambda e: e["event"] == "started", 90)["address"]
+        for peer in peers[1:]:
+            peer.send(address)
         victim = peers[VICTIM]
         # armed once all four applied the same result (peers that start alone may first apply
         # results of their own, until they meet and download the leader's model)
