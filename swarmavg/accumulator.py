@@ -350,6 +350,10 @@ class Accumulator:
         :raises ValueError: ``batch_size`` is not an int >= 1.
         """
         self._check_open()
+        from swarmavg.proto.accumulator import _check_int
+
+        batch_size = _check_int("batch_size", batch_size, 1)
+        self._check_wants_gradients("reduce_gradients")
         grads = self._acc._read_grads()
 
         async def contribute() -> dict[str, Any]:
@@ -365,9 +369,10 @@ class Accumulator:
         :raises RuntimeError: :meth:`wants_gradients` is false.
         """
         self._check_open()
+        self._check_wants_gradients("skip_gradients")
 
         async def skip() -> dict[str, Any]:
-            self._acc._skip_nowait()
+            self._acc._contribute_nowait(0, [])
             return self._acc._snapshot()
 
         self._snap = run_sync(skip)
@@ -425,6 +430,16 @@ class Accumulator:
         self._snap = run_sync(run)
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    def _check_wants_gradients(self, what: str) -> None:
+        """Misuse: the last :meth:`update` (or call) said :meth:`wants_gradients` is false. (As
+        of then, as moolib's loop sees it: a cohort that changed since is no misuse, and the
+        contribution waits for the next count.)"""
+        if not self._snap["wants_gradients"]:
+            raise RuntimeError(
+                f"{what}() while wants_gradients() is false (as of the last update()): "
+                + self._acc.core._why_not()
+            )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -131,6 +131,8 @@ class Group:
         #: epochs this member held (a view that comes back makes a new incarnation instead)
         self._past: set[bytes] = set()
         self._updating = anyio.Lock()
+        #: called (on the loop) whenever the view's epoch changes, whoever read it
+        self.on_change: list[Callable[[], None]] = []
 
     @property
     def me(self) -> PeerID:
@@ -240,6 +242,8 @@ class Group:
         if self.me not in view or epoch is None:
             changed = self.epoch is not None
             self.members, self.addresses, self.epoch = (), {}, None
+            if changed:
+                self._changed()
             return changed
         if epoch == self.epoch:
             return False
@@ -250,7 +254,12 @@ class Group:
         self._past.add(epoch)
         self.epoch_count += 1
         logger.info("cohort %s: epoch %d with %d members", self.name, self.epoch_count, len(order))
+        self._changed()
         return True
+
+    def _changed(self) -> None:
+        for callback in self.on_change:
+            callback()
 
     @staticmethod
     def _epoch_of(view: dict[PeerID, tuple[Address | None, float]]) -> bytes | None:
@@ -456,6 +465,10 @@ class Accumulator:
         self._outbox: list[_Write] | None = [] if _deferred else None
         #: failed gradient phases in a row (each one makes a new epoch: see _reduce)
         self.failed_rounds = 0
+        #: the sync facade's contribution (batch size, gradients; batch size 0: a skip) that
+        #: its last snapshot allowed but the cohort did not take when it came (it changed in
+        #: between): given to the next count the cohort allows, dropped if the model is replaced
+        self._queued: tuple[int, list[npt.NDArray[Any] | None]] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -488,6 +501,7 @@ class Accumulator:
             self._sharer.start()
             if self._owns_group:
                 await self.group.__aenter__()
+            self.group.on_change.append(self._on_group_change)
             started = anyio.Event()
             self._runner = self.dht.node.spawn(self._run, started, name=f"accumulator {self.name}")
             await started.wait()
@@ -525,8 +539,13 @@ class Accumulator:
                                 tg.start_soon(self._send_one, peer, AccLeave(epoch))
             await self._stop()
 
+    def _on_group_change(self) -> None:
+        self._wake.set()  # (the driver adopts the view's new epoch now, not at its next turn)
+
     async def _stop(self) -> None:
         self._closed = True
+        if self._on_group_change in self.group.on_change:
+            self.group.on_change.remove(self._on_group_change)
         if self._runner is not None:
             self._runner.cancel()
             with anyio.move_on_after(5.0):
@@ -726,11 +745,31 @@ class Accumulator:
         return actions
 
     def _contribute_nowait(self, batch_size: int, grads: list[npt.NDArray[Any] | None]) -> None:
-        self._handle(self._contribute(batch_size, grads))
+        """The facade's contribution (``batch_size`` 0: a skip), allowed by its snapshot: at
+        once if the cohort takes it now, else queued for the next count it allows."""
+        if self._queued is not None or not self.core.wants_gradients():
+            if self._queued is not None:
+                raise RuntimeError("a contribution is queued already")  # (snapshot said no)
+            self._queued = (batch_size, grads)
+            logger.info(
+                "cohort %s: the cohort changed since wants_gradients(); the %s waits for the "
+                "next count",
+                self.name,
+                "skip" if batch_size == 0 else "contribution",
+            )
+            return
+        if batch_size == 0:
+            _slot, actions = self.core.skip(anyio.current_time())
+            self._handle(actions)
+        else:
+            self._handle(self._contribute(batch_size, grads))
 
-    def _skip_nowait(self) -> None:
-        _slot, actions = self.core.skip(anyio.current_time())
-        self._handle(actions)
+    def _flush_queued(self) -> None:
+        """Give the queued contribution to the count the cohort now allows."""
+        if self._queued is not None and self.core.wants_gradients():
+            batch_size, grads = self._queued
+            self._queued = None
+            self._contribute_nowait(batch_size, grads)
 
     def _zero_result(self) -> None:
         had = self.core.has_gradients()
@@ -762,7 +801,9 @@ class Accumulator:
         return {
             "connected": self.core.connected(),
             "wants_state": self._wants_state(),
-            "wants_gradients": self.core.wants_gradients() and not unwritten,
+            "wants_gradients": (
+                self.core.wants_gradients() and not unwritten and self._queued is None
+            ),
             "has_gradients": self.core.has_gradients() and not unwritten,
             "model_version": self.core.model_version,
             "leader": self.core.leader,
@@ -852,6 +893,7 @@ class Accumulator:
                 self._tg.start_soon(self._reduce, action)
             elif isinstance(action, ApplyResult):
                 self._apply(action)
+        self._flush_queued()
         self._signal()
 
     def _obsolete(self, message: Message) -> bool:
@@ -1135,6 +1177,9 @@ class Accumulator:
         def then() -> None:
             self._new_state = user
             self._has_new_state = True
+            if self._queued is not None:
+                self._queued = None  # (computed on the model this state replaced)
+                logger.info("cohort %s: a queued contribution was dropped (new state)", self.name)
             if self.core.epoch == epoch:
                 self._handle(self.core.state_loaded(version, lineage))
             else:

@@ -535,3 +535,36 @@ def test_garbage_on_acc_msg_is_refused_with_a_typed_error_and_the_cohort_goes_on
                 assert float(p.grads()[0].flatten()[0]) == 2.0
 
     run_on_virtual_time(main)
+
+
+def test_a_contribution_the_cohort_cannot_take_yet_waits_for_the_next_count() -> None:
+    """The sync facade's contribution (allowed by its last snapshot) that comes while the
+    cohort cannot take one (it changed since, or the slot is busy) is queued, not refused:
+    it goes to the next count the cohort allows, and the result holds it."""
+
+    async def main() -> tuple[list[float], list[dict[str, int]], bool]:
+        async with cohort(2) as c:
+            a, b = c.peers
+            a.set_grads(1.0)
+            await a.acc.reduce_gradients(1, wait=False)  # (the only slot is counting)
+            assert not a.acc.core.wants_gradients()
+            a.set_grads(3.0)
+            a.acc._contribute_nowait(1, a.acc._read_grads())  # queued
+            queued = not a.acc._snapshot()["wants_gradients"]
+            b.set_grads(5.0)
+            await b.acc.reduce_gradients(1)
+            await a.acc.wait_gradients()
+            assert a.grads()[0].flatten()[0] == 3.0  # (1 + 5) / 2
+            a.step()
+            b.step()  # a's queued gradient went to this count
+            b.set_grads(7.0)
+            await b.acc.reduce_gradients(1)
+            await a.acc.wait_gradients()
+            means = [float(p.grads()[0].flatten()[0]) for p in (a, b)]
+            stats = [p.acc.get_gradient_stats() for p in (a, b)]
+        return means, stats, queued
+
+    means, stats, queued = run_on_virtual_time(main)
+    assert queued  # (the snapshot says no more until the queued one is in)
+    assert means == [5.0, 5.0]  # (3 + 7) / 2
+    assert stats == [{"num_gradients": 2, "num_skipped": 0, "batch_size": 2}] * 2

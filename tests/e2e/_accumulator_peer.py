@@ -13,8 +13,8 @@ JSON lines on stdout (one object a line, nothing else; each with ``t``, ``time.m
 - ``{"event": "started", "address"}`` once the DHT runs (with ``--initial-peers -`` the peer
   imports everything, then reads the address to join as a line on stdin);
 - ``{"event": "contributed", "version", "total"}`` after each ``reduce_gradients``;
-- ``{"event": "refused", "error"}`` where ``reduce_gradients`` raised ``RuntimeError`` although
-  ``wants_gradients()`` was true just before (the cohort changed in between: see the test);
+- ``{"event": "refused", "error"}`` where the async peer's ``wants_gradients()`` turned false
+  while it computed (its predicates are live);
 - ``{"event": "result", "version", "min", "max", "stats", "mine"}`` for each result before it
   is stepped: ``version`` the model version it makes (after ``zero_gradients``), ``min`` and
   ``max`` of ``.grad``, ``mine`` this peer's contributions since its previous result;
@@ -48,19 +48,6 @@ def digest(tensor: Any) -> str:
 def exit_requested(timeout: float) -> bool:
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     return bool(ready) and sys.stdin.readline().strip() in ("exit", "")
-
-
-def contribute(call: Any) -> bool:
-    """``call()`` (a ``reduce_gradients``), or False where the accumulator refused it because
-    its state changed since the predicates were read (see the test module's docstring)."""
-    try:
-        call()
-    except RuntimeError as exc:
-        if "while wants_gradients() is false" not in str(exc):
-            raise
-        say(event="refused", error=str(exc))
-        return False
-    return True
 
 
 def run_sync(args: argparse.Namespace) -> int:
@@ -101,8 +88,7 @@ def run_sync(args: argparse.Namespace) -> int:
         if acc.wants_gradients():
             time.sleep(args.step_delay)
             param.grad = torch.full_like(param, args.value)
-            if not contribute(lambda: acc.reduce_gradients(1)):
-                continue
+            acc.reduce_gradients(1)  # (as of the last update(): never refused if it said yes)
             mine += 1
             total += 1
             say(event="contributed", version=acc.model_version(), total=total)

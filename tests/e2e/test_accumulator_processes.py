@@ -11,12 +11,9 @@ previous result (``mine``), and the killed peer's are the rest of the result's
 ``num_gradients`` (its value is 4), so ``.grad`` must be
 ``(sum of mine_i * value_i + rest * 4) / num_gradients`` everywhere.
 
-The peers tolerate one thing the reference loop does not expect: ``reduce_gradients`` raising
-``RuntimeError`` ("while wants_gradients() is false: electing a leader") right after
-``wants_gradients()`` said true, when the cohort changed in between (a member joining while
-the others already train; seen in about one run of two here). The sync facade's predicates are
-a snapshot of the last call while ``reduce_gradients`` checks the live state; moolib changes
-its state only inside ``update()``, so its loop never meets this (reported in issue 26).
+The sync peers run moolib's loop as it is: a ``reduce_gradients`` that ``wants_gradients()``
+allowed is never refused, even when the cohort changed in between (a member joining while the
+others already train): the contribution waits for the next count.
 
 Each peer waits, before it trains, until its accumulator's epoch holds all four members:
 waiting for ``Group.members()`` to list four was not enough (in one run of two, one peer then
