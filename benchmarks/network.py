@@ -71,14 +71,14 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _averaging_common import (  # noqa: E402
+from _averaging_common import (
     hivemind_sockets,
     machine_busy_seconds,
     remove_stale_sockets,
 )
-from network_faults import ROOT, LabSwarm, check_round  # noqa: E402
+from network_faults import ROOT, LabSwarm, check_round
 
-from swarmavg.testing.netlab import LAN, PROFILES, LinkProfile, NetLab  # noqa: E402
+from swarmavg.testing.netlab import LAN, PROFILES, LinkProfile, NetLab
 
 GLOO = Path(__file__).with_name("_netlab_gloo.py")
 HIVEMIND = Path(__file__).with_name("_netlab_hivemind.py")
