@@ -48,7 +48,10 @@ Bounds (``B``: a host's rate, the same up and down; ``S``: bytes per peer):
 
 Beside each figure: the 1-minute load average when the cell began and ``busy``, the machine's
 busy CPU over the timed rounds divided by (rounds' wall time x CPUs): near 1.0 the machine, not
-the network, was the limit. ``drops``: frames the emulator's sockets dropped (it fell behind).
+the network, was the limit; ``emu``, the link emulator's CPU seconds per second over them (it
+is one Python process: near 1.0, or less than its share of a loaded machine, it was the
+limit); ``CPU s``, the system's own processes' CPU seconds per timed round (gloo's: the
+ranks' own CPU time of a timed call, summed over ranks). ``drops``: frames the emulator's sockets dropped (it fell behind).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from _averaging_common import (
     hivemind_sockets,
     machine_busy_seconds,
     remove_stale_sockets,
+    tree_cpu_seconds,
 )
 from network_faults import ROOT, LabSwarm, check_round
 
@@ -136,6 +140,8 @@ class Row:
     exact: bool | None = None
     load: float = 0.0
     busy: float | None = None
+    emulator: float | None = None
+    cpu_s: float | None = None
     drops: int | None = None
     note: str = ""
 
@@ -146,28 +152,62 @@ class Row:
         return self.bound_s / self.median_s
 
 
-class Meter:
-    """The machine's busy CPU over some windows: :meth:`window` adds one."""
+def _process_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (``None``: none, or no /proc)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self) -> None:
+
+class Meter:
+    """The machine's busy CPU, and the lab's link emulator's, over some windows: :meth:`window`
+    adds one."""
+
+    def __init__(self, lab: NetLab) -> None:
+        emulator = getattr(lab, "_emulator", None)  # (the lab's own process: read-only use)
+        self.emulator_pid: int | None = None if emulator is None else emulator.pid
         self.busy = 0.0
+        self.emulator = 0.0
+        self.tree = 0.0
         self.wall = 0.0
+        self.windows = 0
 
     @contextlib.contextmanager
     def window(self) -> Any:
         busy = machine_busy_seconds()
+        emulator = _process_cpu_seconds(self.emulator_pid)
+        tree = tree_cpu_seconds(os.getpid())
         wall = time.monotonic()
         try:
             yield
         finally:
             end = machine_busy_seconds()
+            emulator_end = _process_cpu_seconds(self.emulator_pid)
+            tree_end = tree_cpu_seconds(os.getpid())
+            self.windows += 1
+            if tree is not None and tree_end is not None:
+                self.tree += tree_end - tree
             if busy is not None and end is not None:
                 self.busy += end - busy
                 self.wall += time.monotonic() - wall
+            if emulator is not None and emulator_end is not None:
+                self.emulator += emulator_end - emulator
 
-    def fraction(self) -> float | None:
-        cpus = os.cpu_count() or 1
-        return round(self.busy / (self.wall * cpus), 2) if self.wall else None
+    def fill(self, row: Row) -> None:
+        """Sets ``row.busy`` (busy CPUs / CPUs) and ``row.emulator`` (the emulator's CPU
+        seconds per second: near 1.0 it was the limit) and ``row.cpu_s`` (the system's own
+        processes' CPU seconds per window: everything this process started, less the
+        emulator)."""
+        if self.windows:
+            row.cpu_s = round((self.tree - self.emulator) / self.windows, 1)
+        if self.wall:
+            row.busy = round(self.busy / (self.wall * (os.cpu_count() or 1)), 2)
+            if self.emulator_pid is not None:
+                row.emulator = round(self.emulator / self.wall, 2)
 
 
 def _drops(lab: NetLab) -> int | None:
@@ -202,14 +242,15 @@ def run_ours(
         "sender_timeout": timeout,
         "reducer_timeout": timeout,
     }
-    meter = Meter()
+    meter = Meter(lab)
     for number in range(1 + rounds):
         _prepare(swarm, transport, size, options, bandwidths)
         save = number == 0
         for path in out.glob("peer*.npy"):
             path.unlink()
         with meter.window() if number else contextlib.nullcontext():
-            swarm.step(STEP_TIMEOUT, out if save else None)
+            # (the step's timeout bounds its all-reduce too)
+            swarm.step(STEP_TIMEOUT + timeout, out if save else None)
             deadline = time.monotonic() + STEP_TIMEOUT + timeout + 5
             try:
                 results = {p.index: p.expect("result", deadline) for p in swarm.peers}
@@ -234,7 +275,7 @@ def run_ours(
                 row.note = "; ".join(problems)[:200]
         else:
             row.times_s.append(round(max(r["allreduce_s"] for r in results.values()), 3))
-    row.busy = meter.fraction()
+    meter.fill(row)
     row.drops = _drops(lab)
     return _finish(row)
 
@@ -298,7 +339,7 @@ def run_gloo(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, logs
     n = len(lab.hosts)
     master = f"{lab.host(0).address}:29{500 + (os.getpid() % 400)}"
     processes: list[subprocess.Popen[str]] = []
-    meter = Meter()
+    meter = Meter(lab)
     with (logs / "gloo.log").open("a") as log:
         try:
             for i in range(n):
@@ -333,7 +374,8 @@ def run_gloo(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, logs
             row.exact = got["exact"]
         finally:
             _stop(processes)
-    row.busy = meter.fraction()
+    meter.fill(row)
+    row.cpu_s = round(statistics.median(got["cpu_s"]), 1)  # (the ranks' own, per call)
     row.drops = _drops(lab)
     return _finish(row)
 
@@ -350,7 +392,7 @@ def run_hivemind(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, 
     prefix = f"hm_{uuid.uuid4().hex[:8]}"
     sockets = hivemind_sockets()
     processes: list[subprocess.Popen[str]] = []
-    meter = Meter()
+    meter = Meter(lab)
     log = (logs / "hivemind.log").open("a")
     try:
 
@@ -380,9 +422,9 @@ def run_hivemind(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, 
             reader.expect("ready", deadline)
         for number in range(1 + rounds):
             with meter.window() if number else contextlib.nullcontext():
-                for reader in readers:
-                    reader.send(op="step", timeout=STEP_TIMEOUT)
-                deadline = time.monotonic() + STEP_TIMEOUT + timeout + 5
+                for reader in readers:  # (hivemind's step timeout bounds its all-reduce too)
+                    reader.send(op="step", timeout=STEP_TIMEOUT + timeout)
+                deadline = time.monotonic() + STEP_TIMEOUT + 2 * timeout + 10
                 try:
                     results = [r.expect("result", deadline) for r in readers]
                 except (TimeoutError, RuntimeError) as exc:
@@ -416,7 +458,7 @@ def run_hivemind(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, 
         _stop(processes)
         log.close()
         remove_stale_sockets(sockets)
-    row.busy = meter.fraction()
+    meter.fill(row)
     row.drops = _drops(lab)
     return _finish(row)
 
@@ -545,8 +587,8 @@ def table(rows: Sequence[Row]) -> str:
     """The markdown table of ``rows`` (gloo and hivemind beside ours' rows of their cell)."""
     head = (
         "| profile | N | MiB | system | transport | time s (median) | bound s | of bound"
-        " | exact | load | busy | drops | rounds s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        " | exact | load | busy | emu | CPU s | drops | rounds s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -555,7 +597,8 @@ def table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.profile} | {r.peers} | {r.size_mib:g} | {r.system} | {r.transport} | {time_s}"
             f" | {_fmt(r.bound_s)} | {share} | {'' if r.exact is None else r.exact} | {r.load}"
-            f" | {_fmt(r.busy)} | {'' if r.drops is None else r.drops}"
+            f" | {_fmt(r.busy)} | {_fmt(r.emulator)} | {_fmt(r.cpu_s, 1)}"
+            f" | {'' if r.drops is None else r.drops}"
             f" | {' '.join(f'{t:.2f}' for t in r.times_s)} |"
         )
     return "\n".join(lines)
