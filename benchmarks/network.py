@@ -51,7 +51,8 @@ busy CPU over the timed rounds divided by (rounds' wall time x CPUs): near 1.0 t
 the network, was the limit; ``emu``, the link emulator's CPU seconds per second over them (it
 is one Python process: near 1.0, or less than its share of a loaded machine, it was the
 limit); ``CPU s``, the system's own processes' CPU seconds per timed round (gloo's: the
-ranks' own CPU time of a timed call, summed over ranks). ``drops``: frames the emulator's sockets dropped (it fell behind).
+ranks' own CPU time of a timed call, summed over ranks). ``drops``: frames the emulator's
+sockets dropped (it fell behind).
 """
 
 from __future__ import annotations
