@@ -13,7 +13,9 @@ trip). Frames are one packet where a host is shaped at 250 Mbit/s or less (losse
 the emulator sustains ~300 Mbit/s of them), 64 KiB offload frames otherwise (``lan``: no loss).
 ``--rates-only`` keeps only the profiles' rates and joins the hosts with a kernel bridge
 (``NetLab(emulate=False)``): no emulator, so what differs from the emulated run is what the
-emulator (a Python process on the same cores) cost.
+emulator (a Python process on the same cores) cost. ``--lossless`` drops the profiles' loss
+and reordering (delay and jitter stay), ``--offload on`` lets the emulator move 64 KiB frames
+(far less CPU; fine without loss): together they show what the round trip alone costs.
 
 In a cell, one system after the other, each with ``1 + --rounds`` rounds (the first a warm-up,
 not timed) of one float32 tensor of ``size`` MiB per peer:
@@ -62,6 +64,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,12 +99,16 @@ START_TIMEOUT = 90.0
 MIB = 1 << 20
 
 
-def swarm_profiles(profile: str, n: int, rates_only: bool) -> list[LinkProfile]:
-    """The hosts' profiles of a cell."""
+def swarm_profiles(
+    profile: str, n: int, rates_only: bool, lossless: bool = False
+) -> list[LinkProfile]:
+    """The hosts' profiles of a cell (``lossless``: without loss and reordering)."""
     if profile == "mixed":
         hosts = [LAN if i < n // 2 else SLOW for i in range(n)]
     else:
         hosts = [PROFILES[profile]] * n
+    if lossless:
+        hosts = [p.replace(loss=0.0, reorder=0.0) for p in hosts]
     if rates_only:
         hosts = [LinkProfile(rate_bps=p.rate_bps, down_rate_bps=p.down_rate_bps) for p in hosts]
     return hosts
@@ -514,18 +521,21 @@ def run_cell(
     transports: Sequence[str],
     rounds: int,
     rates_only: bool,
+    lossless: bool = False,
+    offload: bool | None = None,
     round_timeout: float | None,
     logs: Path,
     say: Callable[[str], None] = print,
 ) -> list[Row]:
     """Every system's rows for one lab of ``n`` hosts on ``profile``, ``size_mib`` per peer."""
-    hosts = swarm_profiles(profile, n, rates_only)
+    hosts = swarm_profiles(profile, n, rates_only, lossless)
     rates = [_rate(p) for p in hosts]
     size = int(size_mib * MIB) // 4
     nbytes = size * 4
     bound = round(bound_s(nbytes, rates), 3)
     timeout = round_timeout or 4 * bound + 60
-    label = profile + (" (rates only)" if rates_only else "")
+    label = profile + (" (rates only)" if rates_only else "") + (" (lossless)" if lossless else "")
+    label += "" if offload is None else f" (offload {'on' if offload else 'off'})"
     rows: list[Row] = []
 
     def new(system: str, transport: str, cell_bound: float = bound) -> Row:
@@ -537,7 +547,7 @@ def run_cell(
     cell_logs.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory() as tmp,
-        NetLab(hosts, seed=0, emulate=not rates_only) as lab,
+        NetLab(hosts, seed=0, emulate=not rates_only, offload=offload) as lab,
     ):
         out = Path(tmp)
         if "ours" in systems:
@@ -614,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="ours,gloo,hivemind")
     parser.add_argument("--transports", default="tcp,quic", help="ours' transports")
     parser.add_argument("--rates-only", action="store_true", help="rates only, no emulator")
+    parser.add_argument("--lossless", action="store_true", help="the profiles without loss")
+    parser.add_argument(
+        "--offload", choices=("auto", "on", "off"), default="auto", help="the lab's offload"
+    )
     parser.add_argument("--round-timeout", type=float, default=None, help="s (4x bound + 60)")
     parser.add_argument("--quick", action="store_true", help="a check: small sizes, 3 peers")
     parser.add_argument("--logs", type=Path, default=None)
@@ -641,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"# logs in {logs}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     rows: list[Row] = []
+
+    def on_term(signum: int, frame: object) -> None:  # (as Ctrl+C: the labs are removed)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         for profile in profiles:
             for n in peers:
@@ -653,12 +672,15 @@ def main(argv: list[str] | None = None) -> int:
                         transports=transports,
                         rounds=rounds,
                         rates_only=args.rates_only,
+                        lossless=args.lossless,
+                        offload={"auto": None, "on": True, "off": False}[args.offload],
                         round_timeout=args.round_timeout,
                         logs=logs,
                         say=lambda line: print(line, flush=True),
                     )
     except KeyboardInterrupt:
         print("# interrupted: the lab and its processes are removed", flush=True)
+        rows.append(Row("interrupted", 0, 0.0, "", "", 0.0, status="interrupted"))
     print(table(rows))
     if args.json:
         args.json.write_text(
