@@ -243,13 +243,17 @@ def run_ours(
     timeout: float,
     bandwidths: Sequence[float] | None,
     out: Path,
+    part_bytes: int | None = None,
 ) -> Row:
-    """``1 + rounds`` rounds of our averager on ``swarm`` (the first checked, not timed)."""
+    """``1 + rounds`` rounds of our averager on ``swarm`` (the first checked, not timed);
+    ``part_bytes``: ``part_size_bytes`` (``None``: the library's default)."""
     options: dict[str, Any] = {
         "allreduce_timeout": timeout,
         "sender_timeout": timeout,
         "reducer_timeout": timeout,
     }
+    if part_bytes is not None:
+        options["part_size_bytes"] = part_bytes
     meter = Meter(lab)
     for number in range(1 + rounds):
         _prepare(swarm, transport, size, options, bandwidths)
@@ -523,6 +527,7 @@ def run_cell(
     rates_only: bool,
     lossless: bool = False,
     offload: bool | None = None,
+    part_bytes: int | None = None,
     round_timeout: float | None,
     logs: Path,
     say: Callable[[str], None] = print,
@@ -536,6 +541,7 @@ def run_cell(
     timeout = round_timeout or 4 * bound + 60
     label = profile + (" (rates only)" if rates_only else "") + (" (lossless)" if lossless else "")
     label += "" if offload is None else f" (offload {'on' if offload else 'off'})"
+    label += "" if part_bytes is None else f" (parts {part_bytes / MIB:g} MiB)"
     rows: list[Row] = []
 
     def new(system: str, transport: str, cell_bound: float = bound) -> Row:
@@ -566,7 +572,8 @@ def run_cell(
                         row = new(name, transport, cell_bound)
                         try:
                             run_ours(
-                                lab, row, swarm, transport, size, rounds, timeout, bandwidths, out
+                                *(lab, row, swarm, transport, size, rounds, timeout),
+                                *(bandwidths, out, part_bytes),
                             )
                         except _Hung:
                             swarm.close()
@@ -628,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--offload", choices=("auto", "on", "off"), default="auto", help="the lab's offload"
     )
+    parser.add_argument("--part-mib", type=float, default=None, help="ours' part size, MiB")
     parser.add_argument("--round-timeout", type=float, default=None, help="s (4x bound + 60)")
     parser.add_argument("--quick", action="store_true", help="a check: small sizes, 3 peers")
     parser.add_argument("--logs", type=Path, default=None)
@@ -673,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                         rounds=rounds,
                         rates_only=args.rates_only,
                         lossless=args.lossless,
+                        part_bytes=None if args.part_mib is None else int(args.part_mib * MIB),
                         offload={"auto": None, "on": True, "off": False}[args.offload],
                         round_timeout=args.round_timeout,
                         logs=logs,
