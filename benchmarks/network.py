@@ -531,8 +531,10 @@ def run_cell(
     round_timeout: float | None,
     logs: Path,
     say: Callable[[str], None] = print,
+    rows: list[Row] | None = None,
 ) -> list[Row]:
-    """Every system's rows for one lab of ``n`` hosts on ``profile``, ``size_mib`` per peer."""
+    """Every system's rows for one lab of ``n`` hosts on ``profile``, ``size_mib`` per peer,
+    appended to ``rows`` (a new list by default) as each is done; returns ``rows``."""
     hosts = swarm_profiles(profile, n, rates_only, lossless)
     rates = [_rate(p) for p in hosts]
     size = int(size_mib * MIB) // 4
@@ -542,7 +544,7 @@ def run_cell(
     label = profile + (" (rates only)" if rates_only else "") + (" (lossless)" if lossless else "")
     label += "" if offload is None else f" (offload {'on' if offload else 'off'})"
     label += "" if part_bytes is None else f" (parts {part_bytes / MIB:g} MiB)"
-    rows: list[Row] = []
+    rows = [] if rows is None else rows
 
     def new(system: str, transport: str, cell_bound: float = bound) -> Row:
         return Row(
@@ -672,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         for profile in profiles:
             for n in peers:
                 for size_mib in sizes:
-                    rows += run_cell(
+                    run_cell(
                         profile,
                         n,
                         size_mib,
@@ -686,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
                         round_timeout=args.round_timeout,
                         logs=logs,
                         say=lambda line: print(line, flush=True),
+                        rows=rows,
                     )
     except KeyboardInterrupt:
         print("# interrupted: the lab and its processes are removed", flush=True)
