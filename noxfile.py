@@ -24,6 +24,7 @@ PACKAGES = [
         "tests",
         "fuzz",
         "benchmarks",
+        "examples",
         "docs/hooks.py",
         "noxfile.py",
     )
