@@ -215,6 +215,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._rounds_requested = 0  # (requests counted; the last round served up to _served)
             self._served = 0
             self._served_outcome: RoundOutcome | None = None
+            self._returned = 0  # (rounds whose outcome wait_for_round returned, up to)
             self._steps_taken = 0
             self._subkey = owner_marker(dht.peer_id)
 
@@ -527,8 +528,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             ``step()`` does every ``averaging_steps_period`` steps; it coalesces with one
             asked for and not begun, and a round running ends first), then wait for it.
         :returns: the round's :class:`~swarmavg.optim.RoundOutcome` (a failed round too:
-            ``succeeded`` is ``False``), or ``None`` at once when no round was requested since
-            the last one ended (never with ``request``).
+            ``succeeded`` is ``False``; also when it ended before this call, e.g. while
+            ``step()`` waited for it), or ``None`` at once when no round was requested since
+            the last outcome returned (never with ``request``).
         :raises TimeoutError: the round did not end within ``timeout`` (it goes on; a later
             call waits for it again).
         :raises RuntimeError: the optimizer is or was shut down meanwhile.
@@ -548,7 +550,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if not request:
             with self._round_state:
                 if self._served >= self._rounds_requested:
-                    return None
+                    # (ended already: even before this call, e.g. while step() waited for it)
+                    if self._returned >= self._served:
+                        return None
+                    self._returned = self._served
+                    return self._served_outcome
         deadline = None if timeout is None else time.monotonic() + timeout
         self.lock_parameters.release()
         try:
@@ -565,6 +571,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"the averaging round did not end within {timeout} s")
                     self._round_state.wait(remaining)
+                self._returned = self._served
                 return self._served_outcome
         finally:
             self.lock_parameters.acquire()
