@@ -887,22 +887,27 @@ async def _choose(probes: list[_Probe], chunk_timeout: float) -> _Download | Non
                 await probe.done.wait()
             if not probe.done.is_set() and any(p.header is not None for p in probes[i + 1 :]):
                 break
-        if probe.header is not None and probe.layout is not None:
-            try:
-                return _Download(probe.header, probe.layout)
-            except (MemoryError, RuntimeError, ValueError) as exc:
-                _warn(probe.donor, exc)
-                probe.header = None
+        if (download := _download_of(probe)) is not None:
+            return download
     # (every probe skipped above has answered by now or is still silent: take the best that
     # answered, if a skipped one did since)
     for probe in probes:
-        if probe.header is not None and probe.layout is not None:
-            try:
-                return _Download(probe.header, probe.layout)
-            except (MemoryError, RuntimeError, ValueError) as exc:
-                _warn(probe.donor, exc)
-                probe.header = None
+        if (download := _download_of(probe)) is not None:
+            return download
     return None
+
+
+def _download_of(probe: _Probe) -> _Download | None:
+    """A download of ``probe``'s snapshot, if its header arrived and is usable (one that is
+    not is warned about and forgotten)."""
+    if probe.header is None or probe.layout is None:
+        return None
+    try:
+        return _Download(probe.header, probe.layout)
+    except (MemoryError, RuntimeError, ValueError) as exc:
+        _warn(probe.donor, exc)
+        probe.header = None
+        return None
 
 
 async def _fetch_all(
