@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
@@ -260,19 +259,26 @@ def test_lr_scheduler_follows_the_epoch_and_a_late_peer_joins_at_it() -> None:
         assert late.decentralized_state.max_epoch == 4
 
 
+def _alone(
+    x: torch.Tensor, dht: Any, prefix: str, *, timeout: float, averaging_steps_period: int
+) -> DecentralizedSGD:
+    """A DecentralizedSGD peer alone in its swarm (its rounds, wanting 2, find no group)."""
+    return DecentralizedSGD(
+        [x],
+        lr=0.1,
+        dht=dht,
+        prefix=prefix,
+        target_group_size=2,
+        timeout=timeout,
+        averaging_steps_period=averaging_steps_period,
+        **FAST,
+    )
+
+
 def test_a_failed_round_is_counted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.zeros(4, requires_grad=True)
     with swarm(1) as dhts:
-        opt = DecentralizedSGD(
-            [x],
-            lr=0.1,
-            dht=dhts[0],
-            prefix="alone",
-            target_group_size=2,
-            timeout=1.0,
-            averaging_steps_period=2,
-            **FAST,
-        )
+        opt = _alone(x, dhts[0], "alone", timeout=1.0, averaging_steps_period=2)
         try:
             assert opt.wait_for_round() is None  # (no round asked for yet)
             with caplog.at_level(logging.WARNING):
@@ -314,24 +320,14 @@ def test_a_round_that_ended_before_wait_for_round_is_still_returned() -> None:
     for, in one CI run)."""
     x = torch.zeros(4, requires_grad=True)
     with swarm(1) as dhts:
-        opt = DecentralizedSGD(
-            [x],
-            lr=0.1,
-            dht=dhts[0],
-            prefix="ended_before",
-            target_group_size=2,
-            timeout=0.5,
-            averaging_steps_period=1,
-            **FAST,
-        )
+        opt = _alone(x, dhts[0], "ended_before", timeout=0.5, averaging_steps_period=1)
         try:
             x.grad = torch.ones_like(x)
             opt.step()  # (asks for a round and waits until it ended)
-            deadline = time.monotonic() + 30
-            while opt.last_round is None:  # (its outcome is recorded just after)
-                assert time.monotonic() < deadline, "the round's outcome was never recorded"
-                time.sleep(0.01)
-            time.sleep(0.1)
+            with opt._round_state:  # (its outcome is recorded just after: wait for that)
+                assert opt._round_state.wait_for(
+                    lambda: opt._served >= opt._rounds_requested, timeout=30
+                ), "the round's outcome was never recorded"
             outcome = opt.wait_for_round(timeout=0)
             assert outcome is not None
             assert outcome is opt.last_round
