@@ -275,7 +275,8 @@ class Accumulator:
         return bool(self._snap["connected"])
 
     def wants_state(self) -> bool:
-        """A joiner waits for this member's state: answer with :meth:`set_state`."""
+        """A joiner waits for this member's state: answer with :meth:`set_state` (false while
+        a result is unread: the state to serve is the model stepped with it)."""
         return bool(self._snap["wants_state"])
 
     def has_new_state(self) -> bool:

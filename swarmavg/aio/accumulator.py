@@ -570,7 +570,12 @@ class Accumulator:
 
     def _wants_state(self) -> bool:
         # (a request waits for set_state: it outlives an epoch change, which resets the core's)
-        return self.core.connected() and (self.core.wants_state() or self._state_wanted)
+        # (and not while a result is unread: the state to serve is the model stepped with it)
+        return (
+            self.core.connected()
+            and not self.core.has_gradients()
+            and (self.core.wants_state() or self._state_wanted)
+        )
 
     def has_new_state(self) -> bool:
         """A state was loaded since :meth:`state` was last called."""
@@ -1078,10 +1083,9 @@ class Accumulator:
     async def _provide_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What a donor serves: the state the user set at the current version (waiting up to
         ``state_timeout`` for :meth:`set_state`, which :meth:`wants_state` asks for)."""
-        while self._user_state is None or self._user_state[0] != (
-            self.core.model_version,
-            self.core.lineage,
-        ):
+        # (a state set while a result is unread waits for the next one: the election counted
+        # that result in, core.state_id())
+        while self._user_state is None or self._user_state[0] != self.core.state_id():
             self.core.state_requested()
             self._providers += 1
             self._state_wanted = True
@@ -1139,7 +1143,7 @@ class Accumulator:
                 ):
                     metadata, tensors = state[0], list(state[1])
                     try:
-                        self._load(metadata, tensors, epoch)
+                        self._load(metadata, tensors, epoch, request.version)
                         self._state_request = None
                         return
                     except StateDownloadFailed as exc:
@@ -1149,7 +1153,9 @@ class Accumulator:
         finally:
             self._downloading = False
 
-    def _load(self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None) -> None:
+    def _load(
+        self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None, expected: int
+    ) -> None:
         import torch
 
         if not isinstance(metadata, dict):
@@ -1169,6 +1175,10 @@ class Accumulator:
             or len(tensors) < n_params + n_buffers
         ):
             raise StateDownloadFailed("the state's layout is not this model's")
+        if version != expected:
+            raise StateDownloadFailed(
+                f"the donor served version {version}, the election chose {expected}"
+            )
         own = self.parameters + self.buffers
         for mine, theirs in zip(own, tensors, strict=False):
             if mine.shape != theirs.shape or mine.dtype != theirs.dtype:

@@ -515,7 +515,7 @@ class AccumulatorCore:
         self._counts.clear()
         self._pending.clear()
         self._next_index = 0
-        hello = Hello(epoch, self._version, self._lineage)
+        hello = Hello(epoch, *self.state_id())
         self._hellos = _Exchange(now, {self.me: hello})
         others = self._others()
         if others:
@@ -551,11 +551,8 @@ class AccumulatorCore:
         self._leader_lineage = lineages[self._leader] or _new_lineage(
             self._leader, self._epoch or b""
         )
-        if (
-            leader_version == self._version
-            and self._lineage
-            and self._lineage == self._leader_lineage
-        ):
+        version, lineage = self.state_id()
+        if leader_version == version and lineage and lineage == self._leader_lineage:
             return []  # (the same model: e.g. we trained together, or loaded its state)
         self._waiting_for_state = True
         donors = tuple(
@@ -574,6 +571,16 @@ class AccumulatorCore:
         """Which model this member holds (empty: none yet); travels with its state."""
         return self._lineage
 
+    def state_id(self) -> tuple[int, bytes]:
+        """The ``(model_version, lineage)`` this member's hello announces and its state must
+        have when it is served: the model's once the result in ``.grad`` is read (a result
+        applied before an epoch change is stepped with by the user, while members whose
+        all-reduce of it failed did not get it: they must download, not train on one version
+        behind)."""
+        if self._has_gradients:
+            return self._version + 1, _next_lineage(self._lineage, *self._unread)
+        return self._version, self._lineage
+
     def state_requested(self) -> None:
         """A member of this epoch asked this donor for the state: :meth:`wants_state`."""
         if self.connected():
@@ -586,7 +593,14 @@ class AccumulatorCore:
         self._lineage = lineage if lineage else self._leader_lineage
         self._waiting_for_state = False
         self._slots = [_Slot() for _ in self._slots]
+        self._drop_unread()
         return [DropSlots()]
+
+    def _drop_unread(self) -> None:
+        # (a result of the model that a state replaced: stepping the state with it would apply
+        # it twice, or apply one the donor never did)
+        self._has_gradients = False
+        self._unread = (b"", 0)
 
     def model_replaced(self, version: int, lineage: bytes) -> None:
         """The model was replaced by a state of ``version`` and ``lineage`` outside an election
@@ -594,6 +608,7 @@ class AccumulatorCore:
         says so."""
         self._version = _check_int("version", version, 0)
         self._lineage = lineage
+        self._drop_unread()
 
     # --- messages -----------------------------------------------------------------------------
 

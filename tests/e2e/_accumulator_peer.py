@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import select
 import sys
@@ -192,6 +193,11 @@ def run_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.basicConfig(  # (stderr: the test's log file of this peer)
+        level=logging.INFO,
+        format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=("sync", "async"), default="sync")
     parser.add_argument("--initial-peers", default="")

@@ -407,6 +407,72 @@ def test_a_member_leaving_mid_round_keeps_the_survivors_contributions() -> None:
         assert member.core.model_version == 1
 
 
+def _a_alone_applies_count_0(cohort: Cohort, names: list[str]) -> None:
+    """Every member contributes; count 0's all-reduce completes for "a" only (the last member
+    died after sending "a" its part): "a" applies the result, the others' fail."""
+    for i, name in enumerate(names):
+        cohort.reduce(name, float(i + 1), 1)
+    cohort.deliver()
+    (started,) = cohort.reduces.values()
+    started = dict(started)
+    cohort.finish_reduces(skip=frozenset(names) - {"a"})
+    for name in names[1:]:
+        action = started[name]
+        cohort.handle(name, cohort.members[name].core.reduce_done(action.epoch, 0, ok=False))
+    assert cohort.members["a"].core.has_gradients()
+    assert not any(cohort.members[n].core.has_gradients() for n in names[1:])
+
+
+def test_a_result_applied_but_unread_when_the_epoch_changes_makes_the_others_download() -> None:
+    names = ["a", "b", "c"]
+    cohort = connected_cohort(names)
+    _a_alone_applies_count_0(cohort, names)
+    a, b = cohort.members["a"], cohort.members["b"]
+    # the next epoch (c is gone) starts before a's user read the result: a's model will be
+    # stepped with it, b's never is, so b must download a's, not train one result behind
+    cohort.queue = [m for m in cohort.queue if "c" not in m[:2]]
+    cohort.epoch(["a", "b"])
+    cohort.deliver()
+    assert a.core.leader == b.core.leader == "a"
+    assert a.core.state_id()[0] == 1
+    (request,) = b.state_requests[1:]
+    assert (request.donors, request.version) == (("a",), 1)
+    assert not b.core.connected()
+    cohort.zero("a")  # (the user steps with the result)
+    assert (a.core.model_version, a.core.lineage) == a.core.state_id()
+    cohort.handle("b", b.core.state_loaded(1))
+    assert (b.core.model_version, b.core.lineage) == (1, a.core.lineage)
+    # and they go on as one model
+    cohort.reduce("a", 1.0, 1)
+    cohort.reduce("b", 3.0, 1)
+    cohort.deliver()
+    cohort.finish_reduces()
+    for member in (a, b):
+        assert member.grad == pytest.approx(2.0)
+        cohort.zero(member.core.me)
+    assert a.core.state_id() == b.core.state_id() == (2, a.core.lineage)
+
+
+def test_a_state_loaded_over_an_unread_result_drops_the_result() -> None:
+    names = ["a", "b", "c"]
+    cohort = connected_cohort(names)
+    _a_alone_applies_count_0(cohort, names)
+    a = cohort.members["a"]
+    # c comes back at a greater version (a restored checkpoint): a downloads its model, and
+    # the result a's model had not been stepped with yet must not be stepped onto c's
+    cohort.members["c"].core.set_model_version(5)
+    cohort.epoch(names, epoch=epoch_digest(names, ["", "", "restarted"]))
+    cohort.deliver()
+    assert a.core.leader == "c"
+    (request,) = a.state_requests[1:]
+    assert request.version == 5
+    cohort.handle("a", a.core.state_loaded(5))
+    assert not a.core.has_gradients()
+    assert a.core.model_version == 5
+    cohort.zero("a")  # (nothing to read: the version stays)
+    assert a.core.model_version == 5
+
+
 def test_a_stale_allreduce_report_of_an_old_epoch_is_ignored() -> None:
     cohort = connected_cohort(["a", "b"])
     cohort.reduce("a", 1.0, 1)
