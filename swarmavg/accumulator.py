@@ -146,7 +146,9 @@ class Accumulator:
         ``virtual_batch_size``, ``parallel_gradients``, ``weighting`` (``"contributions"``,
         moolib's: ``.grad`` is the mean over contributions; or ``"samples"``),
         ``model_version``, ``round_timeout``, ``state_timeout``, ``state_donors``,
-        ``refresh_period``.
+        ``refresh_period``, ``buffer_sync_period`` (the leader's buffers copied into every
+        member's, 12 s; ``None``: never), ``state_sync_period`` (moolib's regular update of
+        the whole state, 600 s; ``None``: never).
     :raises TypeError: a parameter or buffer is not a tensor, or a parameter not a floating
         point one (named by index); ``dht`` or ``group`` of the wrong type.
     :raises ValueError: another bad argument (named).

@@ -350,9 +350,11 @@ class _Write:
     parameters), then what the task does once they are done. Without a deferring facade both
     run at once, in the task."""
 
-    kind: Literal["result", "state"]
+    kind: Literal["result", "state", "sync"]
     write: Callable[[], None]
     then: Callable[[], None] | None = None
+    #: checked (in the task) right before the write: a write it refuses is dropped
+    valid: Callable[[], bool] | None = None
 
 
 class Accumulator:
@@ -378,6 +380,13 @@ class Accumulator:
         download, before asking again.
     :param state_donors: donors a joiner downloads from at once.
     :param refresh_period: seconds between reads of the cohort's records.
+    :param buffer_sync_period: seconds between copies of the leader's buffers into every
+        other member's (moolib's 12 s; ``None``: never): buffers such as batch-norm statistics
+        are each member's own between them.
+    :param state_sync_period: seconds between moolib's *regular updates*: every other member
+        copies the leader's whole state (parameters, buffers, user state: the leader's
+        :meth:`wants_state` turns true), taken only where it is at the leader's version and
+        lineage and holds no unread result (600 s; ``None``: never).
     :raises TypeError: a parameter or buffer is not a tensor (named by index).
     :raises ValueError: another bad argument (named).
     """
@@ -398,6 +407,8 @@ class Accumulator:
         state_timeout: float = 60.0,
         state_donors: int = 2,
         refresh_period: float = 1.0,
+        buffer_sync_period: float | None = 12.0,
+        state_sync_period: float | None = 600.0,
         _deferred: bool = False,
     ) -> None:
         import torch
@@ -417,7 +428,13 @@ class Accumulator:
             raise ValueError("group must use the accumulator's dht")
         if isinstance(state_donors, bool) or not isinstance(state_donors, int) or state_donors < 1:
             raise ValueError(f"state_donors must be an int >= 1, not {state_donors!r}")
-        for what, value in (("state_timeout", state_timeout),):
+        for what, value in (
+            ("state_timeout", state_timeout),
+            ("buffer_sync_period", buffer_sync_period),
+            ("state_sync_period", state_sync_period),
+        ):
+            if value is None and what != "state_timeout":
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{what} must be a positive number, not {value!r}")
         self.name = name
@@ -435,6 +452,10 @@ class Accumulator:
         )
         self.state_timeout = float(state_timeout)
         self.state_donors = state_donors
+        self.buffer_sync_period = None if buffer_sync_period is None else float(buffer_sync_period)
+        self.state_sync_period = None if state_sync_period is None else float(state_sync_period)
+        #: regular updates (buffers, states) taken from the leader so far
+        self.syncs = {"buffers": 0, "state": 0}
         self.layout = FlatLayout(
             tuple(
                 TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
@@ -455,6 +476,7 @@ class Accumulator:
         self._ended = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._sharer: Any = None
+        self._buffer_sharer: Any = None
         #: state requests waiting for set_state (StateSharer's provider calls)
         self._providers = 0
         self._state_wanted = False  # (until the next set_state)
@@ -499,6 +521,15 @@ class Accumulator:
                 declare_period=3600.0,
             )
             self._sharer.start()
+            self._buffer_sharer = StateSharer(
+                self.dht,
+                f"{self.name}.buf",
+                self._provide_buffers,
+                enabled=True,
+                priority=0.0,
+                declare_period=3600.0,
+            )
+            self._buffer_sharer.start()
             if self._owns_group:
                 await self.group.__aenter__()
             self.group.on_change.append(self._on_group_change)
@@ -515,6 +546,7 @@ class Accumulator:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._drive)
+                tg.start_soon(self._sync_loop)
                 started.set()
                 await anyio.sleep_forever()
         finally:
@@ -550,8 +582,9 @@ class Accumulator:
             self._runner.cancel()
             with anyio.move_on_after(5.0):
                 await self._ended.wait()
-        if self._sharer is not None:
-            self._sharer.stop()
+        for sharer in (self._sharer, self._buffer_sharer):
+            if sharer is not None:
+                sharer.stop()
         registry = _registry(self.dht)
         if registry.get(self.name) is self:
             del registry[self.name]
@@ -799,7 +832,7 @@ class Accumulator:
         """The writes queued for the user's thread (the facade's ``update()``)."""
         assert self._outbox is not None
         writes, self._outbox[:] = list(self._outbox), []
-        return writes
+        return [w for w in writes if w.valid is None or w.valid()]
 
     def _writes_done(self, writes: list[_Write]) -> None:
         for write in writes:
@@ -824,6 +857,8 @@ class Accumulator:
 
     def _write(self, write: _Write) -> None:
         if self._outbox is None:
+            if write.valid is not None and not write.valid():
+                return
             write.write()
             if write.then is not None:
                 write.then()
@@ -1158,32 +1193,11 @@ class Accumulator:
     ) -> None:
         import torch
 
-        if not isinstance(metadata, dict):
-            raise StateDownloadFailed("the metadata is not a map")
-        version, skeleton = metadata.get("version"), metadata.get("skeleton")
-        lineage = metadata.get("lineage")
-        n_params, n_buffers = metadata.get("parameters"), metadata.get("buffers")
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or not 0 <= version < 1 << 63
-            or not isinstance(skeleton, bytes)
-            or not isinstance(lineage, bytes)
-            or len(lineage) > EPOCH_SIZE
-            or n_params != len(self.parameters)
-            or n_buffers != len(self.buffers)
-            or len(tensors) < n_params + n_buffers
-        ):
-            raise StateDownloadFailed("the state's layout is not this model's")
+        version, lineage, own, user = self._check_state(metadata, tensors)
         if version != expected:
             raise StateDownloadFailed(
                 f"the donor served version {version}, the election chose {expected}"
             )
-        own = self.parameters + self.buffers
-        for mine, theirs in zip(own, tensors, strict=False):
-            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
-                raise StateDownloadFailed("a tensor's shape or dtype is not this model's")
-        user = join_state(skeleton, tensors[len(own) :], to_array=lambda t: t.numpy())
 
         def write() -> None:
             with torch.no_grad():
@@ -1208,6 +1222,154 @@ class Accumulator:
             logger.info("cohort %s: loaded the state of version %d", self.name, version)
 
         self._write(_Write("state", write, then))
+
+    def _check_state(
+        self, metadata: object, tensors: list[torch.Tensor]
+    ) -> tuple[int, bytes, list[torch.Tensor], object]:
+        """A downloaded state's version, lineage, this model's tensors it replaces, and the
+        user state.
+
+        :raises StateDownloadFailed: its metadata or layout is not this model's.
+        """
+        if not isinstance(metadata, dict):
+            raise StateDownloadFailed("the metadata is not a map")
+        version, skeleton = metadata.get("version"), metadata.get("skeleton")
+        lineage = metadata.get("lineage")
+        n_params, n_buffers = metadata.get("parameters"), metadata.get("buffers")
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version < 1 << 63
+            or not isinstance(skeleton, bytes)
+            or not isinstance(lineage, bytes)
+            or len(lineage) > EPOCH_SIZE
+            or n_params != len(self.parameters)
+            or n_buffers != len(self.buffers)
+            or len(tensors) < n_params + n_buffers
+        ):
+            raise StateDownloadFailed("the state's layout is not this model's")
+        own = self.parameters + self.buffers
+        _check_layout(own, tensors)
+        user = join_state(skeleton, tensors[len(own) :], to_array=lambda t: t.numpy())
+        return version, lineage, own, user
+
+    # -- regular updates from the leader (moolib's) ----------------------------------------------
+
+    async def _provide_buffers(self) -> tuple[Any, list[torch.Tensor]]:
+        """What the leader serves under ``<name>.buf``: copies of its buffers as they are."""
+        if not self.core.is_leader():
+            raise ValueError("this member does not lead the cohort")
+        return {"buffers": len(self.buffers)}, self._copy_model()[len(self.parameters) :]
+
+    async def _sync_loop(self) -> None:
+        """Every member but the leader copies the leader's buffers every
+        ``buffer_sync_period`` seconds and its whole state every ``state_sync_period`` seconds
+        (moolib's regular updates, pulled rather than pushed: a member takes them when it is
+        ready for them)."""
+        periods = {"buffers": self.buffer_sync_period if self.buffers else None}
+        periods["state"] = self.state_sync_period
+        due = {kind: anyio.current_time() + p for kind, p in periods.items() if p is not None}
+        while due:
+            kind = min(due, key=due.__getitem__)
+            await anyio.sleep(max(due[kind] - anyio.current_time(), 0.0))
+            period = periods[kind]
+            assert period is not None
+            due[kind] = anyio.current_time() + period
+            leader, epoch = self.core.leader, self.core.epoch
+            if not self.core.connected() or leader is None or leader == self.core.me:
+                continue
+            peer = PeerID.from_string(leader)
+            address = self.group.addresses.get(peer)
+            if address is None:
+                continue
+            try:
+                state = await self._fetch(kind, peer, address)
+                if state is None:
+                    logger.info("cohort %s: no %s from the leader this time", self.name, kind)
+                elif kind == "buffers":
+                    self._take_buffers(state[0], list(state[1]), epoch)
+                else:
+                    self._take_regular(state[0], list(state[1]), epoch)
+            except StateDownloadFailed as exc:
+                logger.warning("cohort %s: refused the leader's %s: %s", self.name, kind, exc)
+
+    async def _fetch(self, kind: str, peer: PeerID, address: Address) -> Any:
+        from swarmavg.aio.state import DEFAULT_MAX_STATE_SIZE, load_state_from
+
+        prefix = f"{self.name}.{'buf' if kind == 'buffers' else 'acc'}"
+        with anyio.move_on_after(self.state_timeout):
+            return await load_state_from(
+                self.dht.node,
+                prefix,
+                [(peer, address, 0.0)],
+                chunk_timeout=self.state_timeout,
+                header_timeout=self.state_timeout,
+                max_bytes=DEFAULT_MAX_STATE_SIZE,
+                max_donors=1,
+            )
+        return None
+
+    def _take_buffers(
+        self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None
+    ) -> None:
+        import torch
+
+        if not isinstance(metadata, dict) or metadata.get("buffers") != len(self.buffers):
+            raise StateDownloadFailed("the leader's buffers are not this model's")
+        _check_layout(self.buffers, tensors)
+        buffers = self.buffers
+
+        def valid() -> bool:
+            return self.core.epoch == epoch and self.core.connected() and not self.core.is_leader()
+
+        def write() -> None:
+            with torch.no_grad():
+                for mine, theirs in zip(buffers, tensors, strict=True):
+                    mine.copy_(theirs)
+
+        def then() -> None:
+            self.syncs["buffers"] += 1
+
+        self._write(_Write("sync", write, then, valid))
+
+    def _take_regular(
+        self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None
+    ) -> None:
+        import torch
+
+        version, lineage, own, user = self._check_state(metadata, tensors)
+
+        def valid() -> bool:
+            # (a member whose model is another one, or that the user is about to step with an
+            # unread result, keeps its own: it is overwritten only by the same model)
+            core = self.core
+            return (
+                core.epoch == epoch
+                and core.connected()
+                and not core.has_gradients()
+                and (core.model_version, core.lineage) == (version, lineage)
+            )
+
+        def write() -> None:
+            with torch.no_grad():
+                for mine, theirs in zip(own, tensors, strict=False):
+                    mine.copy_(theirs)
+
+        def then() -> None:
+            self._new_state = user
+            self._has_new_state = True
+            self.syncs["state"] += 1
+            logger.info(
+                "cohort %s: took the leader's regular update (version %d)", self.name, version
+            )
+
+        self._write(_Write("sync", write, then, valid))
+
+
+def _check_layout(own: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    for mine, theirs in zip(own, tensors, strict=False):
+        if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+            raise StateDownloadFailed("a tensor's shape or dtype is not this model's")
 
 
 def _copy_user_tensors(tensors: list[Any]) -> list[torch.Tensor]:

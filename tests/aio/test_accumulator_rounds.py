@@ -568,3 +568,78 @@ def test_a_contribution_the_cohort_cannot_take_yet_waits_for_the_next_count() ->
     assert queued  # (the snapshot says no more until the queued one is in)
     assert means == [5.0, 5.0]  # (3 + 7) / 2
     assert stats == [{"num_gradients": 2, "num_skipped": 0, "batch_size": 2}] * 2
+
+
+def buffers_of(peer: Peer) -> list[torch.Tensor]:
+    return [b.clone() for b in peer.net.buffers()]
+
+
+def test_every_member_copies_the_leaders_buffers_each_buffer_sync_period() -> None:
+    async def main() -> None:
+        async with cohort(3, buffer_sync_period=12.0) as c:
+            leader = next(p for p in c.peers if p.acc.is_leader())
+            members = [p for p in c.peers if p is not leader]
+            # buffers are each member's own between syncs (e.g. batch-norm statistics)
+            leader.net[1].running_mean += 5.0
+            members[0].net[1].running_var *= 3.0
+            params = [[t.clone() for t in p.net.parameters()] for p in c.peers]
+            await until(lambda: all(p.acc.syncs["buffers"] >= 1 for p in members), 30)
+            for peer in members:
+                assert all(
+                    torch.equal(x, y)
+                    for x, y in zip(buffers_of(peer), buffers_of(leader), strict=True)
+                )
+            assert float(leader.net[1].running_mean[0]) != 0.0  # (the leader's own, kept)
+            assert leader.acc.syncs["buffers"] == 0
+            for peer, before in zip(c.peers, params, strict=True):  # (buffers only)
+                assert all(
+                    torch.equal(x, y) for x, y in zip(peer.net.parameters(), before, strict=True)
+                )
+            # and again at the next period
+            leader.net[1].running_mean += 1.0
+            await until(lambda: all(p.acc.syncs["buffers"] >= 2 for p in members), 30)
+            assert all(same_model(p.net, leader.net) for p in members)
+
+    run_on_virtual_time(main)
+
+
+def test_without_a_buffer_sync_period_buffers_stay_each_members_own() -> None:
+    async def main() -> None:
+        async with cohort(2, buffer_sync_period=None) as c:
+            a, b = c.peers
+            a.net[1].running_mean += 5.0
+            await anyio.sleep(60)
+            assert not same_model(a.net, b.net)
+            assert a.acc.syncs == b.acc.syncs == {"buffers": 0, "state": 0}
+
+    run_on_virtual_time(main)
+
+
+def test_a_regular_update_copies_the_leaders_state_only_into_its_own_version() -> None:
+    async def main() -> None:
+        async with cohort(2, state_sync_period=50.0, buffer_sync_period=None) as c:
+            leader = next(p for p in c.peers if p.acc.is_leader())
+            (member,) = [p for p in c.peers if p is not leader]
+            await one_round(c.peers, [1.0, 3.0])
+            leader.step()
+            # the member's result is unread (its user has not stepped yet): the leader's
+            # state of the next version is not its model, so it is not taken
+            assert member.acc.has_gradients()
+            await anyio.sleep(60)
+            assert member.acc.syncs["state"] == 0
+            member.step()
+            # drifted (as if a kernel rounded otherwise), with its own user state
+            with torch.no_grad():
+                for p in member.net.parameters():
+                    p += 1e-3
+            member.momentum += 100
+            member.acc.state()  # (clears has_new_state of the join)
+            await until(lambda: member.acc.syncs["state"] >= 1, 60)
+            assert member.acc.model_version() == leader.acc.model_version() == 1
+            assert same_model(member.net, leader.net)
+            assert member.acc.has_new_state()
+            state: Any = member.acc.state()
+            assert torch.equal(state["momentum"], leader.momentum)
+            assert leader.acc.syncs["state"] == 0
+
+    run_on_virtual_time(main)

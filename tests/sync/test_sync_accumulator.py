@@ -246,3 +246,55 @@ def test_async_and_sync_peers_share_a_cohort() -> None:
         assert o["stats"] == {"num_gradients": 3, "num_skipped": 0, "batch_size": 96}
         for mine, first in zip(o["params"], out[0]["params"], strict=True):
             assert torch.equal(mine, first)
+
+
+def test_the_leaders_buffers_and_regular_state_reach_a_member_through_update() -> None:
+    """moolib's regular updates through the facade: a member's ``update()`` copies the leader's
+    buffers (every ``buffer_sync_period``) and, at the leader's version, its whole state
+    (every ``state_sync_period``; the leader's ``wants_state()`` asks its loop for it)."""
+    nets = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        nets.append(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)))
+    with DHT() as dht_a, DHT(initial_peers=dht_a.get_visible_maddrs()) as dht_b:
+        options: dict[str, Any] = {"buffer_sync_period": 0.5, "state_sync_period": 2.0}
+        accs = [
+            Accumulator("sync", net.parameters(), net.buffers(), dht=dht, **options)
+            for net, dht in zip(nets, (dht_a, dht_b), strict=True)
+        ]
+        try:
+
+            def turn() -> None:
+                for acc, net in zip(accs, nets, strict=True):
+                    acc.update()
+                    if acc.wants_state():
+                        acc.set_state({"tag": float(net[0].bias.detach()[0])})
+                time.sleep(0.02)
+
+            deadline = time.monotonic() + 60
+            while not all(a.connected() for a in accs) or accs[0].get_leader() is None:
+                assert time.monotonic() < deadline, "the cohort did not form"
+                turn()
+            leader = next(i for i, a in enumerate(accs) if a.is_leader())
+            member = 1 - leader
+            accs[member].state()  # (the join's)
+            with torch.no_grad():
+                nets[leader][1].running_mean += 5.0
+                for p in nets[member].parameters():
+                    p += 1e-3
+            while not torch.equal(nets[member][1].running_mean, nets[leader][1].running_mean):
+                assert time.monotonic() < deadline, "the leader's buffers never came"
+                turn()
+            while not accs[member].has_new_state():
+                assert time.monotonic() < deadline, "the leader's regular update never came"
+                turn()
+            state: Any = accs[member].state()
+            assert state["tag"] == float(nets[leader][0].bias.detach()[0])
+            for mine, theirs in zip(
+                nets[member].state_dict().values(), nets[leader].state_dict().values(), strict=True
+            ):
+                assert torch.equal(mine, theirs)
+            assert accs[member].model_version() == accs[leader].model_version() == 0
+        finally:
+            for acc in accs:
+                acc.shutdown()
