@@ -78,6 +78,9 @@ _SEND_TRIES: Final = 4
 _RESEND_DELAY: Final = (0.25, 2.0)
 _MAX_ADDRESS_LENGTH: Final = 512
 _MAX_MEMBERS: Final = 256
+#: gradient phases in a row that a member is named in as failing (its part or its values
+#: missing) before it is left out of the view although it still answers messages
+_MAX_ROUND_FAILURES: Final = 3
 
 
 def tensor_dtype(obj: object) -> str | None:
@@ -121,6 +124,7 @@ class Group:
         self.epoch_count = 0
         self._since = 0.0
         self._suspects: dict[PeerID, float] = {}  # peer -> its record's expiration then
+        self._excluded: dict[PeerID, float] = {}  # peer -> until (anyio time)
         #: the newest record read of each member: (address, since, expiration). A read that
         #: misses a record (a partial answer while a link fails) does not drop its member:
         #: only the record's expiration, its owner's tombstone or a suspicion does
@@ -202,6 +206,13 @@ class Group:
             self._suspects[peer] = record[2] if record is not None else math.inf
             self._last_read = -math.inf
 
+    def exclude(self, peer: PeerID, seconds: float) -> None:
+        """Leave ``peer`` out of the view for ``seconds`` whether it answers or not (it keeps
+        failing the rounds it is in)."""
+        if peer != self.me:
+            self._excluded[peer] = anyio.current_time() + seconds
+            self._last_read = -math.inf
+
     def unsuspect(self, peer: PeerID) -> bool:
         """``peer`` answered or spoke: take it back into the view at the next read (a link
         that failed for a while must not keep the cohort split until its record is renewed).
@@ -232,7 +243,15 @@ class Group:
             members = await self._read()
             if members is None:
                 return False
-            view = {p: v for p, v in members.items() if p not in self._suspects}
+            now = anyio.current_time()
+            for peer, until in list(self._excluded.items()):
+                if until <= now:
+                    del self._excluded[peer]
+            view = {
+                p: v
+                for p, v in members.items()
+                if p not in self._suspects and p not in self._excluded
+            }
             if self.me in view:
                 view[self.me] = (view[self.me][0], self._since)  # (ours, as we know it)
             epoch = self._epoch_of(view)
@@ -487,6 +506,8 @@ class Accumulator:
         self._outbox: list[_Write] | None = [] if _deferred else None
         #: failed gradient phases in a row (each one makes a new epoch: see _reduce)
         self.failed_rounds = 0
+        #: members named in the last failed gradient phases, and in how many in a row
+        self._round_failures: dict[PeerID, int] = {}
         #: the sync facade's contribution (batch size, gradients; batch size 0: a skip) that
         #: its last snapshot allowed but the cohort did not take when it came (it changed in
         #: between): given to the next count the cohort allows, dropped if the model is replaced
@@ -1057,9 +1078,18 @@ class Accumulator:
         group = AvgGroup(action.group_id, tuple(members))
         copies = [buf * action.scale for buf in self._slots[action.slot]]
         ok = False
+        culprits: set[PeerID] = set()
         try:
+            # (a member that stalls half the round is named in the result: see _blame)
+            stall = self.core.round_timeout / 2
             result = await self.allreduce.run(
-                group, copies, self.layout, weight=action.weight, timeout=self.core.round_timeout
+                group,
+                copies,
+                self.layout,
+                weight=action.weight,
+                timeout=self.core.round_timeout,
+                sender_timeout=stall,
+                reducer_timeout=stall,
             )
             expected = (
                 action.stats.num_gradients
@@ -1068,15 +1098,26 @@ class Accumulator:
             )
             ok = not result.incomplete and not result.nonfinite and result.total_weight == expected
             if not ok:
+                named = {r for r, _, _ in result.local_spans} | {s for _, s, _, _ in result.dropped}
+                culprits = {members[i].peer_id for i in named | set(result.nonfinite)}
+                culprits.discard(self.dht.peer_id)
                 logger.info(
-                    "cohort %s: count %d's all-reduce was incomplete", self.name, action.index
+                    "cohort %s: count %d's all-reduce was incomplete (missing: %s)",
+                    self.name,
+                    action.index,
+                    ", ".join(sorted(p.short() for p in culprits)) or "none named",
                 )
         except AllReduceFailed as exc:
             logger.info("cohort %s: count %d's all-reduce failed: %s", self.name, action.index, exc)
         if ok:
             self.failed_rounds = 0
+            self._round_failures.clear()
             self._results[(action.epoch, action.index)] = copies
-        elif action.epoch == self.core.epoch:
+        else:
+            # (also when the epoch moved on meanwhile: a member that fails at once starts the
+            # next epoch before the others' phase names it)
+            self._blame(culprits)
+        if not ok and action.epoch == self.core.epoch:
             # Every member may still answer (the all-reduce failed on a lost connection, a
             # timeout): nothing else would end this epoch, and the slot would stay stuck. A new
             # incarnation makes a new epoch everywhere, which retries the round with every
@@ -1084,9 +1125,35 @@ class Accumulator:
             # download their state.
             self.failed_rounds += 1
             assert self._tg is not None
-            self._tg.start_soon(self.group.rejoin)
-            self._wake.set()
+            self._tg.start_soon(self._retry, self.failed_rounds)
         self._handle(self.core.reduce_done(action.epoch, action.index, ok))
+
+    def _blame(self, culprits: set[PeerID]) -> None:
+        """Count the failed gradient phases in a row that name each member; one named in
+        ``_MAX_ROUND_FAILURES`` of them is left out of the view for ``10 * round_timeout``
+        although it answers messages (else every retry would fail the same way, forever)."""
+        failures = {p: self._round_failures.get(p, 0) + 1 for p in culprits}
+        self._round_failures = failures
+        for peer, count in list(failures.items()):
+            if count >= _MAX_ROUND_FAILURES:
+                seconds = 10 * self.core.round_timeout
+                logger.warning(
+                    "cohort %s: %s failed %d gradient phases in a row: left out for %.0f s",
+                    self.name,
+                    peer.short(),
+                    count,
+                    seconds,
+                )
+                self.group.exclude(peer, seconds)
+                del self._round_failures[peer]
+
+    async def _retry(self, failed: int) -> None:
+        """Retry a failed gradient phase in a new epoch: at once the first time, then after
+        0.5, 1, 2, ... s (up to ``round_timeout``) while phases keep failing."""
+        if failed > 1:
+            await anyio.sleep(min(0.5 * 2 ** (failed - 2), self.core.round_timeout))
+        await self.group.rejoin()
+        self._wake.set()
 
     def _apply(self, action: ApplyResult) -> None:
         import torch

@@ -643,3 +643,33 @@ def test_a_regular_update_copies_the_leaders_state_only_into_its_own_version() -
             assert leader.acc.syncs["state"] == 0
 
     run_on_virtual_time(main)
+
+
+def test_a_member_that_keeps_failing_the_gradient_phase_is_left_out() -> None:
+    """A member that answers every message but never takes part in the all-reduce: each
+    retry (a new epoch) would fail the same way; after three failed phases that name it, the
+    others leave it out of their view and train."""
+
+    async def main() -> list[float]:
+        async with cohort(3) as c:
+            bad = c.peers[2]
+
+            async def absent(*args: Any, **kwargs: Any) -> Any:
+                raise AllReduceFailed("injected: never takes part")
+
+            bad.acc.allreduce.run = absent  # type: ignore[method-assign]
+            good = c.peers[:2]
+            async with anyio.create_task_group() as tg:
+                # (it contributes, and answers every count: it is never silent)
+                tg.start_soon(contribute_until_a_result, bad, 5.0)
+                with anyio.fail_after(600):
+                    await together(*[lambda p=p: contribute_until_a_result(p, 2.0) for p in good])
+                tg.cancel_scope.cancel()
+            members = {tuple(sorted(map(str, p.acc.group.members))) for p in good}
+            assert members == {tuple(sorted(str(p.dht.peer_id) for p in good))}
+            means = [float(p.grads()[0].flatten()[0]) for p in good]
+            for p in good:
+                p.step()
+            return means
+
+    assert run_on_virtual_time(main) == [2.0, 2.0]
