@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from swarmavg.proto.bandwidth import BandwidthEstimator, peak_rate
@@ -54,7 +56,9 @@ def test_peak_rate_ignores_bursts_of_no_duration_and_orders_events() -> None:
         (MiB, [(float("nan"), 1)], "time"),
     ],
 )
-def test_peak_rate_refuses_malformed_input(window: float, events: list, match: str) -> None:  # type: ignore[type-arg]
+def test_peak_rate_refuses_malformed_input(
+    window: float, events: list[tuple[float, Any]], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         peak_rate(0.0, events, window)
 
