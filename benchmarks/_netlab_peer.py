@@ -17,8 +17,8 @@ Requests (``{"op": ...}``):
   shut down first) over ``full(size, value)``; answers ``{"event": "ready"}``.
 - ``step`` (``timeout``, ``out``: a ``.npy`` path or ``null``): ``step(wait=False)``; answers
   ``{"event": "allreduce", "t"}`` once its stage is ``RUNNING_ALLREDUCE`` (or it is over),
-  then ``{"event": "result", "t", ...}`` with what the ``StepResult`` says (or ``error``), the
-  tensor saved to ``out`` first.
+  then ``{"event": "result", "t", ...}`` with what the ``StepResult`` says (or ``error``) and
+  the averager's ``measured_bandwidth``, the tensor saved to ``out`` first.
 - ``dht``: answers ``{"event": "dht", "peers": {transport: routing table size}}``.
 - ``exit``: shuts down and exits (also when stdin closes, or after ``IDLE`` s of silence).
 """
@@ -136,6 +136,7 @@ def main() -> int:
                     relayed=[[str(r), str(b)] for r, b in result.relayed],
                     allreduce_s=result.allreduce_seconds,
                     matchmaking_s=result.matchmaking_seconds,
+                    measured_bandwidth=averager.measured_bandwidth,
                 )
             elif op == "dht":
                 _say(

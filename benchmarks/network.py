@@ -24,9 +24,13 @@ not timed) of one float32 tensor of ``size`` MiB per peer:
   ``DecentralizedAverager``, peer ``i``'s tensor all ``10**i``), per transport (TCP plaintext,
   QUIC); a round's time is the largest ``StepResult.allreduce_seconds`` over the peers (from the
   group's formation to the peer's mean). The warm-up round is checked: every peer in one
-  complete group holding the exact float32 mean (``exact``). On ``mixed``, each peer passes
-  ``bandwidth=`` its link's rate (the best split), and a second row (``ours, even``) passes
-  none (an even split);
+  complete group holding the exact float32 mean (``exact``). A fresh averager runs each round
+  (each peer's tensor back at ``10**i``), except in ``ours, measured``. On ``mixed``, each
+  peer passes ``bandwidth=`` its link's rate (bytes/s; the best split); a second row
+  (``ours, even``) passes none, and its fresh averagers have measured nothing (an even
+  split); a third (``ours, measured``) passes none and keeps its averagers from the warm-up
+  round on: each peer announces the bandwidth it measured in the rounds before (the warm-up
+  round is even), and the row's note says what each measured after the last round (MB/s);
 - ``gloo``: ``torch.distributed`` gloo ``all_reduce`` (``benchmarks/_netlab_gloo.py``, one rank
   per host, TCP over the lab), the max over ranks of a call;
 - ``hivemind``: hivemind 1.1.12's ``DecentralizedAverager`` (``benchmarks/_netlab_hivemind.py``
@@ -244,9 +248,12 @@ def run_ours(
     bandwidths: Sequence[float] | None,
     out: Path,
     part_bytes: int | None = None,
+    keep: bool = False,
 ) -> Row:
     """``1 + rounds`` rounds of our averager on ``swarm`` (the first checked, not timed);
-    ``part_bytes``: ``part_size_bytes`` (``None``: the library's default)."""
+    ``part_bytes``: ``part_size_bytes`` (``None``: the library's default); ``keep``: one
+    averager per peer for every round (its measured bandwidth carries over), not a fresh one
+    each round."""
     options: dict[str, Any] = {
         "allreduce_timeout": timeout,
         "sender_timeout": timeout,
@@ -256,7 +263,8 @@ def run_ours(
         options["part_size_bytes"] = part_bytes
     meter = Meter(lab)
     for number in range(1 + rounds):
-        _prepare(swarm, transport, size, options, bandwidths)
+        if number == 0 or not keep:
+            _prepare(swarm, transport, size, options, bandwidths)
         save = number == 0
         for path in out.glob("peer*.npy"):
             path.unlink()
@@ -287,6 +295,12 @@ def run_ours(
                 row.note = "; ".join(problems)[:200]
         else:
             row.times_s.append(round(max(r["allreduce_s"] for r in results.values()), 3))
+    if keep:
+        measured = [results[i].get("measured_bandwidth") for i in sorted(results)]
+        said = "measured MB/s: " + ", ".join(
+            "unknown" if m is None else f"{m / 1e6:.3g}" for m in measured
+        )
+        row.note = f"{row.note}; {said}" if row.note else said
     meter.fill(row)
     row.drops = _drops(lab)
     return _finish(row)
@@ -304,7 +318,7 @@ def _prepare(
     bandwidths: Sequence[float] | None,
 ) -> None:
     """A fresh averager on every peer (as ``LabSwarm.prepare``), with peer ``i``'s
-    ``bandwidth`` from ``bandwidths`` (bits/s; ``None``: the library's default)."""
+    ``bandwidth`` from ``bandwidths`` (bytes/s; ``None``: the library's default)."""
     swarm.transport = transport
     prefix = f"net_{uuid.uuid4().hex[:8]}"
     n = len(swarm.peers)
@@ -562,8 +576,9 @@ def run_cell(
             variants: list[tuple[str, Sequence[float] | None, float]] = [("ours", None, bound)]
             if profile == "mixed":
                 variants = [
-                    ("ours", rates, bound),
+                    ("ours", [rate / 8 for rate in rates], bound),
                     ("ours, even", None, round(even_bound_s(nbytes, rates), 3)),
+                    ("ours, measured", None, bound),
                 ]
             swarm: LabSwarm | None = None
             try:
@@ -576,6 +591,7 @@ def run_cell(
                             run_ours(
                                 *(lab, row, swarm, transport, size, rounds, timeout),
                                 *(bandwidths, out, part_bytes),
+                                keep=name == "ours, measured",
                             )
                         except _Hung:
                             swarm.close()

@@ -182,6 +182,14 @@ class DecentralizedAverager:
         return self._averager.metrics
 
     @property
+    def measured_bandwidth(self) -> float | None:
+        """This peer's throughput in bytes/s as measured from its all-reduce rounds and
+        announced as its ``bandwidth`` (``None`` until a round large enough to say something
+        completed, and always when ``bandwidth`` was given); see
+        :attr:`swarmavg.aio.DecentralizedAverager.measured_bandwidth`."""
+        return self._averager.measured_bandwidth
+
+    @property
     def metrics_address(self) -> tuple[str, int] | None:
         """``(host, port)`` where :attr:`metrics` are served (``None``: no ``metrics_port``)."""
         server = self._metrics_server

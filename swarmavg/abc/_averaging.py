@@ -111,6 +111,13 @@ class AllReduceResult:
     #: this member's own values held NaN or an infinity: it took the mean without
     #: contributing (weight 0)
     own_nonfinite: bool = False
+    #: when this member's all-reduce began (``anyio.current_time()``), and each part it sent
+    #: or received since, as ``(time, bytes)`` once it was sent or had come: what the averager
+    #: measures its throughput from (:mod:`swarmavg.proto.bandwidth`); a runner that does not
+    #: record them leaves them empty
+    started: float = 0.0
+    sent_log: list[tuple[float, int]] = field(default_factory=list)
+    received_log: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def incomplete(self) -> bool:

@@ -228,6 +228,10 @@ class _Round:
     bytes_received: int = 0
     #: the reduced parts' answers to the senders, counted as each part is reduced
     bytes_sent: int = 0
+    #: ``(time, bytes)`` of each sender's part that came, and of each answer once sent (what
+    #: the averager measures its throughput from; see ``AllReduceResult.sent_log``)
+    received_log: list[tuple[float, int]] = field(default_factory=list)
+    sent_log: list[tuple[float, int]] = field(default_factory=list)
     sender_timeout: float | None = None
     #: each part's largest contribution norm (``None``: no clipping)
     max_norms: list[float | None] = field(default_factory=list)
@@ -678,7 +682,7 @@ class AllReduceService(AllReduceRunner):
             feedback=error_feedback,
             pool=self._accumulators,
         )
-        result = AllReduceResult([], 0.0, own_nonfinite=own_nonfinite)
+        result = AllReduceResult([], 0.0, own_nonfinite=own_nonfinite, started=started)
         round_.applied = applied = _Applied(
             group,
             plans,
@@ -749,6 +753,8 @@ class AllReduceService(AllReduceRunner):
                 self._recent.popitem(last=False)
         result.bytes_received += round_.bytes_received
         result.bytes_sent += round_.bytes_sent
+        result.received_log += round_.received_log
+        result.sent_log += round_.sent_log
         result.seconds = anyio.current_time() - started
         result.reduced = spans[me]
         result.clipped = sorted(round_.clipped)
@@ -1240,9 +1246,11 @@ class AllReduceService(AllReduceRunner):
                         if tensor is None:
                             await call.send(AvgPart(part.index, values))
                             result.bytes_sent += values.nbytes
+                            result.sent_log.append((anyio.current_time(), values.nbytes))
                         else:
                             await call.send(AvgCompressedPart.of(part.index, tensor))
                             result.bytes_sent += tensor.nbytes
+                            result.sent_log.append((anyio.current_time(), tensor.nbytes))
                 await call.done_sending()
 
             async with anyio.create_task_group() as tg:
@@ -1264,15 +1272,18 @@ class AllReduceService(AllReduceRunner):
                         raise ValueError(f"member {reducer} answered out of order")
                     local = out.buffers[part.buffer][part.start : part.stop]
                     if isinstance(answer, AvgCompressedPart):
+                        came = anyio.current_time()
                         try:
                             mean = await _decode_part(answer, part.size, local.dtype)
                         except ValueError as exc:
                             raise ValueError(f"member {reducer} answered garbage: {exc}") from None
                         result.bytes_received += answer.nbytes
+                        result.received_log.append((came, answer.nbytes))
                         _apply(local, mean, out.alpha)
                     elif isinstance(answer, AvgPart):
                         _check_mean(answer.values, local, f"member {reducer} answered")
                         result.bytes_received += answer.values.nbytes
+                        result.received_log.append((anyio.current_time(), answer.values.nbytes))
                         _apply(local, answer.values, out.alpha)
                     progress[0] += 1
                     assert round_.applied is not None
@@ -1350,19 +1361,23 @@ class AllReduceService(AllReduceRunner):
                     part = round_.parts[received]
                     dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
                     if isinstance(message, AvgCompressedPart):
+                        nbytes = message.nbytes
+                        round_.received_log.append((anyio.current_time(), nbytes))
                         values = await _decode_part(message, part.size, dtype)
-                        round_.bytes_received += message.nbytes
+                        round_.bytes_received += nbytes
                     else:
                         values = message.values
                         if values.dtype != dtype:
                             raise ValueError(f"part {received} is {values.dtype}, not {dtype}")
                         round_.bytes_received += values.nbytes
+                        round_.received_log.append((anyio.current_time(), values.nbytes))
                     round_.contribute(sender, received, values)
                     received += 1
                     while answered < count and round_.ready[answered].is_set():
                         _check_open(round_, answered)
                         for reply in _replies(round_, answered, told, sender):
                             yield reply
+                            _log_sent(round_, reply)
                         answered += 1
                 if received != count:
                     raise ValueError(f"{received} parts of {count} came")
@@ -1382,7 +1397,16 @@ class AllReduceService(AllReduceRunner):
             _check_open(round_, answered)
             for reply in _replies(round_, answered, told, sender):
                 yield reply
+                _log_sent(round_, reply)
             answered += 1
+
+
+def _log_sent(round_: _Round, reply: Message) -> None:
+    """Note an answer's bytes once sent (the RPC layer resumes us after sending it)."""
+    if isinstance(reply, AvgPart):
+        round_.sent_log.append((anyio.current_time(), reply.values.nbytes))
+    elif isinstance(reply, AvgCompressedPart):
+        round_.sent_log.append((anyio.current_time(), reply.nbytes))
 
 
 def _check_open(round_: _Round, index: int) -> None:

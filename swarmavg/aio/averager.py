@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from swarmavg._time import get_dht_time
-from swarmavg.abc._averaging import AllReduceRunner, Matchmaker, MemberMode
+from swarmavg.abc._averaging import AllReduceResult, AllReduceRunner, Matchmaker, MemberMode
 from swarmavg.aio.allreduce import AllReduceService
 from swarmavg.aio.matchmaking import DHTMatchmaker
 from swarmavg.aio.state import (
@@ -69,6 +69,7 @@ from swarmavg.proto.allreduce import (
     schema_digest,
     schema_text,
 )
+from swarmavg.proto.bandwidth import BandwidthEstimator
 from swarmavg.proto.group_search import Admission
 from swarmavg.proto.matchmaking import next_group_bits, validate_bits
 
@@ -329,9 +330,11 @@ class DecentralizedAverager:
     without, its part kept local; default a quarter and a half of ``allreduce_timeout``),
     ``clip_norm`` (each contribution this peer reduces is scaled down to this L2 norm over the
     whole vector, part by part; off by default),
-    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode`` (default: the DHT's).
-    ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly all-reduce
-    (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
+    ``bandwidth`` (bytes/s, what the vector is split by among a group's members; default
+    ``None``: measured from the rounds this peer takes part in and announced once known, see
+    :attr:`measured_bandwidth`), ``min_vector_size``, ``auxiliary``, ``client_mode`` (default:
+    the DHT's). ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly
+    all-reduce (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
 
     Compression: ``compression`` (a codec of :mod:`swarmavg.compression`, or a chooser such as
     :class:`~swarmavg.compression.SizeAdaptiveCompression` given ``tensor_infos``, one
@@ -488,6 +491,9 @@ class DecentralizedAverager:
             else reducer_timeout
         )
         self.min_vector_size = min_vector_size
+        #: measures our throughput when no ``bandwidth`` was given (see measured_bandwidth)
+        self._throughput = BandwidthEstimator() if bandwidth is None else None
+        self._measured_bandwidth: float | None = None
         client = dht.client_mode if client_mode is None else client_mode
         self.mode = (
             MemberMode.AUX if auxiliary else MemberMode.CLIENT if client else MemberMode.NODE
@@ -576,6 +582,32 @@ class DecentralizedAverager:
             state_requests_served=sharer.requests_served,
             state_bytes_served=sharer.bytes_served,
         )
+
+    @property
+    def measured_bandwidth(self) -> float | None:
+        """This peer's throughput in bytes/s as measured from its all-reduce rounds, which
+        it announces as its ``bandwidth`` in matchmaking (see ``docs/design/averaging.md``,
+        "Measured bandwidth"); ``None`` until a round large enough to say something completed,
+        and always when ``bandwidth`` was given (nothing is measured then)."""
+        return self._measured_bandwidth
+
+    def _measure(self, outcome: AllReduceResult) -> None:
+        """Take a completed round's transfers into the throughput estimate and announce it."""
+        estimator = self._throughput
+        if estimator is None:
+            return
+        report = estimator.add_round(outcome.started, outcome.sent_log, outcome.received_log)
+        estimate = self._measured_bandwidth = estimator.estimate
+        if estimate is None:
+            return
+        if isinstance(self.matchmaker, DHTMatchmaker):
+            self.matchmaker.bandwidth = estimate
+        if report:
+            logger.info(
+                "measured bandwidth %.3g MB/s (the median of the last rounds); announced for"
+                " load balancing",
+                estimate / 1e6,
+            )
 
     # -- tensors and bits ------------------------------------------------------------------------
 
@@ -1278,6 +1310,8 @@ class DecentralizedAverager:
                 len(members),
                 _faults_in_words(local_spans, dropped, excluded),
             )
+        elif not outcome.relayed:  # (a round a peer failed in says little about our link)
+            self._measure(outcome)
         return StepResult(
             local_spans=local_spans,
             dropped=dropped,

@@ -193,3 +193,28 @@ def test_shutdown_waits_at_most_shutdown_timeout(caplog: pytest.LogCaptureFixtur
     assert any(
         "shutdown_timeout=0.5" in r.message and r.levelname == "WARNING" for r in caplog.records
     )
+
+
+def test_the_measured_bandwidth_is_read_through_the_facade() -> None:
+    # 8 MiB each (a round must move 4 MiB each way to say something); the second peer is
+    # given bandwidth=5.0 and measures nothing
+    tensors = [[torch.full((2 << 20,), float(i))] for i in range(2)]
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        second = stack.enter_context(DHT(first.get_visible_maddrs()))
+        averagers = [
+            stack.enter_context(
+                DecentralizedAverager(own, dht, prefix="measured", target_group_size=2, **given)
+            )
+            for own, dht, given in zip(
+                tensors, [first, second], [{}, {"bandwidth": 5.0}], strict=True
+            )
+        ]
+        assert [a.measured_bandwidth for a in averagers] == [None, None]
+        handles = [a.step(wait=False, timeout=20) for a in averagers]
+        for handle in handles:
+            handle.result(timeout=30)
+        measured, given = (a.measured_bandwidth for a in averagers)
+        assert isinstance(measured, float)
+        assert measured > 0
+        assert given is None

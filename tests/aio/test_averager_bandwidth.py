@@ -1,0 +1,160 @@
+"""The averager's measured bandwidth: without ``bandwidth=`` it measures its throughput from
+its rounds and announces it in matchmaking; an explicit ``bandwidth=`` always wins."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import numpy.typing as npt
+import pytest
+import torch
+
+from swarmavg.abc import AllReduceResult, AllReduceRunner, Group
+from swarmavg.aio import DHT
+from swarmavg.aio.allreduce import AllReduceService
+from swarmavg.aio.averager import DecentralizedAverager
+from swarmavg.proto.allreduce import FlatLayout
+from swarmavg.testing import MemoryNetwork, run_on_virtual_time
+
+pytestmark = pytest.mark.timeout(60)
+
+#: each end's link rate in the tests (bytes/s of the memory transport)
+RATE = 50e6
+
+
+class _Recording(AllReduceRunner):
+    """The node's all-reduce, keeping each round's group (what the members announced)."""
+
+    def __init__(self, inner: AllReduceService) -> None:
+        self.inner = inner
+        self.groups: list[Group] = []
+
+    async def run(
+        self,
+        group: Group,
+        buffers: Sequence[npt.NDArray[Any]],
+        layout: FlatLayout,
+        **options: Any,
+    ) -> AllReduceResult:
+        self.groups.append(group)
+        return await self.inner.run(group, buffers, layout, **options)
+
+    def expect(self, group: Group) -> None:
+        self.inner.expect(group)
+
+    async def leave(self, group: Group, reason: str) -> None:
+        await self.inner.leave(group, reason)
+
+
+async def _pair(
+    stack: AsyncExitStack, numel: int, bandwidths: Sequence[float | None]
+) -> tuple[list[DecentralizedAverager], list[_Recording]]:
+    """Two averagers of ``numel`` float32 values (0s and 1s), groups of 2, links of ``RATE``
+    bytes/s each way; ``bandwidths`` their ``bandwidth=`` (``None``: not given)."""
+    network = MemoryNetwork()
+    dhts: list[DHT] = []
+    for _ in range(2):
+        seeds = [a for d in dhts for a in d.get_visible_maddrs()]
+        options = {"network": network, "bandwidth": RATE}
+        dht = DHT(seeds, transport="memory", transport_options=options)
+        dhts.append(await stack.enter_async_context(dht))
+    runners = [_Recording(AllReduceService.for_node(d.node)) for d in dhts]
+    averagers = []
+    for i, (dht, runner, bandwidth) in enumerate(zip(dhts, runners, bandwidths, strict=True)):
+        given = {} if bandwidth is None else {"bandwidth": bandwidth}
+        averager = DecentralizedAverager(
+            [torch.full((numel,), float(i))],
+            dht,
+            prefix="bw",
+            target_group_size=2,
+            averaging_expiration=1.0,
+            allreduce=runner,
+            **given,
+        )
+        averagers.append(await stack.enter_async_context(averager))
+    return averagers, runners
+
+
+async def _step_both(averagers: Sequence[DecentralizedAverager]) -> None:
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for averager in averagers:
+                tg.start_soon(averager.step)
+
+
+def _announced(runner: _Recording) -> list[float | None]:
+    """The bandwidths the members of the last round's group announced, in peer order."""
+    members = sorted(runner.groups[-1].members, key=lambda m: m.peer_id.to_bytes())
+    return [m.bandwidth for m in members]
+
+
+def test_a_measured_bandwidth_is_announced_after_a_round(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "swarmavg.aio.averager")
+
+    async def main() -> tuple[list[list[float | None]], list[list[float | None]]]:
+        async with AsyncExitStack() as stack:
+            # 8 MiB each: each peer receives 8 MiB (the other's half, then its half's mean)
+            averagers, runners = await _pair(stack, 2 << 20, [None, None])
+            averagers.sort(key=lambda a: a.dht.peer_id.to_bytes())  # (as _announced)
+            measured = [[a.measured_bandwidth for a in averagers]]
+            announced = []
+            for _ in range(2):
+                await _step_both(averagers)
+                announced.append(_announced(runners[0]))
+                assert _announced(runners[1]) == announced[-1]
+                measured.append([a.measured_bandwidth for a in averagers])
+            for averager in averagers:
+                with averager.get_tensors() as got:
+                    assert torch.equal(got[0], torch.full((2 << 20,), 0.5))
+            return announced, measured
+
+    announced, measured = run_on_virtual_time(main)
+    # the first round: nothing measured yet ("unknown"); the second: what each measured in
+    # the first
+    assert measured[0] == [None, None]
+    assert announced[0] == [None, None]
+    assert announced[1] == measured[1]
+    # each direction of a link carries RATE bytes/s (both peers' traffic shares it)
+    for value in measured[1] + measured[2]:
+        assert value == pytest.approx(RATE, rel=0.01)
+    # one line per peer when first measured (the second round changed it by far less than 2x)
+    lines = [r.getMessage() for r in caplog.records if "measured bandwidth" in r.getMessage()]
+    assert len(lines) == 2
+    assert all(line.startswith("measured bandwidth 50 MB/s") for line in lines)
+
+
+def test_an_explicit_bandwidth_is_not_overridden() -> None:
+    async def main() -> tuple[list[float | None], list[float | None]]:
+        async with AsyncExitStack() as stack:
+            averagers, runners = await _pair(stack, 2 << 20, [3.0, None])
+            order = sorted(range(2), key=lambda i: averagers[i].dht.peer_id.to_bytes())
+            for _ in range(2):
+                await _step_both(averagers)
+            announced = _announced(runners[0])
+            # back in the order made: the first was given bandwidth=3.0
+            return [announced[order.index(i)] for i in range(2)], [
+                a.measured_bandwidth for a in averagers
+            ]
+
+    announced, measured = run_on_virtual_time(main)
+    # the peer given bandwidth=3.0 announces it and measures nothing; the other measures
+    assert announced == [3.0, pytest.approx(RATE, rel=0.01)]
+    assert measured == [None, pytest.approx(RATE, rel=0.01)]
+
+
+def test_small_rounds_measure_nothing() -> None:
+    async def main() -> tuple[list[float | None], list[float | None]]:
+        async with AsyncExitStack() as stack:
+            # 4 KiB each: far under the 4 MiB a round must move to say something
+            averagers, runners = await _pair(stack, 1024, [None, None])
+            for _ in range(2):
+                await _step_both(averagers)
+            return _announced(runners[0]), [a.measured_bandwidth for a in averagers]
+
+    announced, measured = run_on_virtual_time(main)
+    assert announced == [None, None]
+    assert measured == [None, None]
