@@ -1087,6 +1087,7 @@ class Accumulator:
                 copies,
                 self.layout,
                 weight=action.weight,
+                part_size=_part_size(self.layout.numel, len(members)),
                 timeout=self.core.round_timeout,
                 sender_timeout=stall,
                 reducer_timeout=stall,
@@ -1431,6 +1432,13 @@ class Accumulator:
             )
 
         self._write(_Write("sync", write, then, valid))
+
+
+def _part_size(numel: int, group_size: int) -> int:
+    """Elements per all-reduce part: about a quarter of a member's span, a power of two
+    between 256 Ki and 4 Mi (as the averager's automatic size: the same for every member)."""
+    quarter_span = max(1, numel // (4 * group_size))
+    return min(max(1 << (quarter_span - 1).bit_length(), 1 << 18), 1 << 22)
 
 
 def _check_layout(own: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
