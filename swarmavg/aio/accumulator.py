@@ -1259,18 +1259,12 @@ class Accumulator:
     def _load(
         self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None, expected: int
     ) -> None:
-        import torch
 
         version, lineage, own, user = self._check_state(metadata, tensors)
         if version != expected:
             raise StateDownloadFailed(
                 f"the donor served version {version}, the election chose {expected}"
             )
-
-        def write() -> None:
-            with torch.no_grad():
-                for mine, theirs in zip(own, tensors, strict=False):
-                    mine.copy_(theirs)
 
         def then() -> None:
             self._new_state = user
@@ -1289,7 +1283,7 @@ class Accumulator:
             self._sharer.priority = float(version)
             logger.info("cohort %s: loaded the state of version %d", self.name, version)
 
-        self._write(_Write("state", write, then))
+        self._write(_Write("state", _copier(own, tensors), then))
 
     def _check_state(
         self, metadata: object, tensors: list[torch.Tensor]
@@ -1380,7 +1374,6 @@ class Accumulator:
     def _take_buffers(
         self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None
     ) -> None:
-        import torch
 
         if not isinstance(metadata, dict) or metadata.get("buffers") != len(self.buffers):
             raise StateDownloadFailed("the leader's buffers are not this model's")
@@ -1390,20 +1383,14 @@ class Accumulator:
         def valid() -> bool:
             return self.core.epoch == epoch and self.core.connected() and not self.core.is_leader()
 
-        def write() -> None:
-            with torch.no_grad():
-                for mine, theirs in zip(buffers, tensors, strict=True):
-                    mine.copy_(theirs)
-
         def then() -> None:
             self.syncs["buffers"] += 1
 
-        self._write(_Write("sync", write, then, valid))
+        self._write(_Write("sync", _copier(buffers, tensors), then, valid))
 
     def _take_regular(
         self, metadata: object, tensors: list[torch.Tensor], epoch: bytes | None
     ) -> None:
-        import torch
 
         version, lineage, own, user = self._check_state(metadata, tensors)
 
@@ -1418,11 +1405,6 @@ class Accumulator:
                 and (core.model_version, core.lineage) == (version, lineage)
             )
 
-        def write() -> None:
-            with torch.no_grad():
-                for mine, theirs in zip(own, tensors, strict=False):
-                    mine.copy_(theirs)
-
         def then() -> None:
             self._new_state = user
             self._has_new_state = True
@@ -1431,7 +1413,7 @@ class Accumulator:
                 "cohort %s: took the leader's regular update (version %d)", self.name, version
             )
 
-        self._write(_Write("sync", write, then, valid))
+        self._write(_Write("sync", _copier(own, tensors), then, valid))
 
 
 def _part_size(numel: int, group_size: int) -> int:
@@ -1439,6 +1421,20 @@ def _part_size(numel: int, group_size: int) -> int:
     between 256 Ki and 4 Mi (as the averager's automatic size: the same for every member)."""
     quarter_span = max(1, numel // (4 * group_size))
     return min(max(1 << (quarter_span - 1).bit_length(), 1 << 18), 1 << 22)
+
+
+def _copier(own: list[torch.Tensor], tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """A write that copies ``tensors`` into ``own`` (pairwise; extra ``tensors`` are the user
+    state's)."""
+
+    def write() -> None:
+        import torch
+
+        with torch.no_grad():
+            for mine, theirs in zip(own, tensors, strict=False):
+                mine.copy_(theirs)
+
+    return write
 
 
 def _check_layout(own: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
