@@ -539,9 +539,10 @@ SPEED_FIRST: dict[str, Any] = {"eval-every": 1, "eval-batches": 8}
 class Speed:
     """One system's ``speed`` run. ``status``: ``reached`` (the target loss), ``time limit``,
     ``skipped: ...`` or ``failed: ...``; ``startup_s``: from the first process's start until
-    every peer was ready; from the go: ``reached_s`` (peer 0's first evaluation at or below the
-    target: seconds, and the epoch there), ``samples`` (what the peers fed to ``step()`` in the
-    epochs they ended until then, or until the stop), ``samples_per_s`` (that over the time),
+    the go (every peer ready, and 0.5 s); from the go: ``reached_s`` (peer 0's first
+    evaluation at or below the target: seconds, and the epoch there), ``samples`` (what the
+    peers fed to ``step()`` in the epochs they ended until then, or until the stop),
+    ``samples_per_s`` (that over the time),
     ``loss`` (peer 0's last evaluation then), ``evaluations`` (peer 0's: ``[t, epoch, loss]``);
     the machine: ``load`` (1-minute load average at the go and at the stop) and ``busy`` (its
     busy share of its CPUs meanwhile)."""
