@@ -45,8 +45,9 @@ with batch ``peers x batch_size``):
 - ``--step-compute-ms`` (all three): a sleep per step, standing for a bigger model's forward
   and backward (averaging rounds run meanwhile); ``--wait-for-round`` (dsgd/dadam): after a
   step that asked for a round, ``wait_for_round()`` until its result is written.
-- ``--host`` (the swarmavg systems but lightning): the address the DHT listens on (default
-  127.0.0.1; a network lab host's address in ``benchmarks/network_training.py``); ``--probe``:
+- ``--host`` (the swarm systems but lightning, hivemind's too): the address the DHT listens
+  on (default 127.0.0.1; a network lab host's address in ``benchmarks/network_training.py``,
+  whose ``speed`` mode runs both systems there); ``--probe``:
   every ``epoch`` event carries ``norm`` and ``probe``, a fingerprint of the parameters that
   tells how far two peers' parameters are apart (see :func:`parameter_probe`).
 - ``--identity-seed`` (every swarmavg system): the PeerID derives from it and ``--peer``, so
@@ -186,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after done, go on training (uncounted) until told to stop, as in a longer run",
     )
     p.add_argument("--startup-timeout", type=float, default=120.0)
-    p.add_argument("--host", default="127.0.0.1", help="swarmavg systems: the DHT's address")
+    p.add_argument("--host", default="127.0.0.1", help="swarm systems: the DHT's address")
     p.add_argument(
         "--probe",
         action="store_true",
@@ -493,7 +494,7 @@ class _Swarm:
 
             self.dht = hivemind.DHT(
                 initial_peers=args.initial_peers or None,
-                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                host_maddrs=[f"/ip4/{args.host}/tcp/0"],
                 start=True,
                 await_ready=False,
             )

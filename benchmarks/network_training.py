@@ -1,9 +1,12 @@
 """Training over the network lab (``swarmavg.testing.netlab``, Linux, root): ``swarmavg.Optimizer``
 on the workload of ``swarmavg.testing.workload``, one training process per lab host, while peers
-leave and join (churn) or the swarm is split in two and healed (partition).
+leave and join (churn) or the swarm is split in two and healed (partition); and how fast it
+trains there beside ``hivemind.Optimizer`` (speed).
 
     python benchmarks/network_training.py churn [--peers 6] [--period 20] [--changes 8]
     python benchmarks/network_training.py partition [--peers 6] [--split 30] [--settle 60]
+    python benchmarks/network_training.py speed [--peers 4] [--systems swarmavg,hivemind]
+        [--target-loss 2.8] [--limit 240]
         common: [--profile wan] [--seed 0] [--logs DIR] [--json FILE]
 
 Every training process is ``benchmarks/_optimizer_peer.py --system swarmavg`` with its DHT on
@@ -25,6 +28,19 @@ from it; a joiner bootstraps from a live peer.
   the same epoch with parameters within ``--tolerance`` (relative L2 distance of their
   probes) of each other, and every peer's epochs only go up.
 
+- ``speed``: each of ``--systems`` in turn on the same lab (its first ``--peers`` hosts):
+  ``swarmavg.Optimizer``, then ``hivemind.Optimizer`` 1.1.12 (``_optimizer_peer.py --system
+  hivemind`` under :data:`HIVEMIND_PYTHON`, its DHT and p2pd daemon in the host), both with
+  :data:`OPTIONS` (the same target batch, batch, Adam at 2e-3 with the warmup,
+  ``matchmaking_time``, ``averaging_timeout``; the library defaults otherwise) and the same
+  corpus, from the go until peer 0's validation loss (it alone evaluates, at every epoch) is
+  at or below ``--target-loss``, ``--limit`` seconds at most; then its processes are killed.
+  A row: the swarm's samples per second (what the peers fed to ``step()`` in the epochs
+  they ended, over the time), the seconds from the go to the target, the epoch there, the
+  loss, the samples per epoch (hivemind's peers go on accumulating while they gather a
+  group), the start-up and the machine's load (at the go and at the stop) and busy share.
+  Status 1 unless every system that ran reached the target.
+
 The lab's hosts all get ``--profile`` (``wan``: 100 Mbit/s, 40 ms, 0.1% loss), one-packet
 frames (independent losses). The run's knobs are :data:`OPTIONS` (short epochs: 256 samples
 of the swarm, ~3 steps of 16 per peer); the suite's versions are
@@ -44,6 +60,7 @@ import random
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -67,13 +84,17 @@ OPTIONS: dict[str, Any] = {
     "startup-timeout": 60.0,
 }
 STARTUP = 90.0
+#: hivemind 1.1.12's Python (a venv with ``hivemind==1.1.12``), for ``speed``'s reference
+HIVEMIND_PYTHON = Path("/tmp/hm-venv/bin/python")
 #: the peers' ``--num-peers`` (their streams of batches are keyed by their index below it)
 MAX_PEERS = 64
 
 
 class TrainPeer:
     """A ``_optimizer_peer.py`` process in lab host ``host`` (peer ``index`` of the run: its
-    stream of batches) and a thread collecting its events (with the driver's arrival time)."""
+    stream of batches) and a thread collecting its events (with the driver's arrival time).
+    ``system``: its ``--system`` (``swarmavg``, or ``hivemind`` under :data:`HIVEMIND_PYTHON`,
+    without this checkout on its path)."""
 
     def __init__(
         self,
@@ -85,14 +106,20 @@ class TrainPeer:
         options: dict[str, Any],
         run_id: str,
         wait_go: bool = False,
+        system: str = "swarmavg",
     ) -> None:
         self.host = host
         self.index = index
         self._log = log.open("a")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        if system == "hivemind":
+            python = str(HIVEMIND_PYTHON)
+            env.pop("PYTHONPATH", None)
+        else:
+            python = sys.executable
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         argv = [
-            *(sys.executable, str(PEER), "--system=swarmavg", "--probe", "--epochs=1000000"),
+            *(python, str(PEER), f"--system={system}", "--probe", "--epochs=1000000"),
             *(f"--peer={index}", f"--num-peers={max(MAX_PEERS, index + 1)}"),
             *(f"--run-id={run_id}", f"--host={lab.host(host).address}"),
             *(
@@ -192,7 +219,8 @@ class TrainPeer:
 
 
 class TrainSwarm:
-    """One training process in each of the first ``peers`` hosts of ``lab``."""
+    """One training process in each of the first ``peers`` hosts of ``lab`` (``system``: see
+    :class:`TrainPeer`; ``first_options``: peer 0's options beside ``options``)."""
 
     def __init__(
         self,
@@ -201,22 +229,28 @@ class TrainSwarm:
         logs: Path,
         options: dict[str, Any] | None = None,
         run_id: str = "lab",
+        system: str = "swarmavg",
+        first_options: dict[str, Any] | None = None,
     ) -> None:
         self.lab = lab
         self.logs = logs
         self.options = {**OPTIONS, **(options or {})}
+        self.first_options = first_options or {}
         self.run_id = run_id
+        self.system = system
         self.peers: list[TrainPeer] = []
         self._indices = itertools.count()
+        self.go = math.inf
         try:  # (the first alone, then the others from it; they start training together)
             self.peers.append(self._start(0, wait_go=True).wait_ready(time.monotonic() + STARTUP))
             self.peers += [self._start(h, wait_go=True) for h in range(1, peers)]
             deadline = time.monotonic() + STARTUP
             for peer in self.peers[1:]:
                 peer.wait_ready(deadline)
-            go = json.dumps({"go": time.monotonic() + 0.5})
+            #: when the peers start training (``time.monotonic()``; their events' ``t`` is from it)
+            self.go = time.monotonic() + 0.5
             for peer in self.peers:
-                peer.send(go)
+                peer.send(json.dumps({"go": self.go}))
         except BaseException:
             self.close()
             raise
@@ -225,9 +259,18 @@ class TrainSwarm:
         live = [p for p in self.peers if p.alive and p.maddrs]
         initial = live[-1].maddrs if live else []
         index = next(self._indices)
-        log = self.logs / f"peer{index}-host{host}.log"
+        log = self.logs / f"{self.system}-peer{index}-host{host}.log"
+        options = {**self.options, **self.first_options} if index == 0 else self.options
         return TrainPeer(
-            self.lab, host, index, initial, log, self.options, self.run_id, wait_go=wait_go
+            self.lab,
+            host,
+            index,
+            initial,
+            log,
+            options,
+            self.run_id,
+            wait_go=wait_go,
+            system=self.system,
         )
 
     @property
@@ -482,13 +525,161 @@ def partition_problems(swarm: TrainSwarm, result: Partition, tolerance: float) -
     return problems
 
 
+# -- speed
+
+
+#: ``speed``'s options beside :data:`OPTIONS`: only peer 0 evaluates (:data:`SPEED_FIRST`), the
+#: same for both systems (a collaborative optimizer's peers hold one model after each epoch)
+SPEED_OPTIONS: dict[str, Any] = {"eval-every": 0}
+#: peer 0's: the validation loss (8 batches of 64 windows) at every epoch
+SPEED_FIRST: dict[str, Any] = {"eval-every": 1, "eval-batches": 8}
+
+
+@dataclasses.dataclass
+class Speed:
+    """One system's ``speed`` run. ``status``: ``reached`` (the target loss), ``time limit``,
+    ``skipped: ...`` or ``failed: ...``; ``startup_s``: from the first process's start until
+    the go (every peer ready, and 0.5 s); from the go: ``reached_s`` (peer 0's first
+    evaluation at or below the target: seconds, and the epoch there), ``samples`` (what the
+    peers fed to ``step()`` in the epochs they ended until then, or until the stop),
+    ``samples_per_s`` (that over the time),
+    ``loss`` (peer 0's last evaluation then), ``evaluations`` (peer 0's: ``[t, epoch, loss]``);
+    the machine: ``load`` (1-minute load average at the go and at the stop) and ``busy`` (its
+    busy share of its CPUs meanwhile)."""
+
+    system: str
+    status: str
+    target_loss: float
+    limit_s: float
+    startup_s: float | None = None
+    reached_s: float | None = None
+    epoch: int | None = None
+    samples: int = 0
+    samples_per_s: float | None = None
+    loss: float | None = None
+    evaluations: list[list[float]] = dataclasses.field(default_factory=list)
+    load: list[float] = dataclasses.field(default_factory=list)
+    busy: float | None = None
+
+
+def _averaging_common() -> Any:
+    """``benchmarks/_averaging_common.py`` (hivemind's sockets, the machine's busy time)."""
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import _averaging_common
+
+    return _averaging_common
+
+
+def speed(
+    lab: NetLab,
+    system: str,
+    peers: int,
+    logs: Path,
+    target_loss: float,
+    limit: float,
+    options: dict[str, Any] | None = None,
+) -> Speed:
+    """``peers`` processes of ``system`` (``swarmavg`` or ``hivemind``) in the first hosts of
+    ``lab``, training from the go until peer 0 evaluates a validation loss at or below
+    ``target_loss``, or for ``limit`` seconds at most; then every process is killed. Options:
+    :data:`OPTIONS`, :data:`SPEED_OPTIONS`, then ``options``."""
+    result = Speed(system, "", target_loss, limit)
+    if system == "hivemind" and not HIVEMIND_PYTHON.exists():
+        result.status = f"skipped: no {HIVEMIND_PYTHON} (a venv with hivemind==1.1.12)"
+        return result
+    common = _averaging_common()
+    sockets = common.hivemind_sockets()
+    began = time.monotonic()
+    run_id = f"speed-{system}-{os.getpid()}-{random.randrange(1 << 30):x}"
+    stdlib = sysconfig.get_paths()["stdlib"]  # (the same corpus under both Pythons)
+    merged = {**SPEED_OPTIONS, "deadline": limit + 30, "stdlib": stdlib, **(options or {})}
+    try:
+        swarm = TrainSwarm(lab, peers, logs, merged, run_id, system, SPEED_FIRST)
+    except (TimeoutError, RuntimeError) as exc:
+        result.status = f"failed: did not start: {exc}"
+        common.remove_stale_sockets(sockets)
+        return result
+    try:
+        result.startup_s = swarm.go - began
+        time.sleep(max(0.0, swarm.go - time.monotonic()))
+        busy = common.machine_busy_seconds()
+        result.load.append(os.getloadavg()[0])
+        first = swarm.peers[0]
+
+        def reached(event: dict[str, Any]) -> bool:
+            return event["event"] == "epoch" and event.get("val_loss", math.inf) <= target_loss
+
+        try:
+            hit: dict[str, Any] | None = first.wait(reached, swarm.go + limit)
+            result.status = "reached"
+        except TimeoutError:
+            hit = None
+            result.status = "time limit"
+        except RuntimeError as exc:
+            hit = None
+            result.status = f"failed: {exc}"
+        stopped = time.monotonic()
+        result.load.append(os.getloadavg()[0])
+        busy_after = common.machine_busy_seconds()
+        if busy is not None and busy_after is not None:
+            result.busy = (busy_after - busy) / (os.cpu_count() or 1) / (stopped - swarm.go)
+        until = float(hit["t"]) if hit is not None else stopped - swarm.go
+        evaluated = [e for e in first.epochs() if "val_loss" in e and e["t"] <= until]
+        result.evaluations = [[e["t"], e["epoch"], e["val_loss"]] for e in evaluated]
+        if evaluated:
+            result.loss = float(evaluated[-1]["val_loss"])
+        result.epoch = max(
+            (int(e["epoch"]) for p in swarm.peers for e in p.epochs() if e["t"] <= until),
+            default=None,
+        )
+        result.samples = sum(
+            int(e["samples"]) for p in swarm.peers for e in p.epochs() if e["t"] <= until
+        )
+        if hit is not None:
+            result.reached_s = until
+            result.epoch = int(hit["epoch"])
+        if until > 0:
+            result.samples_per_s = result.samples / until
+    finally:
+        swarm.close()
+        common.remove_stale_sockets(sockets)
+    return result
+
+
+def speed_table(results: Sequence[Speed]) -> str:
+    """The markdown table of ``speed`` results."""
+    lines = [
+        "| system | status | samples/s | to the target (s) | epochs | loss | samples/epoch "
+        "| startup (s) | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def number(value: float | None, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+
+    for r in results:
+        lines.append(
+            f"| {r.system} | {r.status} | {number(r.samples_per_s, '.0f')} | "
+            f"{number(r.reached_s, '.1f')} | {'' if r.epoch is None else r.epoch} | "
+            f"{number(r.loss, '.3f')} | "
+            f"{number(r.samples / r.epoch if r.epoch else None, '.0f')} | "
+            f"{number(r.startup_s, '.1f')} | "
+            + " / ".join(f"{x:.1f}" for x in r.load)
+            + (f" (busy {r.busy:.2f})" if r.busy is not None else "")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 # -- the command line
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=("churn", "partition"))
-    parser.add_argument("--peers", type=int, default=6)
+    parser.add_argument("scenario", choices=("churn", "partition", "speed"))
+    parser.add_argument("--peers", type=int, default=None, help="6; speed: 4")
     parser.add_argument("--profile", default="wan")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--period", type=float, default=20.0, help="churn: seconds per change")
@@ -501,12 +692,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--first", type=int, default=None, help="partition: peers in the first side"
     )
+    parser.add_argument(
+        "--systems", default="swarmavg,hivemind", help="speed: which, in this order"
+    )
+    parser.add_argument("--target-loss", type=float, default=2.8, help="speed: validation loss")
+    parser.add_argument("--limit", type=float, default=240.0, help="speed: seconds per system")
     parser.add_argument("--verbose", action="store_true", help="the peers log every event")
     parser.add_argument("--logs", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="network-training-"))
     logs.mkdir(parents=True, exist_ok=True)
+    if args.scenario == "speed":
+        return main_speed(args, logs)
+    args.peers = args.peers or 6
     report: dict[str, Any] = {"scenario": args.scenario, "profile": args.profile}
     with NetLab(args.peers, profile=args.profile, seed=args.seed, offload=False) as lab:
         swarm = TrainSwarm(lab, args.peers, logs, {"verbose": True} if args.verbose else None)
@@ -553,6 +752,47 @@ def main(argv: list[str] | None = None) -> int:
         print("PROBLEM:", problem)
     print(f"logs: {logs}; {len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def main_speed(args: argparse.Namespace, logs: Path) -> int:
+    """``speed``: each of ``--systems`` in turn on one lab; the table, ``--json``; status 1
+    unless every system that ran reached the target."""
+    peers = args.peers or 4
+    systems = [name for name in args.systems.split(",") if name]
+    unknown = sorted(set(systems) - {"swarmavg", "hivemind"})
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown} (swarmavg, hivemind)")
+    options = {"verbose": True} if args.verbose else None
+    results: list[Speed] = []
+    uptime = [f"{time.strftime('%H:%M:%S')} load {os.getloadavg()}"]
+    began = time.monotonic()
+    with NetLab(peers, profile=args.profile, seed=args.seed, offload=False) as lab:
+        for system in systems:
+            print(f"{system}: {peers} peers on {args.profile} ...", flush=True)
+            result = speed(lab, system, peers, logs, args.target_loss, args.limit, options)
+            results.append(result)
+            print(speed_table([result]).splitlines()[-1], flush=True)
+    uptime.append(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()}")
+    print(
+        f"\n{peers} peers on {args.profile}, target validation loss {args.target_loss}, "
+        f"at most {args.limit:.0f} s each ({time.monotonic() - began:.0f} s in all); "
+        f"load from {uptime[0]} to {uptime[-1]}\n"
+    )
+    print(speed_table(results))
+    report = {
+        "scenario": "speed",
+        "profile": args.profile,
+        "peers": peers,
+        "options": {**OPTIONS, **SPEED_OPTIONS},
+        "first_options": SPEED_FIRST,
+        "uptime": uptime,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"logs: {logs}")
+    ran = [r for r in results if not r.status.startswith("skipped")]
+    return 0 if ran and all(r.status == "reached" for r in ran) else 1
 
 
 if __name__ == "__main__":
