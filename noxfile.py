@@ -171,10 +171,12 @@ def bench(session: nox.Session) -> None:
 def netlab(session: nox.Session) -> None:
     """The network lab's long runs (Linux, root; minutes each): the fault matrix of 100
     randomized runs, training under churn (a change every 20 s, 8 changes) and a 30 s
-    partition, and the all-reduce figures beside the bound, gloo and hivemind
-    (``benchmarks/network.py``; hivemind's side needs its venv, see ``benchmarks/dht.py``)."""
+    partition, training to a target loss beside hivemind.Optimizer, and the all-reduce figures
+    beside the bound, gloo and hivemind (``benchmarks/network.py``; hivemind's side needs its
+    venv, see ``benchmarks/dht.py``)."""
     _install(session)
     session.run("python", "benchmarks/network_faults.py", "--runs", "100")
     session.run("python", "benchmarks/network_training.py", "churn", "--period", "20")
     session.run("python", "benchmarks/network_training.py", "partition", "--split", "30")
+    session.run("python", "benchmarks/network_training.py", "speed")
     session.run("python", "benchmarks/network.py", *session.posargs)
