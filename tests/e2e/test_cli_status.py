@@ -226,8 +226,13 @@ def test_the_live_view_refreshes_until_ctrl_c_and_exits_0(
             snapshots = [json.loads(lines.get(timeout=WAIT)) for _ in range(3)]
         finally:
             child.send_signal(signal.SIGINT)
-            code = child.wait(WAIT)
-            reader.join(WAIT)
+            try:
+                code = child.wait(WAIT)
+            finally:
+                if child.poll() is None:  # (it ignored Ctrl+C: fail, leaving no process)
+                    child.kill()
+                    child.wait()
+                reader.join(WAIT)
         err = child.stderr.read()
     assert code == 0, err
     assert "Traceback" not in err
