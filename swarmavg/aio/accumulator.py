@@ -496,6 +496,9 @@ class Accumulator:
         self._tg: anyio.abc.TaskGroup | None = None
         self._sharer: Any = None
         self._buffer_sharer: Any = None
+        self._regular_sharer: Any = None
+        #: set_state() calls so far
+        self._state_sets = 0
         #: state requests waiting for set_state (StateSharer's provider calls)
         self._providers = 0
         self._state_wanted = False  # (until the next set_state)
@@ -551,6 +554,15 @@ class Accumulator:
                 declare_period=3600.0,
             )
             self._buffer_sharer.start()
+            self._regular_sharer = StateSharer(
+                self.dht,
+                f"{self.name}.reg",
+                self._provide_fresh_state,
+                enabled=True,
+                priority=0.0,
+                declare_period=3600.0,
+            )
+            self._regular_sharer.start()
             if self._owns_group:
                 await self.group.__aenter__()
             self.group.on_change.append(self._on_group_change)
@@ -603,7 +615,7 @@ class Accumulator:
             self._runner.cancel()
             with anyio.move_on_after(5.0):
                 await self._ended.wait()
-        for sharer in (self._sharer, self._buffer_sharer):
+        for sharer in (self._sharer, self._buffer_sharer, self._regular_sharer):
             if sharer is not None:
                 sharer.stop()
         registry = _registry(self.dht)
@@ -844,6 +856,7 @@ class Accumulator:
 
     def _store_state(self, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
         self._user_state = ((self.core.model_version, self.core.lineage), skeleton, tensors)
+        self._state_sets += 1
         self.core.state_set()
         self._state_wanted = False
         self._state_set.set()
@@ -1183,12 +1196,19 @@ class Accumulator:
 
     # -- state ---------------------------------------------------------------------------------
 
-    async def _provide_state(self) -> tuple[Any, list[torch.Tensor]]:
+    async def _provide_state(self, *, fresh: bool = False) -> tuple[Any, list[torch.Tensor]]:
         """What a donor serves: the state the user set at the current version (waiting up to
-        ``state_timeout`` for :meth:`set_state`, which :meth:`wants_state` asks for)."""
+        ``state_timeout`` for :meth:`set_state`, which :meth:`wants_state` asks for); with
+        ``fresh``, one set after this request came (a regular update: buffers and the user
+        state change without a new version)."""
+        asked = self._state_sets
         # (a state set while a result is unread waits for the next one: the election counted
         # that result in, core.state_id())
-        while self._user_state is None or self._user_state[0] != self.core.state_id():
+        while (
+            self._user_state is None
+            or self._user_state[0] != self.core.state_id()
+            or (fresh and self._state_sets == asked)
+        ):
             self.core.state_requested()
             self._providers += 1
             self._state_wanted = True
@@ -1317,6 +1337,13 @@ class Accumulator:
 
     # -- regular updates from the leader (moolib's) ----------------------------------------------
 
+    async def _provide_fresh_state(self) -> tuple[Any, list[torch.Tensor]]:
+        """What the leader serves under ``<name>.reg`` (regular updates): a state the user
+        set after the request came."""
+        if not self.core.is_leader():
+            raise ValueError("this member does not lead the cohort")
+        return await self._provide_state(fresh=True)
+
     async def _provide_buffers(self) -> tuple[Any, list[torch.Tensor]]:
         """What the leader serves under ``<name>.buf``: copies of its buffers as they are."""
         if not self.core.is_leader():
@@ -1358,7 +1385,7 @@ class Accumulator:
     async def _fetch(self, kind: str, peer: PeerID, address: Address) -> Any:
         from swarmavg.aio.state import DEFAULT_MAX_STATE_SIZE, load_state_from
 
-        prefix = f"{self.name}.{'buf' if kind == 'buffers' else 'acc'}"
+        prefix = f"{self.name}.{'buf' if kind == 'buffers' else 'reg'}"
         with anyio.move_on_after(self.state_timeout):
             return await load_state_from(
                 self.dht.node,
