@@ -536,33 +536,23 @@ class Accumulator:
             raise ValueError(f"another accumulator of {self.name!r} runs on this node")
         try:
             self.allreduce = AllReduceService.for_node(self.dht.node)
-            self._sharer = StateSharer(
-                self.dht,
-                f"{self.name}.acc",
-                self._provide_state,
-                enabled=True,
-                priority=float(self.core.model_version),
-                declare_period=3600.0,
-            )
-            self._sharer.start()
-            self._buffer_sharer = StateSharer(
-                self.dht,
-                f"{self.name}.buf",
-                self._provide_buffers,
-                enabled=True,
-                priority=0.0,
-                declare_period=3600.0,
-            )
-            self._buffer_sharer.start()
-            self._regular_sharer = StateSharer(
-                self.dht,
-                f"{self.name}.reg",
-                self._provide_fresh_state,
-                enabled=True,
-                priority=0.0,
-                declare_period=3600.0,
-            )
-            self._regular_sharer.start()
+
+            def share(suffix: str, provider: Any, priority: float = 0.0) -> Any:
+                sharer = StateSharer(
+                    self.dht,
+                    f"{self.name}.{suffix}",
+                    provider,
+                    enabled=True,
+                    priority=priority,
+                    declare_period=3600.0,
+                )
+                sharer.start()
+                return sharer
+
+            # (the joiners' state; the leader's buffers; the regular updates' fresh state)
+            self._sharer = share("acc", self._provide_state, float(self.core.model_version))
+            self._buffer_sharer = share("buf", self._provide_buffers)
+            self._regular_sharer = share("reg", self._provide_fresh_state)
             if self._owns_group:
                 await self.group.__aenter__()
             self.group.on_change.append(self._on_group_change)
