@@ -34,7 +34,7 @@ from swarmavg._time import get_dht_time
 from swarmavg.abc import Group as AvgGroup
 from swarmavg.abc import GroupMember
 from swarmavg.address import Address
-from swarmavg.errors import RemoteProtocolError, SwarmError, TransportError
+from swarmavg.errors import RemoteError, RemoteProtocolError, SwarmError, TransportError
 from swarmavg.identity import PeerID
 from swarmavg.proto.accumulator import (
     EPOCH_SIZE,
@@ -178,12 +178,15 @@ class Group:
             "since": self._since,
         }
         try:
-            return await self.dht.store(
+            stored = await self.dht.store(
                 self.key, record, get_dht_time() + self.member_ttl, owner_marker(self.me)
             )
         except (SwarmError, OSError) as exc:
             logger.debug("could not publish %s: %s", self.key, exc)
             return False
+        if not stored:
+            logger.debug("could not publish %s: no node took it", self.key)
+        return stored
 
     async def _renew_loop(self) -> None:
         while True:
@@ -257,6 +260,9 @@ class Group:
             epoch = self._epoch_of(view)
             if epoch is None or epoch not in self._past or epoch == self.epoch:
                 break
+            logger.debug(
+                "cohort %s: the view %s was held before: rejoining", self.name, epoch.hex()[:8]
+            )
             await self.rejoin()
         if self.me not in view or epoch is None:
             changed = self.epoch is not None
@@ -272,7 +278,20 @@ class Group:
         self.epoch = epoch
         self._past.add(epoch)
         self.epoch_count += 1
-        logger.info("cohort %s: epoch %d with %d members", self.name, self.epoch_count, len(order))
+        logger.info(
+            "cohort %s: epoch %d (%s) with %d members",
+            self.name,
+            self.epoch_count,
+            epoch.hex()[:8],
+            len(order),
+        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "cohort %s: epoch %s is %s",
+                self.name,
+                epoch.hex()[:8],
+                ", ".join(f"{p.short()}@{view[p][1]!r}" for p in order),
+            )
         self._changed()
         return True
 
@@ -948,6 +967,7 @@ class Accumulator:
                 for name in action.to:
                     self._tg.start_soon(self._send_one, PeerID.from_string(name), action.message)
             elif isinstance(action, Refresh):
+                logger.debug("cohort %s: %s is in another epoch", self.name, action.peer[:16])
                 self.group.refresh_soon()
                 self._wake.set()
             elif isinstance(action, RequestState):
@@ -973,10 +993,11 @@ class Accumulator:
         return self._closed or getattr(message, "epoch", None) != self.core.epoch
 
     async def _send_one(self, peer: PeerID, message: Message) -> None:
-        """Send ``message`` and read the answer. A transport failure or a timeout is tried
-        again (with a backoff) until the member has not answered for ``round_timeout``: only
-        then is it suspected (a message lost to a link that failed for a moment would
-        otherwise split the cohort). An ``AccLeave`` is sent once."""
+        """Send ``message`` and read the answer. A transport failure (a call cut mid-way
+        included: only an answer is a refusal) or a timeout is tried again (with a backoff)
+        until the member has not answered for ``round_timeout``: only then is it suspected (a
+        message lost to a link that failed for a moment would otherwise split the cohort). An
+        ``AccLeave`` is sent once."""
         address = self.group.addresses.get(peer)
         if address is None:
             return
@@ -994,7 +1015,19 @@ class Accumulator:
                     ack = await self.dht.node.rpc.call(
                         address, METHOD, message, response_type=AccAck
                     )
-            except (TransportError, OSError, TimeoutError) as exc:
+            except (SwarmError, OSError, TimeoutError) as exc:
+                if not _lost(exc):  # (it refused the message: our views differ)
+                    logger.info(
+                        "cohort %s: %s refused %s: %s",
+                        self.name,
+                        peer.short(),
+                        type(message).__name__,
+                        exc,
+                    )
+                    self._heard_from(peer)
+                    self.group.refresh_soon()
+                    self._wake.set()
+                    return
                 left = deadline - anyio.current_time()
                 if not once and left > 0 and not self._obsolete(message):
                     logger.debug(
@@ -1023,18 +1056,6 @@ class Accumulator:
                 if not once and not self._obsolete(message):
                     self.group.suspect(peer)
                     self._wake.set()
-                return
-            except SwarmError as exc:  # (it refused the message: our views differ)
-                logger.info(
-                    "cohort %s: %s refused %s: %s",
-                    self.name,
-                    peer.short(),
-                    type(message).__name__,
-                    exc,
-                )
-                self._heard_from(peer)
-                self.group.refresh_soon()
-                self._wake.set()
                 return
             except (RuntimeError, anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
                 # (our own node is closed: shutting down, or the process' node was taken away)
@@ -1431,6 +1452,15 @@ class Accumulator:
             )
 
         self._write(_Write("sync", _copier(own, tensors), then, valid))
+
+
+def _lost(exc: BaseException) -> bool:
+    """Whether a call failed on the way (the peer unreachable, the connection reset or cut
+    mid-call, no answer in time) rather than by the peer's refusal: only an answer says that
+    the peer is alive."""
+    if isinstance(exc, RemoteError):
+        return exc.code == "interrupted"
+    return isinstance(exc, TransportError | OSError | TimeoutError)
 
 
 def _part_size(numel: int, group_size: int) -> int:

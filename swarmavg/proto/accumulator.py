@@ -71,6 +71,8 @@ Weighting = Literal["contributions", "samples"]
 WEIGHTINGS: Final[tuple[str, ...]] = ("contributions", "samples")
 #: Messages kept per peer for an epoch this member has not adopted yet.
 _MAX_EARLY_MESSAGES: Final = 64
+#: Peers whose messages of an epoch this member has not adopted are kept (a cohort's size).
+_MAX_EARLY_PEERS: Final = 256
 _MAX_INT64: Final = (1 << 63) - 1
 #: Bytes of an epoch (a SHA-256).
 EPOCH_SIZE: Final = 32
@@ -622,6 +624,8 @@ class AccumulatorCore:
         if len(message.epoch) != EPOCH_SIZE:
             raise RemoteProtocolError(f"{peer} sent an epoch of {len(message.epoch)} bytes")
         if message.epoch != self._epoch:
+            if peer not in self._early and len(self._early) >= _MAX_EARLY_PEERS:
+                raise RemoteProtocolError(f"too many peers speak of epochs; {peer} refused")
             early = self._early.setdefault(peer, [])
             if early and early[0].epoch != message.epoch:
                 early.clear()
@@ -636,15 +640,20 @@ class AccumulatorCore:
         return self._on_count(peer, message, now)
 
     def _replay_early(self, now: float) -> list[Action]:
+        """Receive the kept messages of the epoch just adopted. Those of another epoch stay
+        kept: this member may pass through other views before it adopts theirs (the sender
+        does not send them again, so dropping them here would leave both waiting for each
+        other until one suspects the other)."""
         actions: list[Action] = []
-        early, self._early = self._early, {}
-        for peer, messages in early.items():
+        for peer in [p for p, kept in self._early.items() if kept[0].epoch == self._epoch]:
+            messages = self._early.pop(peer)
+            if peer not in self._members or peer == self.me:
+                continue
             for message in messages:
-                if message.epoch == self._epoch and peer in self._members and peer != self.me:
-                    try:
-                        actions += self.receive(peer, message, now)
-                    except RemoteProtocolError:
-                        break
+                try:
+                    actions += self.receive(peer, message, now)
+                except RemoteProtocolError:
+                    break
         return actions
 
     def _on_hello(self, peer: str, hello: Hello) -> list[Action]:

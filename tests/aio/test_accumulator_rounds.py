@@ -442,6 +442,44 @@ def test_a_link_down_for_a_moment_does_not_split_the_cohort() -> None:
     run_on_virtual_time(main)
 
 
+@pytest.mark.parametrize("delivered", [False, True])
+def test_a_call_cut_mid_way_is_sent_again_not_taken_as_a_refusal(delivered: bool) -> None:
+    """a's count to d is cut mid-call ("interrupted": the connection reset), before d got it
+    or after: it is sent again (d refuses a copy it already has, which is an answer), so the
+    round completes among all three in the same epoch. Taken as a refusal, the count was
+    never sent again: d waited for it for ``round_timeout``, then suspected a."""
+
+    async def main() -> None:
+        async with cohort(3) as c:
+            a, _, d = c.peers
+            epochs = [p.acc.group.epoch for p in c.peers]
+            rpc = a.dht.node.rpc
+            real_call = rpc.call
+            cut: list[Any] = []
+
+            async def call(address: Any, method: str, message: Any, **kwargs: Any) -> Any:
+                to_d = address == a.acc.group.addresses[d.dht.peer_id]
+                if isinstance(message, Count) and to_d and not cut:
+                    cut.append(message)
+                    if delivered:
+                        await real_call(address, method, message, **kwargs)
+                    raise RemoteError(
+                        f"call {method!r} was interrupted: connection reset", code="interrupted"
+                    )
+                return await real_call(address, method, message, **kwargs)
+
+            rpc.call = call  # type: ignore[method-assign]
+            with anyio.fail_after(5):  # (well under round_timeout: nobody waited it out)
+                await one_round(c.peers, [1.0, 2.0, 6.0])
+            assert cut
+            assert [p.acc.group.epoch for p in c.peers] == epochs
+            for p in c.peers:
+                assert p.acc.get_gradient_stats()["num_gradients"] == 3
+                assert float(p.grads()[0].flatten()[0]) == 3.0
+
+    run_on_virtual_time(main)
+
+
 def test_a_cohort_split_by_a_long_cut_is_one_again_once_the_link_is_back() -> None:
     """d's cable is pulled for 30 s while every member contributes: a and b go on without
     d, and d without them, each side applying its own result (the same version, other

@@ -198,6 +198,8 @@ def main() -> int:
         format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    if os.environ.get("SWARMAVG_PEER_DEBUG"):  # (to trace a failure: the cohort's every step)
+        logging.getLogger("swarmavg.aio.accumulator").setLevel(logging.DEBUG)
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=("sync", "async"), default="sync")
     parser.add_argument("--initial-peers", default="")

@@ -43,13 +43,6 @@ ROUNDS = 30
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(
-    strict=False,
-    reason="open bug (issue 26): a call cut by the victim's death counts as a refusal, so one "
-    "survivor keeps the victim in its view for another round_timeout, the others suspect it "
-    "meanwhile, each side suspects the other, and the cohort splits until a record renewal "
-    "(1 CI run in 3: two models at the end)",
-)
 def test_survivors_apply_the_exact_mean_after_a_peer_is_killed_mid_round(tmp_path: Path) -> None:
     peers: list[JsonLinesPeer] = []
 

@@ -591,6 +591,26 @@ def test_messages_of_an_unknown_epoch_wait_for_it_and_ask_for_a_refresh() -> Non
     assert {m.core.leader for m in cohort.members.values()} == {"b"}  # c holds no model
 
 
+def test_messages_of_an_epoch_adopted_after_another_one_are_still_received() -> None:
+    """a and b adopt the view without d (a peer that died) and say hello; c first adopts
+    another view (it still holds d) and only later theirs. Their hellos, kept since they came,
+    count then: a, b and c elect a leader and nobody waits on anyone (the hellos used to be
+    dropped when c adopted the other view, and each side waited for the other's until it
+    suspected it: the cohort split in two)."""
+    cohort = connected_cohort(["a", "b", "c", "d"])
+    old = cohort.members["c"].core.epoch
+    cohort.epoch(["a", "b", "c"], who=["a", "b"])
+    cohort.deliver(only_to={"a", "b", "c"})
+    assert cohort.members["c"].core.epoch == old  # (kept, a refresh asked)
+    cohort.epoch(["a", "b", "c", "d"], who=["c"], epoch=b"\x01" * 32)  # (another view first)
+    cohort.deliver(only_to={"a", "b", "c"})
+    cohort.epoch(["a", "b", "c"], who=["c"])
+    cohort.deliver(only_to={"a", "b", "c"})
+    assert {cohort.members[n].core.leader for n in "abc"} == {"c"}
+    for name in "abc":
+        assert cohort.members[name].core.stalled(cohort.now + 1e6) == ()
+
+
 def test_stalled_names_the_silent_members_after_the_round_timeout() -> None:
     cohort = connected_cohort(["a", "b", "c"], round_timeout=30.0)
     cohort.reduce("a", 1.0, 1)
