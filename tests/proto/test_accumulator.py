@@ -611,6 +611,21 @@ def test_messages_of_an_epoch_adopted_after_another_one_are_still_received() -> 
         assert cohort.members[name].core.stalled(cohort.now + 1e6) == ()
 
 
+def test_messages_of_unknown_epochs_are_bounded_and_forgotten_after_the_round_timeout() -> None:
+    """Kept messages take a place per sender (256 senders at most, then a protocol error); a
+    place is freed ``round_timeout`` after its messages came (their sender has given up on
+    this member by then, or left for good)."""
+    core = AccumulatorCore("m", cohort="c", round_timeout=30.0)
+    core.new_epoch(["m"], 0.0)
+    other = epoch_digest(["m", "x"])
+    for i in range(256):
+        assert core.receive(f"p{i}", Hello(other, 0, b""), 1.0) == [Refresh(f"p{i}")]
+    with pytest.raises(RemoteProtocolError, match="too many peers"):
+        core.receive("late", Hello(other, 0, b""), 30.0)
+    assert core.receive("late", Hello(other, 0, b""), 31.0) == [Refresh("late")]
+    assert core.receive("later", Hello(other, 0, b""), 31.0) == [Refresh("later")]
+
+
 def test_stalled_names_the_silent_members_after_the_round_timeout() -> None:
     cohort = connected_cohort(["a", "b", "c"], round_timeout=30.0)
     cohort.reduce("a", 1.0, 1)
