@@ -266,7 +266,8 @@ class Emulator:
             return
         up, down = source.up, target.down
         if up.loss or down.loss:
-            layout = tcp4_layout(frame)
+            # (most frames are one packet, ACKs among them: parse only offload frames)
+            layout = tcp4_layout(frame) if frame[1] else None
             count = segments(frame, layout)
             kept = (1.0 - up.loss) * (1.0 - down.loss)
             if self.rng.random() >= kept**count:  # at least one segment is lost
