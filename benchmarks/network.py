@@ -9,13 +9,14 @@ QUIC (Linux, root).
 
 Every cell (profile, peers, size) gets a lab of its own: ``peers`` hosts, each with the profile
 (``mixed``: the first half ``lan`` rates, 1 Gbit/s, the others 50 Mbit/s, both 0.5 ms round
-trip). Frames are one packet where a host is shaped at 250 Mbit/s or less (losses independent,
-the emulator sustains ~300 Mbit/s of them), 64 KiB offload frames otherwise (``lan``: no loss).
+trip). The lab's default offload: TCP hands the emulator offload frames of up to 64 KiB, which
+still lose single packets (the emulator cuts a frame with lost segments), except on ``bad``
+(reordering): one packet a frame there (the emulator sustains ~300 Mbit/s of those).
 ``--rates-only`` keeps only the profiles' rates and joins the hosts with a kernel bridge
 (``NetLab(emulate=False)``): no emulator, so what differs from the emulated run is what the
 emulator (a Python process on the same cores) cost. ``--lossless`` drops the profiles' loss
-and reordering (delay and jitter stay), ``--offload on`` lets the emulator move 64 KiB frames
-(far less CPU; fine without loss): together they show what the round trip alone costs.
+and reordering (delay and jitter stay); ``--offload off`` makes every frame one packet (the
+emulator's load before offload frames could lose single packets), ``on`` forces offload.
 
 In a cell, one system after the other, each with ``1 + --rounds`` rounds (the first a warm-up,
 not timed) of one float32 tensor of ``size`` MiB per peer:

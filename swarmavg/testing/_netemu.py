@@ -10,8 +10,12 @@ core end, with virtio-net headers on (``PACKET_VNET_HDR``), so a TCP segmentatio
 it must. A frame read from host ``i`` (its upload) is forwarded to the host that owns its
 destination MAC (or to every other host for a broadcast), after:
 
-- **loss**: dropped with the probability that any of its segments is lost on host ``i``'s uplink
-  or host ``j``'s downlink (``1 - (1-p)^segments`` per hop);
+- **loss**: each of its segments (wire packets) is lost with host ``i``'s uplink's and host
+  ``j``'s downlink's probability; a TCP/IPv4 offload frame with lost segments is cut into the
+  runs of segments kept, each made a frame as the kernel's segmentation would have made it (IP
+  length, id and header checksum, TCP sequence number, flags, partial checksum), so offload
+  frames lose single packets like a real path; any other frame with a lost segment is lost
+  whole (``lost`` counts segments);
 - **delay and jitter**: held for ``delay_up[i] + delay_down[j]``, each hop's delay drawn
   uniformly in ``delay ± jitter/2`` (never below 0); frames between a pair leave in order
   (a frame is never sent before the previous one of its pair) unless **reordered**: with the
@@ -43,6 +47,7 @@ from __future__ import annotations
 import errno
 import heapq
 import json
+import math
 import os
 import random
 import select
@@ -59,6 +64,10 @@ PACKET_VNET_HDR = 15
 PACKET_IGNORE_OUTGOING = 23
 VNET_HDR_LEN = 10
 VNET_HDR = struct.Struct("=BBHHHH")  # flags, gso_type, hdr_len, gso_size, csum_start, csum_off
+NEEDS_CSUM = 1  # virtio-net header flag: the checksum is partial
+GSO_TCPV4 = 1
+GSO_ECN = 0x80
+TCP_FIN, TCP_PSH, TCP_CWR = 0x01, 0x08, 0x80
 HEADERS_GUESS = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps: only to count segments
 BATCH = 256  # frames read from one socket per wake-up (bounded work per turn)
 SOCKET_BUFFER = 8 << 20
@@ -124,14 +133,75 @@ class Host:
         return drops
 
 
-def segments(frame: bytes) -> int:
-    """How many wire packets a (possibly GSO) frame with its virtio-net header stands for."""
+def tcp4_layout(frame: bytes) -> tuple[int, int, int] | None:
+    """``(TCP header offset, payload offset, segment size)`` of a TCP/IPv4 segmentation-offload
+    frame (with its virtio-net header) that :func:`cut` can cut, or ``None`` for any other frame
+    (not TCP/IPv4, not offloaded, no partial checksum, truncated)."""
+    if len(frame) < VNET_HDR_LEN + 14 + 40:
+        return None
+    flags, gso_type, _hdr_len, gso_size, _start, _offset = VNET_HDR.unpack_from(frame)
+    if gso_type & ~GSO_ECN != GSO_TCPV4 or not gso_size or not flags & NEEDS_CSUM:
+        return None
+    ip = VNET_HDR_LEN + 14
+    if frame[ip - 2 : ip] != b"\x08\x00" or frame[ip] >> 4 != 4 or frame[ip + 9] != 6:
+        return None
+    tcp = ip + (frame[ip] & 0x0F) * 4
+    if tcp + 20 > len(frame):
+        return None
+    payload = tcp + (frame[tcp + 12] >> 4) * 4
+    if tcp - ip < 20 or payload - tcp < 20 or payload > len(frame):
+        return None
+    return tcp, payload, gso_size
+
+
+def segments(frame: bytes, layout: tuple[int, int, int] | None = None) -> int:
+    """How many wire packets a (possibly GSO) frame with its virtio-net header stands for
+    (exact for TCP/IPv4 given its ``layout``; other offloaded frames guess their headers)."""
+    if layout is not None:
+        return max(1, -(-(len(frame) - layout[1]) // layout[2]))
     fields: tuple[int, ...] = VNET_HDR.unpack_from(frame)
     gso_type, gso_size = fields[1], fields[3]
     if gso_type == 0 or gso_size == 0:
         return 1
     payload = len(frame) - VNET_HDR_LEN - HEADERS_GUESS
     return max(1, -(-payload // gso_size))
+
+
+def _fold(total: int) -> int:
+    while total > 0xFFFF:
+        total = (total & 0xFFFF) + (total >> 16)
+    return total
+
+
+def cut(frame: bytes, layout: tuple[int, int, int], first: int, end: int, count: int) -> bytes:
+    """Segments ``first`` to ``end - 1`` (of ``count``) of the TCP/IPv4 offload frame
+    ``frame`` (``layout`` from :func:`tcp4_layout`) as a frame of their own, as the kernel's
+    segmentation would have made them: IPv4 length, id and header checksum, TCP sequence number
+    and partial checksum set for the part; CWR only on the first segment, FIN and PSH only on
+    the last; an offload frame while the part has more than one segment."""
+    tcp, payload, mss = layout
+    ip = VNET_HDR_LEN + 14
+    body = frame[payload + first * mss : payload + end * mss]
+    head = bytearray(frame[:payload])
+    if len(body) <= mss:  # one packet: no segmentation left to do (the checksum still is)
+        head[1:2] = b"\0"
+        head[4:6] = b"\0\0"
+    tcp_length = payload - tcp + len(body)
+    packet_id = (int.from_bytes(head[ip + 4 : ip + 6], "big") + first) & 0xFFFF
+    struct.pack_into("!HH", head, ip + 2, tcp - ip + tcp_length, packet_id)
+    head[ip + 10 : ip + 12] = b"\0\0"
+    words = struct.unpack_from(f"!{(tcp - ip) // 2}H", head, ip)
+    struct.pack_into("!H", head, ip + 10, ~_fold(sum(words)) & 0xFFFF)
+    seq = (int.from_bytes(head[tcp + 4 : tcp + 8], "big") + first * mss) & 0xFFFFFFFF
+    struct.pack_into("!I", head, tcp + 4, seq)
+    if first:
+        head[tcp + 13] &= ~TCP_CWR & 0xFF
+    if end < count:
+        head[tcp + 13] &= ~(TCP_FIN | TCP_PSH) & 0xFF
+    # a partial checksum holds the pseudo-header's sum (the device adds the rest)
+    pseudo = sum(struct.unpack_from("!4H", head, ip + 12)) + 6 + tcp_length
+    struct.pack_into("!H", head, tcp + 16, _fold(pseudo))
+    return bytes(head) + body
 
 
 class Emulator:
@@ -196,10 +266,45 @@ class Emulator:
             return
         up, down = source.up, target.down
         if up.loss or down.loss:
-            keep = ((1.0 - up.loss) * (1.0 - down.loss)) ** segments(frame)
-            if self.rng.random() >= keep:
-                source.counters["lost"] += 1
+            # (most frames are one packet, ACKs among them: parse only offload frames)
+            layout = tcp4_layout(frame) if frame[1] else None
+            count = segments(frame, layout)
+            kept = (1.0 - up.loss) * (1.0 - down.loss)
+            if self.rng.random() >= kept**count:  # at least one segment is lost
+                runs = self.lost_segments(1.0 - kept, count)
+                if layout is None or not runs:  # (a frame it cannot cut is lost whole)
+                    source.counters["lost"] += count
+                    return
+                source.counters["lost"] += count - sum(end - first for first, end in runs)
+                for first, end in runs:
+                    self.hold(source, target, cut(frame, layout, first, end, count), now)
                 return
+        self.hold(source, target, frame, now)
+
+    def lost_segments(self, loss: float, count: int) -> list[tuple[int, int]]:
+        """The runs ``(first, end)`` of the ``count`` segments of a frame that are kept, each
+        segment lost with probability ``loss``, given that at least one is."""
+        keep = 1.0 - loss
+        if keep <= 0.0:
+            return []
+        # the first lost segment, drawn from its distribution given that there is one
+        at_least_one = 1.0 - keep**count
+        first_lost = math.floor(math.log1p(-self.rng.random() * at_least_one) / math.log1p(-loss))
+        first_lost = min(max(first_lost, 0), count - 1)
+        runs = [(0, first_lost)] if first_lost else []
+        start = first_lost + 1
+        for index in range(first_lost + 1, count):
+            if self.rng.random() < loss:
+                if index > start:
+                    runs.append((start, index))
+                start = index + 1
+        if start < count:
+            runs.append((start, count))
+        return runs
+
+    def hold(self, source: Host, target: Host, frame: bytes, now: float) -> None:
+        """Send ``frame`` after its delay (at once if it has none and nothing is held)."""
+        up, down = source.up, target.down
         if self.held_bytes + len(frame) > self.max_held:
             source.counters["held_drops"] += 1
             return

@@ -72,7 +72,6 @@ SUBNET = "10.77.0"
 EMULATOR = Path(__file__).with_name("_netemu.py")
 CLONE_NEWNET = 0x40000000
 COMMAND_TIMEOUT = 20.0
-OFFLOAD_ABOVE_BPS = 250e6
 _counter = itertools.count()
 
 
@@ -371,12 +370,14 @@ class NetLab:
 
     ``hosts``: a number of hosts (each with ``profile``), or one profile per host (a
     heterogeneous swarm: ``[LAN, LAN, WAN.replace(rate_bps=50e6)]``). ``seed`` seeds the
-    emulator's loss, jitter and reordering. ``offload``: let TCP hand the links 64 KiB
-    segmentation-offload frames (the emulator then handles far fewer frames and sustains
-    higher rates; a frame lost stands for all its segments, so losses come in bursts);
-    ``False`` makes every frame one packet (losses independent, as on a real path), which the
-    emulator sustains up to about 300 Mbit/s here; ``None`` (the default): on when a host's
-    rate is above 250 Mbit/s or unshaped, off otherwise. Fixed for the lab's life.
+    emulator's loss, jitter and reordering. ``offload``: let TCP hand the links
+    segmentation-offload frames of up to 64 KiB (the emulator handles several times fewer
+    frames and sustains far higher rates; it still loses each packet on its own: a frame with
+    lost segments is cut, and only its kept segments go on, as the kernel would have cut them;
+    reordering and a hop's delay draw stay per frame); ``False`` makes every frame one packet,
+    which the emulator sustains up to about 300 Mbit/s in all here; ``None`` (the default): on
+    unless a profile reorders (a frame of many packets would overtake as one). Fixed for the
+    lab's life.
     ``congestion_control``: the hosts' TCP congestion control (``"cubic"``, ``"bbr"``,
     ``"reno"``; ``None`` keeps the kernel's default). ``emulate=False`` joins the hosts with a
     kernel bridge instead of the emulator: rates only (profiles with delay, loss, jitter or
@@ -416,11 +417,7 @@ class NetLab:
         self.core = f"{self.name}-core"
         self.seed = seed
         if offload is None:  # (the emulator moves ~300 Mbit/s of 1500-byte frames, see the docs)
-            offload = any(
-                rate is None or rate > OFFLOAD_ABOVE_BPS
-                for p in profiles
-                for rate in (p.rate_bps, p.down_rate_bps if p.down_rate_bps else p.rate_bps)
-            )
+            offload = not any(p.reorder for p in profiles)
         self.offload = offload
         self.congestion_control = congestion_control
         self.emulate = emulate
@@ -707,10 +704,10 @@ class NetLab:
 
     def stats(self) -> list[dict[str, int]]:
         """The emulator's counters per host (as the source of the frames): ``rx_frames``,
-        ``rx_bytes``, ``tx_frames``, ``tx_bytes``, ``lost`` (emulated loss), ``link_drops``
-        (link cut), ``queue_drops`` (download queue full), ``held_drops`` (emulator memory
-        bound), ``reordered``, ``socket_drops`` (frames the emulator was too slow to read: a
-        non-zero value means the emulator, not the profile, limited the run)."""
+        ``rx_bytes``, ``tx_frames``, ``tx_bytes``, ``lost`` (emulated loss, in packets),
+        ``link_drops`` (link cut), ``queue_drops`` (download queue full), ``held_drops``
+        (emulator memory bound), ``reordered``, ``socket_drops`` (frames the emulator was too
+        slow to read: a non-zero value means the emulator, not the profile, limited the run)."""
         self._check_open()
         with self._lock:
             hosts: list[dict[str, int]] = self._ask({"op": "stats"})["hosts"]

@@ -131,7 +131,7 @@ def test_rate_is_limited_both_ways() -> None:
     fast = LinkProfile(rate_bps=200e6, rtt_s=0.002)
     slow = LinkProfile(rate_bps=8e6, rtt_s=0.002)
     with NetLab([fast, slow]) as lab:
-        assert not lab.offload
+        assert lab.offload  # (no reordering: offload frames, losses still per packet)
         rates = {}
         for sender, receiver in ((1, 0), (0, 1)):  # slow upload, then slow download
             with lab.host(receiver).entered():
@@ -186,6 +186,42 @@ def test_loss_is_as_configured_and_counted_exactly() -> None:
     assert stats[0]["lost"] + len(got) == sent  # every missing datagram is an emulated loss
     assert stats[0]["queue_drops"] == stats[0]["socket_drops"] == 0
     assert 0.2 * sent / 2 < stats[0]["lost"] < 0.2 * sent * 1.6
+
+
+def test_offload_frames_lose_single_packets_and_tcp_carries_every_byte() -> None:
+    """With offload, a lossy link loses packets, not whole 64 KiB frames: the emulator cuts a
+    frame with lost segments into valid frames of the kept ones (a wrong cut would corrupt the
+    stream or stall it), and counts the lost packets."""
+    lossy = LinkProfile(rate_bps=200e6, rtt_s=0.002, loss=0.02)
+    data = os.urandom(6 << 20)
+    with NetLab(2, profile=lossy, seed=3) as lab:
+        assert lab.offload
+        with lab.host(1).entered():
+            listener = socket.create_server((lab.host(1).address, PORT))
+        received = bytearray()
+
+        def sink() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(20)
+                while chunk := conn.recv(1 << 16):
+                    received.extend(chunk)
+
+        thread = threading.Thread(target=sink, daemon=True)
+        thread.start()
+        with lab.host(0).entered():
+            conn = socket.create_connection((lab.host(1).address, PORT), timeout=5)
+        conn.sendall(data)
+        conn.close()
+        thread.join(timeout=30)
+        listener.close()
+        stats = lab.stats()
+    assert bytes(received) == data
+    packets = len(data) // 1448
+    # ~2% of the data packets (retransmissions and ACKs add some); frames lost whole would
+    # lose every segment of ~1 frame in 6 (8 segments or more a frame)
+    assert 0.01 * packets < stats[0]["lost"] < 0.04 * packets
+    assert stats[0]["rx_frames"] < packets / 2  # offload frames: several packets each
 
 
 def test_cut_link_blocks_traffic_and_restoring_it_lets_tcp_carry_on(wan_lab: NetLab) -> None:
