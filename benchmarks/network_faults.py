@@ -390,6 +390,8 @@ class FaultRun:
     outcomes: list[tuple[int, bool, int]] = dataclasses.field(default_factory=list)
     #: a cut-off victim's: seconds from the fault to its own step's end
     victim_s: float = 0.0
+    #: a cut-off victim's: seconds from its link coming back to its DHTs holding the others
+    rejoin_s: float | None = None
 
 
 def fault_run(
@@ -466,6 +468,7 @@ def fault_run(
             record.hang = True
             record.problems.append(f"cut-off victim: {exc}")
         lab.set_link(victim, True)
+        healed = time.monotonic()
     tensors = {
         i: np.load(out / f"peer{i}.npy")
         for i, got in results.items()
@@ -483,10 +486,12 @@ def fault_run(
         swarm.replace(victim)
     else:  # a cut-off victim lives on: its DHT, emptied while cut off, must fill again by itself
         try:
-            back = swarm.rejoined(victim, time.monotonic() + REJOIN_WITHIN)
+            back = swarm.rejoined(victim, healed + REJOIN_WITHIN)
         except (TimeoutError, RuntimeError) as exc:
             back = False
             record.problems.append(f"cut-off victim: {exc}")
+        if back:
+            record.rejoin_s = round(time.monotonic() - healed, 2)
         if not back:
             record.problems.append(
                 f"cut-off victim: its DHT did not hold the others {REJOIN_WITHIN} s after its"
@@ -584,7 +589,7 @@ def reference_round(
             for i in range(len(swarm.peers)):
                 swarm.replace(i)
         if not problems:
-            seconds = statistics.median(r["allreduce_s"] for r in results.values())
+            seconds = float(statistics.median(r["allreduce_s"] for r in results.values()))
             say(f"# {transport} {profile}: a clean round's all-reduce {seconds:.2f} s")
             return seconds
         say(f"# {transport} {profile}: clean round {attempt} of {CLEAN_TRIES} not: {problems}")
