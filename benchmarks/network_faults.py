@@ -86,7 +86,8 @@ FAULT_OPTIONS: dict[str, Any] = {
 }
 STEP_TIMEOUT = 25.0
 #: a cut-off victim's DHT must hold the others again this long after its link is back (its
-#: rejoin pings back off to 10 s while cut off; one request_timeout more)
+#: rejoin pings back off to 4 s while cut off; a try under way at the heal takes its
+#: request_timeout and closing the connection more; slack for two shared cores)
 REJOIN_WITHIN = 15.0
 REJOIN_POLL = 0.25
 #: tries of a fault-free reference round (under load one can come back incomplete)
