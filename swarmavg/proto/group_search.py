@@ -441,6 +441,11 @@ class GroupSearch:
         return self._ask_seq
 
     @property
+    def leader(self) -> PeerID | None:
+        """Whom we ask or follow (``None``: nobody)."""
+        return self._leader
+
+    @property
     def term(self) -> int:
         """The current leadership's term (0: not leading)."""
         return self._leading.term if self._leading is not None else 0
