@@ -3,7 +3,7 @@ a peer SIGKILLed or cut off at a random stage of a round (Linux, root).
 
     python benchmarks/network_faults.py [--runs 100] [--seed 0] [--peers 4]
                                         [--transports tcp,quic] [--profiles lan,wan,bad]
-                                        [--logs DIR] [--json FILE]
+                                        [--logs DIR] [--json FILE] [--only RUN,...]
 
 ``--peers`` processes (``_netlab_peer.py``: the sync ``swarmavg.DHT`` and
 ``swarmavg.DecentralizedAverager``), one in each host of one lab, average one float32 tensor;
@@ -86,9 +86,12 @@ FAULT_OPTIONS: dict[str, Any] = {
 }
 STEP_TIMEOUT = 25.0
 #: a cut-off victim's DHT must hold the others again this long after its link is back (its
-#: rejoin pings back off to 10 s while cut off; one request_timeout more)
+#: rejoin pings back off to 4 s while cut off; a try under way at the heal takes its
+#: request_timeout and closing the connection more; slack for two shared cores)
 REJOIN_WITHIN = 15.0
 REJOIN_POLL = 0.25
+#: tries of a fault-free reference round (under load one can come back incomplete)
+CLEAN_TRIES = 3
 
 
 class LabPeer:
@@ -388,6 +391,8 @@ class FaultRun:
     outcomes: list[tuple[int, bool, int]] = dataclasses.field(default_factory=list)
     #: a cut-off victim's: seconds from the fault to its own step's end
     victim_s: float = 0.0
+    #: a cut-off victim's: seconds from its link coming back to its DHTs holding the others
+    rejoin_s: float | None = None
 
 
 def fault_run(
@@ -464,6 +469,7 @@ def fault_run(
             record.hang = True
             record.problems.append(f"cut-off victim: {exc}")
         lab.set_link(victim, True)
+        healed = time.monotonic()
     tensors = {
         i: np.load(out / f"peer{i}.npy")
         for i, got in results.items()
@@ -481,10 +487,12 @@ def fault_run(
         swarm.replace(victim)
     else:  # a cut-off victim lives on: its DHT, emptied while cut off, must fill again by itself
         try:
-            back = swarm.rejoined(victim, time.monotonic() + REJOIN_WITHIN)
+            back = swarm.rejoined(victim, healed + REJOIN_WITHIN)
         except (TimeoutError, RuntimeError) as exc:
             back = False
             record.problems.append(f"cut-off victim: {exc}")
+        if back:
+            record.rejoin_s = round(time.monotonic() - healed, 2)
         if not back:
             record.problems.append(
                 f"cut-off victim: its DHT did not hold the others {REJOIN_WITHIN} s after its"
@@ -507,11 +515,13 @@ def run_matrix(
     stages: Sequence[str] = STAGES,
     faults: Sequence[str] = FAULTS,
     logs: Path,
+    only: Sequence[int] | None = None,
     say: Any = print,
 ) -> list[FaultRun]:
     """``runs`` fault runs in one lab of ``peers`` hosts, one peer process each (with a DHT on
     every transport), each run on a transport, profile, fault, stage and victim drawn with
-    ``random.Random(seed)``."""
+    ``random.Random(seed)``. ``only``: run just these run numbers (below ``runs``), each with
+    what it draws in the full matrix (the others' draws are made and skipped)."""
     rng = random.Random(seed)
     records: list[FaultRun] = []
     with (
@@ -529,17 +539,19 @@ def run_matrix(
                 stage = rng.choice(list(stages))
                 victim = rng.randrange(peers)
                 fraction = rng.uniform(*_window(stage))
+                if only is not None and number not in only:
+                    continue
                 if (transport, profile) not in round_s:
-                    for i in range(peers):
-                        lab.set_profile(i, profile)
-                    results, problems = clean_round(
-                        swarm, SIZES[profile], FAULT_OPTIONS, out, transport=transport
-                    )
-                    if problems:
-                        raise RuntimeError(f"clean round, {transport} on {profile}: {problems}")
-                    seconds = statistics.median(r["allreduce_s"] for r in results.values())
+                    seconds = reference_round(swarm, transport, profile, out, say)
+                    if seconds is None:  # (no reference: the run is not made, and fails)
+                        record = FaultRun(number, transport, profile, fault, stage, victim, 0.0)
+                        record.problems.append(
+                            f"no clean reference round in {CLEAN_TRIES} tries: run not made"
+                        )
+                        records.append(record)
+                        say(json.dumps(dataclasses.asdict(record)))
+                        continue
                     round_s[transport, profile] = seconds
-                    say(f"# {transport} {profile}: a clean round's all-reduce {seconds:.2f} s")
                 swarm.transport = transport
                 record = fault_run(
                     swarm,
@@ -557,6 +569,32 @@ def run_matrix(
         finally:
             swarm.close()
     return records
+
+
+def reference_round(
+    swarm: LabSwarm, transport: str, profile: str, out: Path, say: Any
+) -> float | None:
+    """The median all-reduce seconds of a clean round of every peer on ``transport`` and
+    ``profile`` (what a fault run's stage is a fraction of), trying up to :data:`CLEAN_TRIES`
+    times: under load a clean round can come back incomplete (a sender that "did not begin
+    within" ``sender_timeout``); ``None`` if no try was clean (each try's problems said)."""
+    for i in range(len(swarm.lab.hosts)):
+        swarm.lab.set_profile(i, profile)
+    for attempt in range(1, CLEAN_TRIES + 1):
+        try:
+            results, problems = clean_round(
+                swarm, SIZES[profile], FAULT_OPTIONS, out, transport=transport
+            )
+        except (TimeoutError, RuntimeError) as exc:  # a peer silent or gone: start afresh
+            results, problems = {}, [str(exc)]
+            for i in range(len(swarm.peers)):
+                swarm.replace(i)
+        if not problems:
+            seconds = float(statistics.median(r["allreduce_s"] for r in results.values()))
+            say(f"# {transport} {profile}: a clean round's all-reduce {seconds:.2f} s")
+            return seconds
+        say(f"# {transport} {profile}: clean round {attempt} of {CLEAN_TRIES} not: {problems}")
+    return None
 
 
 def _window(stage: str) -> tuple[float, float]:
@@ -577,6 +615,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default="lan,wan,bad")
     parser.add_argument("--logs", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated run numbers: run just these, as drawn in the full matrix",
+    )
     args = parser.parse_args(argv)
     transports = [t for t in args.transports.split(",") if t]
     profiles = [p for p in args.profiles.split(",") if p]
@@ -585,11 +628,25 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--profiles: unknown profile {profile!r}")
     if args.runs < 1 or args.peers < 3:
         parser.error("--runs must be at least 1 and --peers at least 3")
+    only = None
+    if args.only is not None:
+        try:
+            only = sorted({int(n) for n in args.only.split(",") if n})
+        except ValueError:
+            parser.error(f"--only: not comma-separated run numbers: {args.only!r}")
+        if not only or only[0] < 0 or only[-1] >= args.runs:
+            parser.error(f"--only: run numbers from 0 to --runs - 1 ({args.runs - 1})")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="netfaults-"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"# peers' logs in {logs}")
     records = run_matrix(
-        args.runs, args.seed, peers=args.peers, transports=transports, profiles=profiles, logs=logs
+        args.runs,
+        args.seed,
+        peers=args.peers,
+        transports=transports,
+        profiles=profiles,
+        logs=logs,
+        only=only,
     )
     hangs = sum(r.hang for r in records)
     failed = [r for r in records if r.problems]

@@ -86,12 +86,23 @@ _MAX_HINTS: Final = 4096
 #: the initial peers and the peers dropped for failures that are not in it are pinged again,
 #: the first time this many seconds after the table became small, then with the delay doubled
 #: after each try that reached nobody, up to the maximum (back to the first once one answers).
+#: The maximum bounds how long a node whose link is back waits for its next try: a few
+#: seconds (it was 10 s, and with a try in flight at the heal, a cut-off peer was now and then
+#: not back in 15 s).
 _REJOIN_BELOW: Final = 10
 _REJOIN_FIRST: Final = 1.0
-_REJOIN_MAX: Final = 10.0
+_REJOIN_MAX: Final = 4.0
 #: Peers dropped for failures remembered for rejoining (the most recent), and for how long.
 _MAX_DROPPED: Final = 64
 _DROPPED_MEMORY: Final = 3600.0
+
+
+class _NotAsked(ConnectError):
+    """A lookup did not ask a peer an answer named: it is banned (it failed us lately), or
+    we know no address of it. Not a failure of the peer's: counting it as one would ban it
+    longer each time answers name it (after a cut, peers the others name stayed banned for
+    minutes, so a node back from a cut did not take them back)."""
+
 
 R = TypeVar("R", bound=Message)
 #: What one query of a lookup learned: the peers the answer named, and whether it held a value.
@@ -688,6 +699,8 @@ class DHTNode:
                 await self._ping(address)
             except (SwarmError, OSError, TimeoutError, ValueError) as exc:
                 logger.debug("rejoin: %s did not answer: %s", address, exc)
+                if isinstance(exc, TimeoutError) and address.peer_id is not None:
+                    await self._drop_connection(address.peer_id)
                 return
             answered.append(address)
 
@@ -707,6 +720,19 @@ class DHTNode:
             self._dropped.pop(address.peer_id, None)
         await self.find_peers(node_id(self.peer_id))
         return True
+
+    async def _drop_connection(self, peer: PeerID) -> None:
+        """Close our pooled connection to ``peer`` (a rejoin ping over it timed out), so that
+        the next try dials afresh. After a cut, a TCP connection holds what we sent during it
+        until its retransmission timer fires, and that timer backed off for as long as the cut
+        lasted (a QUIC connection's probe timer likewise): the link is back long before such a
+        connection carries anything again, while a new one works at once."""
+        conn = self.node.connection_to(peer)
+        if conn is None:
+            return
+        logger.debug("rejoin: closing our silent connection to %s", peer.short())
+        with anyio.move_on_after(self.request_timeout):  # (closing is bounded; bounded twice)
+            await conn.aclose()
 
     # -- asking ----------------------------------------------------------------------------------
 
@@ -1023,6 +1049,8 @@ class _Queries(Generic[R]):
                 finally:
                     await outcome.aclose()
                 reply = self._query.read(peer, response)
+            except _NotAsked:  # (not a failure of the peer's: its ban is not made longer)
+                lookup.on_failure(peer)
             except (SwarmError, OSError, TimeoutError) as exc:
                 dht._failed(peer, f"{self._query.method}: {exc}")
                 lookup.on_failure(peer)
@@ -1060,7 +1088,7 @@ class _Queries(Generic[R]):
         for peer in peers:
             address = dht._address_of(peer)
             if address is None or dht.protocol.blacklist.is_banned(peer, dht.clock()):
-                self._settled(peer, None, ConnectError(f"no address to ask {peer}, or banned"))
+                self._settled(peer, None, _NotAsked(f"no address to ask {peer}, or banned"))
             elif dht.node.connection_to(peer) is None:
                 self._in_task(self._start_in_task, peer, address)
             else:

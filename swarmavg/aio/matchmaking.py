@@ -44,6 +44,7 @@ from swarmavg.proto.group_search import (
     Probe,
     Read,
     Settle,
+    Stage,
     Verdict,
 )
 from swarmavg.proto.matchmaking import group_key
@@ -417,7 +418,15 @@ class DHTMatchmaker(Matchmaker):
         except _UNREACHABLE as exc:
             logger.debug("reading %s failed: %s", running.search.key, exc)
             declarations = []
-        running.search.on_read(seq, declarations, get_dht_time())
+        search = running.search
+        leader = search.leader if search.stage is Stage.FOLLOWING else None
+        search.on_read(seq, declarations, get_dht_time())
+        if leader is not None and search.stage is not Stage.FOLLOWING:
+            logger.info(
+                "leaving leader %s under %s: its declaration lapsed (it cannot reach the DHT)",
+                leader.short(),
+                search.key,
+            )
         running.notify()
 
     async def _declarations(self, key: str) -> list[Declaration]:

@@ -48,6 +48,9 @@ Stages and what moves them (everything that changes the stage lives in this clas
     FOLLOWING  on_reply begin (we are a member)        DONE         Finished, Declare(withdraw)
     FOLLOWING  on_reply disband / on_ask_failed        ASKING       Ask (the leader it names)
                                                        or DECIDING  Read
+    FOLLOWING  timer (follow poll)                     FOLLOWING    Read
+    FOLLOWING  on_read: the leader's declaration        DECIDING     Read
+               lapsed before its begin (twice)
     LEADING    on_join_request (room left)             LEADING      (ACCEPT)
     LEADING    on_join_request fills the group         DONE         Settle(begin), Finished, ...
     LEADING    timer (poll)                            LEADING      Read
@@ -103,6 +106,12 @@ __all__ = [
 #: time, up to POLL.
 FIRST_POLL: Final = 0.02
 POLL: Final = 0.25
+#: How often a follower re-reads its key, to see whether its leader's declaration lapsed (a
+#: leader cut off from the network, or dead with no connection of ours to it to tell).
+FOLLOW_POLL: Final = 0.5
+#: Reads in a row that must show our own declaration and not our leader's before we leave it
+#: (one read can miss a record, say a store that reached other nodes than our read did).
+LEADER_ABSENT_READS: Final = 2
 #: A withdrawn declaration expires this much after the one it replaces (a later expiration is
 #: what lets it replace it in the DHT).
 WITHDRAWN: Final = 1e-3
@@ -374,6 +383,10 @@ class GroupSearch:
         self._read_seq = -1  # the read we wait for (-1: none)
         self._ask_seq = -1
         self._leader: PeerID | None = None  # whom we ask or follow
+        #: when our leader wants to begin (its declaration's; -inf: not known, as for a
+        #: leader we were pointed to) and reads in a row that showed it lapsed before then
+        self._leader_begin = -math.inf
+        self._leader_absent = 0
         self._rejected: set[PeerID] = set()  # turned us away in this search
         self._lost: set[PeerID] = set(lost)  # their connection failed
         self._regulars = {
@@ -428,6 +441,11 @@ class GroupSearch:
         return self._ask_seq
 
     @property
+    def leader(self) -> PeerID | None:
+        """Whom we ask or follow (``None``: nobody)."""
+        return self._leader
+
+    @property
     def term(self) -> int:
         """The current leadership's term (0: not leading)."""
         return self._leading.term if self._leading is not None else 0
@@ -461,7 +479,11 @@ class GroupSearch:
         if now >= self.begin_at + self.request_timeout:
             self._fail(now, self._too_few(1 + len(self.followers)))
             return
-        if now >= self._next_poll and self.stage in (Stage.LEADING, Stage.WAITING):
+        if now >= self._next_poll and self.stage in (
+            Stage.LEADING,
+            Stage.WAITING,
+            Stage.FOLLOWING,
+        ):
             self._next_poll = math.inf
             if self._read_seq < 0:
                 self._read()
@@ -471,6 +493,9 @@ class GroupSearch:
         if seq != self._read_seq or self.done:
             return
         self._read_seq = -1
+        if self.stage is Stage.FOLLOWING:
+            self._check_leader(declarations, now)
+            return
         looking: set[PeerID] = set()
         best: tuple[tuple[float, bytes], PeerID, float] | None = None
         mine = _rank(self.peer, math.inf if self.client else self.begin_at)
@@ -566,12 +591,41 @@ class GroupSearch:
             self._refusals[leader] = reason[:200]
         if code == "accepted" and self.stage is Stage.ASKING:
             self.stage = Stage.FOLLOWING
+            self._leader_absent = 0
+            self._next_poll = now + FOLLOW_POLL
             return
         in_it = any(m.peer_id == self.peer for m in members)
         if code == "begin" and self.stage is Stage.FOLLOWING and in_it:
             self._finish(Finished(group_id, tuple(members), leader), now)
             return
         self._turned_away(leader, now, pointer)  # (a group without us is not ours either)
+
+    def _check_leader(self, declarations: Iterable[Declaration], now: float) -> None:
+        """A follower's read: a live leader renews its declaration until its ``begin_at``
+        (then withdraws it, which stays readable), so one that lapsed before then is a leader
+        that can no longer reach the DHT: cut off or dead (a dead one's connection would
+        usually tell first). If :data:`LEADER_ABSENT_READS` reads in a row show our own
+        declaration and not the leader's, leave it and look again (otherwise we would wait
+        for it until its ``begin_at`` and ``request_timeout`` more, while the others formed a
+        group without us)."""
+        leader = self._leader
+        assert leader is not None
+        ours = theirs = False
+        for item in declarations:
+            if item.peer == self.peer:
+                ours = True
+            elif item.peer == leader:
+                theirs = True
+                if math.isfinite(item.begin_at):
+                    self._leader_begin = item.begin_at
+        if ours and not theirs and now < self._leader_begin:
+            self._leader_absent += 1
+        else:
+            self._leader_absent = 0
+        if self._leader_absent >= LEADER_ABSENT_READS:
+            self._turned_away(leader, now, None)
+            return
+        self._next_poll = now + FOLLOW_POLL
 
     def on_ask_failed(self, seq: int, now: float) -> None:
         """The leader of :class:`Ask` ``seq`` did not answer in time, or the call broke."""
@@ -706,6 +760,7 @@ class GroupSearch:
         """Ask ``leader`` (which wants to begin by ``begin_at``, ours if unknown)."""
         self.stage = Stage.ASKING
         self._leader = leader
+        self._leader_begin = -math.inf if begin_at is None else begin_at
         self._next_poll = math.inf
         self._seq += 1
         self._ask_seq = self._seq
@@ -725,6 +780,7 @@ class GroupSearch:
         self._rejected.add(leader)
         self._leader = None
         self._ask_seq = -1
+        self._next_poll = math.inf  # (a follower's poll: nothing to poll for while deciding)
         if (
             pointer is not None
             and pointer.peer_id not in self._rejected

@@ -520,3 +520,57 @@ def test_a_step_cut_off_mid_round_ends_within_its_timeout() -> None:
 async def _quietly_step(averager: DecentralizedAverager) -> None:
     with contextlib.suppress(Exception):
         await averager.step(timeout=10)
+
+
+def test_a_follower_whose_leader_is_cut_off_while_matchmaking_averages_with_the_others() -> None:
+    """The fault matrix's case (the leader's link cut while matchmaking, run 31 of seed 0): the
+    best-ranked peer has taken one follower in (it expects all four: it does not begin with
+    one follower) when its cable is pulled; the two others come later, ask it in vain, and
+    lead among themselves. The follower sees its leader's declaration lapse and looks again,
+    so the three survivors average together. It used to wait for the leader until its
+    begin_at plus request_timeout, when the two others had averaged without it, and its step
+    failed: ``MatchmakingFailed: no group within 25.0 s: only 1 peer(s)``."""
+
+    async def main() -> tuple[list[StepResult | BaseException], list[float]]:
+        options = {
+            "target_group_size": 4,
+            "min_group_size": 2,
+            "averaging_expiration": 5.0,
+            "request_timeout": 3.0,
+        }
+        async with _swarm(4, **options) as swarm:
+            # (at the same begin_at, the lower PeerID ranks better)
+            by_rank = sorted(swarm.averagers, key=lambda a: a.dht.peer_id.to_bytes())
+            leader, follower, *later = by_rank
+            leader.matchmaker.expected_group_size = 4  # type: ignore[union-attr]
+            transport = leader.dht.node._transports["memory"]
+            survivors = [follower, *later]
+            outcomes: list[StepResult | BaseException] = [RuntimeError("not run")] * 3
+            took = [0.0] * 3
+
+            async def step(i: int, after: float) -> None:
+                await anyio.sleep(after)
+                started = anyio.current_time()
+                try:
+                    outcomes[i] = await survivors[i].step(timeout=25)
+                except Exception as exc:
+                    outcomes[i] = exc
+                took[i] = anyio.current_time() - started
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_quietly_step, leader)
+                async with anyio.create_task_group() as steps:
+                    steps.start_soon(step, 0, 0.001)  # (it follows the leader at once)
+                    steps.start_soon(step, 1, 0.5)
+                    steps.start_soon(step, 2, 0.5)
+                    await anyio.sleep(0.1)
+                    transport.set_link(False)  # type: ignore[attr-defined]
+                tg.cancel_scope.cancel()
+            transport.set_link(True)  # type: ignore[attr-defined]
+            return outcomes, took
+
+    outcomes, took = run_on_virtual_time(main)
+    for outcome in outcomes:
+        assert isinstance(outcome, StepResult), outcome
+        assert outcome.group_size == 3
+    assert max(took) < 10.0, took  # (by the later peers' begin_at, and a round)

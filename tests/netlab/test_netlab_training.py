@@ -25,8 +25,9 @@ began.
   with all 6 required, one run in five found no such epoch in 30 s); distances are relative
   L2 (the split drove the sides ~1-2.5e-2 apart).
   Healing takes the DHT's rejoining (each side pings the peers it dropped, backing off to
-  10 s) and a round of the whole swarm, or a download of the state by the side behind: 12-17 s
-  measured. Without the rejoining the sides never average together again and this fails.
+  10 s when measured, 4 s now) and a round of the whole swarm, or a download of the state by
+  the side behind: 12-17 s measured. Without the rejoining the sides never average together
+  again and this fails.
 """
 
 from __future__ import annotations

@@ -773,3 +773,25 @@ def test_an_expected_peer_that_dies_is_not_waited_for() -> None:
     sim.check_invariants()
     assert _sizes(sim) == [3]
     assert max(p.ended_at for p in sim.peers[:3]) < 1.5
+
+
+def test_a_follower_whose_leader_is_cut_off_leaves_it_when_its_declaration_lapses() -> None:
+    """The fault matrix's case (a leader's link cut while matchmaking): peer 1 follows peer 0
+    (the four are expected, so nobody assembles early), then peer 0 answers nothing and
+    renews nothing (no connection tells anyone). Peers 2 and 3, later, ask peer 0 in vain,
+    then form a group of their own. Peer 1 sees peer 0's declaration lapse before peer 0's
+    ``begin_at`` (two reads in a row) and looks again, so the three survivors average
+    together at the others' ``begin_at``; it used to wait for peer 0 until its ``begin_at``
+    and ``request_timeout`` more (8 s), by when the others had formed a group of 2 without
+    it."""
+    sim = Sim(4, target=4, ttl=3.0, request_timeout=3.0, loss_notice=None, expected=4)
+    sim.start(0, 0.0, wait=5.0)  # (the best-ranked: begin_at 5.0)
+    sim.start(1, 0.001, wait=5.0)  # (follows 0)
+    sim.kill(0, 0.1, how="stalled")  # cut off: its declaration lapses at 3.0
+    sim.start(2, 0.5, wait=5.0)
+    sim.start(3, 0.5, wait=5.0)
+    sim.run()
+    sim.check_invariants()
+    assert _sizes(sim) == [3]
+    assert all(isinstance(p.outcome, Finished) for p in sim.peers[1:])
+    assert max(p.ended_at for p in sim.peers[1:]) <= 5.5 + 0.1  # (the others' begin_at)

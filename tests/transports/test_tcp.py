@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from swarmavg.errors import (
 from swarmavg.identity import Identity
 from swarmavg_tcp import TcpConnection, TcpListener, TcpStream, TcpTransport
 from swarmavg_tcp import _frames as fr
+from swarmavg_tcp import _transport as tcp_transport
 from swarmavg_tcp._frames import HEADER, HEADER_SIZE, TAG_SIZE, Sealer, Settings
 from swarmavg_tcp._handshake import HELLO, HELLO_SIZE, MAGIC, VERSION, Handshake
 
@@ -1209,4 +1211,32 @@ async def test_sealed_bulk_records_are_batched_in_a_cache_sized_buffer(
         else:
             assert bulk.obj is dialed._wbuf
             assert bulk.nbytes <= max_record_size + 64
+        await roundtrip(dialed, accepted)
+
+
+def _rto_max_supported() -> bool:
+    if sys.platform != "linux":
+        return False
+    with socket.socket() as sock:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, tcp_transport._TCP_RTO_MAX_MS, 2000)
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not _rto_max_supported(), reason="TCP_RTO_MAX_MS needs Linux 6.15+")
+async def test_connections_cap_the_retransmission_timeout() -> None:
+    """Both ends of a connection cap TCP's retransmission timeout (``TCP_RTO_MAX_MS``), so a
+    connection whose link was cut for a while carries data again within a few seconds of the
+    link coming back, not at a retry backed off for as long as the cut lasted."""
+    async with (
+        serving() as (_, listener),
+        TcpTransport(Identity.generate()) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        for conn in (dialed, accepted):
+            assert isinstance(conn, TcpConnection)
+            got = conn._sock.getsockopt(socket.IPPROTO_TCP, tcp_transport._TCP_RTO_MAX_MS)
+            assert got == tcp_transport.RTO_MAX_MS == 2000
         await roundtrip(dialed, accepted)
