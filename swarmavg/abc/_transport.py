@@ -343,6 +343,14 @@ class Connection(TypedAttributeProvider, ABC):
     async def wait_closed(self) -> None:
         """Return once the connection is closed or broken."""
 
+    def idle_seconds(self) -> float | None:
+        """Seconds since anything last arrived from the peer on this connection (``None``: the
+        transport does not tell). A connection that carries data is alive, however slowly a
+        request over it is answered (a link full of bulk data); one silent for long may be
+        stale (after a network cut, TCP holds what it sends behind a backed-off retransmission
+        timer)."""
+        return None
+
     @property
     def peer_id(self) -> PeerID:
         """Shortcut for ``self.extra(ConnectionAttribute.peer_id)``."""

@@ -725,11 +725,16 @@ class DHTNode:
         """Close our pooled connection to ``peer`` (a rejoin ping over it timed out), so that
         the next try dials afresh. After a cut, a TCP connection holds what we sent during it
         until its retransmission timer fires, and that timer backed off for as long as the cut
-        lasted (a QUIC connection's probe timer likewise): the link is back long before such a
-        connection carries anything again, while a new one works at once."""
+        lasted: the link is back long before such a connection carries anything again, while a
+        new one works at once. Only a connection silent for ``request_timeout`` is closed: one
+        that carries data is alive, its ping only slow behind a bulk transfer (closing it broke
+        the all-reduce it carried); one whose transport does not tell (QUIC) is kept."""
         conn = self.node.connection_to(peer)
         if conn is None:
             return
+        idle = conn.idle_seconds()
+        if idle is None or idle < self.request_timeout:
+            return  # (it carries data: alive, only slow to answer, e.g. full of a bulk transfer)
         logger.debug("rejoin: closing our silent connection to %s", peer.short())
         with anyio.move_on_after(self.request_timeout):  # (closing is bounded; bounded twice)
             await conn.aclose()

@@ -190,6 +190,7 @@ class _MemoryStream(Stream):
         at = self._conn._out_link.delivery_time(size)
         peer._buffered += size
         peer._inbox.append((at, data))
+        peer._conn._last_receive = max(peer._conn._last_receive, at)
         peer._changed.notify()
 
     def receive_nowait(self) -> memoryview:
@@ -315,6 +316,8 @@ class _MemoryConnection(Connection):
         self._incoming_changed = Signal()
         self._closed_event = anyio.Event()
         self._next_id = 1 if initiator else 2
+        #: when the last data sent to us arrives (anyio's clock: virtual time in tests)
+        self._last_receive = anyio.current_time()
 
     @property
     def extra_attributes(self) -> dict[Any, Any]:
@@ -339,6 +342,9 @@ class _MemoryConnection(Connection):
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
+
+    def idle_seconds(self) -> float | None:
+        return max(anyio.current_time() - self._last_receive, 0.0)
 
     async def open_stream(self) -> Stream:
         await anyio.lowlevel.checkpoint()

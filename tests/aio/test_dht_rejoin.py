@@ -125,3 +125,24 @@ def test_a_peer_named_while_banned_is_not_banned_longer() -> None:
     assert (first, again) == (1, 1)
     assert banned
     assert not later
+
+
+def test_a_rejoin_ping_that_timed_out_closes_only_a_silent_connection() -> None:
+    """The connection a rejoin ping timed out over is closed only if nothing came over it for
+    ``request_timeout``: one that carries data (a bulk transfer that a ping waits behind) is
+    alive, and closing it broke the all-reduce it carried."""
+
+    async def main() -> tuple[bool, bool]:
+        async with AsyncExitStack() as stack:
+            a, b = await _swarm(stack, 2)
+            await a.get("anything")  # (b's answer just came over the connection)
+            await a._drop_connection(b.peer_id)
+            kept = a.node.connection_to(b.peer_id) is not None
+            await anyio.sleep(REQUEST_TIMEOUT + 0.1)
+            await a._drop_connection(b.peer_id)
+            closed = a.node.connection_to(b.peer_id) is None
+            return kept, closed
+
+    kept, closed = run_on_virtual_time(main)
+    assert kept
+    assert closed

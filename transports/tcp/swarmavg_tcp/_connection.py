@@ -626,6 +626,10 @@ class TcpConnection(Connection):
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
 
+    def idle_seconds(self) -> float | None:
+        """Seconds since the last bytes arrived from the peer."""
+        return max(time.monotonic() - self._last_receive, 0.0)
+
     def __repr__(self) -> str:
         side = "to" if self._is_initiator else "from"
         return f"<TcpConnection {side} {self._peer_id.short()} at {self._remote_address}>"
