@@ -367,8 +367,9 @@ class AccumulatorCore:
         self._hellos: _Exchange | None = None
         self._waiting_for_state = False
         self._counts: dict[int, _Exchange] = {}
-        self._early: dict[str, list[CoreMessage]] = {}
-        self._early_since: dict[str, float] = {}  # when each peer's kept messages began
+        #: per peer, messages of the one epoch it last spoke of that this member has not
+        #: adopted, and when the first of them came
+        self._early: dict[str, tuple[float, list[CoreMessage]]] = {}
         self._next_index = 0
         self._pending: dict[int, _Pending] = {}
         self._has_gradients = False
@@ -625,18 +626,16 @@ class AccumulatorCore:
         if len(message.epoch) != EPOCH_SIZE:
             raise RemoteProtocolError(f"{peer} sent an epoch of {len(message.epoch)} bytes")
         if message.epoch != self._epoch:
-            if peer not in self._early and len(self._early) >= _MAX_EARLY_PEERS:
+            kept = self._early.get(peer)
+            if kept is None and len(self._early) >= _MAX_EARLY_PEERS:
                 self._forget_early(now)
                 if len(self._early) >= _MAX_EARLY_PEERS:
                     raise RemoteProtocolError(f"too many peers speak of epochs; {peer} refused")
-            early = self._early.setdefault(peer, [])
-            if early and early[0].epoch != message.epoch:
-                early.clear()
-            if not early:
-                self._early_since[peer] = now
-            if len(early) >= _MAX_EARLY_MESSAGES:
+            if kept is None or kept[1][0].epoch != message.epoch:
+                kept = self._early[peer] = (now, [])
+            if len(kept[1]) >= _MAX_EARLY_MESSAGES:
                 raise RemoteProtocolError(f"{peer} sent too many messages of an unknown epoch")
-            early.append(message)
+            kept[1].append(message)
             return [Refresh(peer)]
         if peer not in self._members or peer == self.me:
             raise RemoteProtocolError(f"{peer} is not a member of this epoch")
@@ -651,9 +650,8 @@ class AccumulatorCore:
         other until one suspects the other)."""
         actions: list[Action] = []
         self._forget_early(now)
-        for peer in [p for p, kept in self._early.items() if kept[0].epoch == self._epoch]:
-            messages = self._early.pop(peer)
-            del self._early_since[peer]
+        for peer in [p for p, (_, kept) in self._early.items() if kept[0].epoch == self._epoch]:
+            _, messages = self._early.pop(peer)
             if peer not in self._members or peer == self.me:
                 continue
             for message in messages:
@@ -666,9 +664,9 @@ class AccumulatorCore:
     def _forget_early(self, now: float) -> None:
         """Drop kept messages that came ``round_timeout`` ago or more: their sender has given
         up on this member by now (and a peer that left must not hold a place for good)."""
-        for peer, since in list(self._early_since.items()):
+        for peer, (since, _) in list(self._early.items()):
             if now - since >= self.round_timeout:
-                del self._early_since[peer], self._early[peer]
+                del self._early[peer]
 
     def _on_hello(self, peer: str, hello: Hello) -> list[Action]:
         if self._hellos is None or peer in self._hellos.got:
