@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
@@ -520,3 +521,29 @@ async def test_use_outside_async_with() -> None:
     with pytest.raises(RuntimeError, match="only once"):
         async with transport:
             pass
+
+
+def test_loss_recovery_backs_off_to_at_most_pto_max() -> None:
+    """A client whose handshake goes unanswered (the path is down) probes again at growing
+    intervals, but never more than PTO_MAX apart, so that it is heard soon after the path
+    comes back (aioquic alone doubles the interval without limit: 0.2, 0.4, ... 12.8 s)."""
+    from swarmavg_quic._aioquic import PTO_MAX, FlowControlledQuic
+
+    transport = QuicTransport(Identity.generate())
+    addr = ("127.0.0.1", 4433)
+    quic = FlowControlledQuic(configuration=transport._configuration(is_client=True, addr=addr))
+    now = 0.0
+    quic.connect(addr, now)
+    sent = [now] if quic.datagrams_to_send(now) else []
+    while now < 30.0:
+        timer = quic.get_timer()
+        assert timer is not None
+        now = timer
+        quic.handle_timer(now)
+        if quic.datagrams_to_send(now):
+            sent.append(now)
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
+    assert len(gaps) >= 15  # (0.2, 0.4, 0.8, then every 1.6 s: 21 in 30 s; uncapped: 7)
+    assert gaps[1] == pytest.approx(2 * gaps[0])  # it does back off
+    assert max(gaps) <= PTO_MAX + 1e-9
+    assert PTO_MAX / 2 < gaps[-1] <= PTO_MAX  # (the backed-off PTO is the PTO x a power of 2)

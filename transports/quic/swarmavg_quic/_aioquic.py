@@ -14,6 +14,14 @@ Besides the certificate hooks of :mod:`swarmavg_quic._tls`, swarmavg needs two t
   waits while :func:`unacked` bytes of a stream (written, not yet acknowledged) are above its
   send buffer size, and reads how far a stream is written and acknowledged
   (:func:`written_to`, :func:`acked_to`).
+* **A cap on loss recovery's backoff.** aioquic doubles its probe timeout (PTO) at every
+  probe that goes unanswered, without limit (RFC 9002 sets none): after a path was down for
+  10 s, the next probe could be 10 s away, so a connection whose path came back stayed silent
+  for as long again. :meth:`FlowControlledQuic.handle_timer` keeps the backed-off timeout at
+  most ``max(PTO_MAX, 2 x PTO)``: the count of unanswered probes (``_pto_count`` of aioquic's
+  recovery, the timeout's exponent of 2) is lowered to fit, so the interval stops growing at
+  the PTO times the largest power of 2 that fits. The TCP transport caps the kernel's
+  retransmission timeout likewise.
 * **Liveness.** ``last_heard`` is when a packet from the peer last decrypted (an override of
   ``_payload_received``, which aioquic calls for each authenticated packet), and
   :func:`smoothed_rtt` reads the RTT estimate of aioquic's loss recovery; together they decide
@@ -26,7 +34,7 @@ sent CONNECTION_CLOSE is gone at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
@@ -36,6 +44,7 @@ from aioquic.quic.events import ConnectionTerminated
 from swarmavg_quic._tls import AuthenticatingConnection
 
 __all__ = [
+    "PTO_MAX",
     "FlowControlledQuic",
     "acked_to",
     "aioquic_buffered",
@@ -45,6 +54,11 @@ __all__ = [
     "unacked",
     "written_to",
 ]
+
+
+#: The longest loss recovery waits between probes once backed off (seconds; at least twice the
+#: connection's probe timeout).
+PTO_MAX: Final = 2.0
 
 
 class FlowControlledQuic(AuthenticatingConnection):
@@ -68,6 +82,15 @@ class FlowControlledQuic(AuthenticatingConnection):
             context, plain, crypto_frame_required=crypto_frame_required
         )
         return result
+
+    def handle_timer(self, now: float) -> None:
+        super().handle_timer(now)
+        loss = self._loss
+        if loss._pto_count > 1:
+            pto = loss.get_probe_timeout(include_max_ack_delay=loss.handshake_confirmed)
+            longest = max(PTO_MAX, 2 * pto)
+            while loss._pto_count > 1 and pto * 2**loss._pto_count > longest:
+                loss._pto_count -= 1
 
     def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
         target = self.stream_credit.get(stream.stream_id)
@@ -165,6 +188,7 @@ def check_private_api() -> None:
 
     :raises RuntimeError: naming what is missing.
     """
+    from aioquic.quic.recovery import QuicPacketRecovery
     from aioquic.quic.stream import QuicStreamReceiver, QuicStreamSender
 
     from swarmavg_quic._tls import check_aioquic
@@ -176,8 +200,16 @@ def check_private_api() -> None:
             (QuicConnection, "_write_stream_limits"),
             (QuicConnection, "_write_connection_limits"),
             (QuicConnection, "_payload_received"),
+            (QuicPacketRecovery, "get_probe_timeout"),
         )
         if not callable(getattr(owner, name, None))
+    ]
+    probe = QuicConnection(configuration=QuicConfiguration(is_client=True))
+    recovery = getattr(probe, "_loss", None)
+    missing += [
+        f"QuicPacketRecovery.{name}"
+        for name in ("_pto_count", "handshake_confirmed")
+        if not isinstance(getattr(recovery, name, None), int)
     ]
     sender = QuicStreamSender(stream_id=0, writable=True)
     missing += [
