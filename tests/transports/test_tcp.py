@@ -1242,3 +1242,29 @@ async def test_connections_cap_the_retransmission_timeout_where_the_kernel_can()
                 got = conn._sock.getsockopt(socket.IPPROTO_TCP, tcp_transport._TCP_RTO_MAX_MS)
                 assert got == tcp_transport.RTO_MAX_MS == 2000
         await roundtrip(dialed, accepted)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel's ACK times are read on Linux")
+async def test_a_peer_that_only_acknowledges_is_not_idle() -> None:
+    """``idle_seconds`` counts the peer's kernel acknowledging what we send as hearing from it:
+    a peer whose side of a bulk transfer is done while ours goes on sends no bytes, yet it is
+    alive (the DHT closes connections idle for long; closing this one broke an all-reduce)."""
+    async with (
+        serving() as (_, listener),
+        TcpTransport(Identity.generate()) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        await anyio.sleep(0.5)
+        idle = dialed.idle_seconds()
+        assert idle is not None
+        assert idle >= 0.4
+        with anyio.fail_after(BOUND):
+            stream = await dialed.open_stream()
+            await stream.send(b"x" * 1000)
+            served = await accepted.accept_stream()
+            assert len(await served.receive()) == 1000
+            await anyio.sleep(0.05)
+        assert time.monotonic() - dialed._last_receive >= 0.4  # no byte came back ...
+        idle = dialed.idle_seconds()
+        assert idle is not None
+        assert idle < 0.3

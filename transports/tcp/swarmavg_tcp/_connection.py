@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -109,6 +110,29 @@ _SEALED_WRITE = 800 << 10
 #: that follow out of the buffer (each copy is a pass over the data), at the price of more
 #: reads when many small records come (64 KiB holds hundreds of them).
 _SMALL_READ = 64 << 10
+
+
+#: ``struct tcp_info`` (Linux): ``tcpi_last_ack_recv``, milliseconds since the last ACK came,
+#: is the u32 at this offset (after 8 bytes of u8 fields and 12 u32s).
+_TCP_INFO_LAST_ACK_RECV: Final = 56
+
+
+def _since_last_ack(sock: socket.socket) -> float | None:
+    """Seconds since ``sock`` last received an acknowledgement (``None``: not Linux, or the
+    socket cannot say)."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None or sys.platform != "linux":
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, 104)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_LAST_ACK_RECV + 4:
+        return None
+    return (
+        int.from_bytes(info[_TCP_INFO_LAST_ACK_RECV : _TCP_INFO_LAST_ACK_RECV + 4], sys.byteorder)
+        / 1000
+    )
 
 
 class _FifoLock:
@@ -627,8 +651,12 @@ class TcpConnection(Connection):
         await self._closed_event.wait()
 
     def idle_seconds(self) -> float | None:
-        """Seconds since the last bytes arrived from the peer."""
-        return max(time.monotonic() - self._last_receive, 0.0)
+        """Seconds since the last bytes arrived from the peer, or (Linux) since its kernel last
+        acknowledged what we sent, whichever is less: a peer that only receives from us (its
+        side of a bulk transfer done, ours still going) is heard from through its ACKs."""
+        idle = max(time.monotonic() - self._last_receive, 0.0)
+        acked = _since_last_ack(self._sock)
+        return idle if acked is None else min(idle, acked)
 
     def __repr__(self) -> str:
         side = "to" if self._is_initiator else "from"
