@@ -344,7 +344,8 @@ class Connection(TypedAttributeProvider, ABC):
         """Return once the connection is closed or broken."""
 
     def idle_seconds(self) -> float | None:
-        """Seconds since anything last arrived from the peer on this connection (``None``: the
+        """Seconds since anything last arrived from the peer on this connection, its
+        acknowledgements of our data included where the transport sees them (``None``: the
         transport does not tell). A connection that carries data is alive, however slowly a
         request over it is answered (a link full of bulk data); one silent for long may be
         stale (after a network cut, TCP holds what it sends behind a backed-off retransmission

@@ -1244,11 +1244,11 @@ async def test_connections_cap_the_retransmission_timeout_where_the_kernel_can()
         await roundtrip(dialed, accepted)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the kernel's ACK times are read on Linux")
 async def test_a_peer_that_only_acknowledges_is_not_idle() -> None:
-    """``idle_seconds`` counts the peer's kernel acknowledging what we send as hearing from it:
-    a peer whose side of a bulk transfer is done while ours goes on sends no bytes, yet it is
-    alive (the DHT closes connections idle for long; closing this one broke an all-reduce)."""
+    """On Linux, ``idle_seconds`` counts the peer's kernel acknowledging what we send as hearing
+    from it: a peer whose side of a bulk transfer is done while ours goes on sends no bytes,
+    yet it is alive (the DHT closes connections idle for long; closing this one broke an
+    all-reduce). Elsewhere only bytes from the peer count."""
     async with (
         serving() as (_, listener),
         TcpTransport(Identity.generate()) as client,
@@ -1267,4 +1267,7 @@ async def test_a_peer_that_only_acknowledges_is_not_idle() -> None:
         assert time.monotonic() - dialed._last_receive >= 0.4  # no byte came back ...
         idle = dialed.idle_seconds()
         assert idle is not None
-        assert idle < 0.3
+        if sys.platform == "linux":
+            assert idle < 0.3  # ... but the peer acknowledged ours
+        else:
+            assert idle >= 0.4

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 import sys
 import time
 from collections import deque
@@ -120,19 +121,16 @@ _TCP_INFO_LAST_ACK_RECV: Final = 56
 def _since_last_ack(sock: socket.socket) -> float | None:
     """Seconds since ``sock`` last received an acknowledgement (``None``: not Linux, or the
     socket cannot say)."""
-    option = getattr(socket, "TCP_INFO", None)
-    if option is None or sys.platform != "linux":
+    if sys.platform != "linux":
         return None
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, option, 104)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LAST_ACK_RECV + 4)
     except OSError:
         return None
     if len(info) < _TCP_INFO_LAST_ACK_RECV + 4:
         return None
-    return (
-        int.from_bytes(info[_TCP_INFO_LAST_ACK_RECV : _TCP_INFO_LAST_ACK_RECV + 4], sys.byteorder)
-        / 1000
-    )
+    milliseconds: int = struct.unpack_from("=I", info, _TCP_INFO_LAST_ACK_RECV)[0]
+    return milliseconds / 1000
 
 
 class _FifoLock:
