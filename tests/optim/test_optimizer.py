@@ -514,8 +514,14 @@ def test_client_and_auxiliary_peers_take_part(caplog: pytest.LogCaptureFixture) 
     # epoch; the log says so). Rounds failed here when the auxiliary counted towards the
     # expected group size: two trainers and the auxiliary assembled without the third; and,
     # on a loaded machine, when a trainer's last gradient round found no group in time (its
-    # local step at the last epoch is never averaged away: 0.115 apart in one CI run).
-    failed = any("averaging gradients failed" in r.getMessage() for r in caplog.records)
+    # local step at the last epoch is never averaged away: 0.115 apart in one CI run); and
+    # when a peer's state averaging timed out there and its next epoch found no other peer
+    # ("local gradients (no other peer)": 0.042 apart in another).
+    failed = any(
+        text in r.getMessage()
+        for r in caplog.records
+        for text in ("averaging gradients failed", "local gradients", "state averaging failed")
+    )
     atol = 0.25 if failed else 1e-6
     torch.testing.assert_close(finals["full1"], finals["full0"], atol=atol, rtol=0)
     torch.testing.assert_close(finals["client"], finals["full0"], atol=atol, rtol=0)
