@@ -31,7 +31,11 @@ not timed) of one float32 tensor of ``size`` MiB per peer:
   (``ours, even``) passes none, and its fresh averagers have measured nothing (an even
   split); a third (``ours, measured``) passes none and keeps its averagers from the warm-up
   round on: each peer announces the bandwidth it measured in the rounds before (the warm-up
-  round is even), and the row's note says what each measured after the last round (MB/s);
+  round is even), and the row's note says what each measured after the last round (MB/s).
+  On the uniform profiles, ``ours`` (fresh averagers: a peer's first round, nothing
+  measured) and ``ours, measured`` (kept averagers, as in training: from the first timed
+  round on, each knows its throughput, which sets the pacing of its connections and, on
+  slow links, the part size);
 - ``gloo``: ``torch.distributed`` gloo ``all_reduce`` (``benchmarks/_netlab_gloo.py``, one rank
   per host, TCP over the lab), the max over ranks of a call;
 - ``hivemind``: hivemind 1.1.12's ``DecentralizedAverager`` (``benchmarks/_netlab_hivemind.py``
@@ -543,13 +547,15 @@ def run_cell(
     lossless: bool = False,
     offload: bool | None = None,
     part_bytes: int | None = None,
+    measured: bool = True,
     round_timeout: float | None,
     logs: Path,
     say: Callable[[str], None] = print,
     rows: list[Row] | None = None,
 ) -> list[Row]:
     """Every system's rows for one lab of ``n`` hosts on ``profile``, ``size_mib`` per peer,
-    appended to ``rows`` (a new list by default) as each is done; returns ``rows``."""
+    appended to ``rows`` (a new list by default) as each is done; returns ``rows``.
+    ``measured``: also the ``ours, measured`` row on a uniform profile."""
     hosts = swarm_profiles(profile, n, rates_only, lossless)
     rates = [_rate(p) for p in hosts]
     size = int(size_mib * MIB) // 4
@@ -575,6 +581,8 @@ def run_cell(
         out = Path(tmp)
         if "ours" in systems:
             variants: list[tuple[str, Sequence[float] | None, float]] = [("ours", None, bound)]
+            if measured:
+                variants.append(("ours, measured", None, bound))
             if profile == "mixed":
                 variants = [
                     ("ours", [rate / 8 for rate in rates], bound),
@@ -701,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
                         rates_only=args.rates_only,
                         lossless=args.lossless,
                         part_bytes=None if args.part_mib is None else int(args.part_mib * MIB),
+                        measured=not quick,  # (its rounds are too small to measure)
                         offload={"auto": None, "on": True, "off": False}[args.offload],
                         round_timeout=args.round_timeout,
                         logs=logs,

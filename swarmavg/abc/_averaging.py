@@ -118,6 +118,13 @@ class AllReduceResult:
     started: float = 0.0
     sent_log: list[tuple[float, int]] = field(default_factory=list)
     received_log: list[tuple[float, int]] = field(default_factory=list)
+    #: the same, counted where the bytes crossed the network (``(time, bytes)`` acknowledged
+    #: by, or arrived from, the group's members since the previous sample, on their
+    #: connections; see :meth:`~swarmavg.abc.Connection.traffic`): empty where the transport
+    #: does not tell. Unlike the logs above, they do not see a socket buffer filled or
+    #: drained at once, so the averager measures from them where it has them.
+    wire_sent_log: list[tuple[float, int]] = field(default_factory=list)
+    wire_received_log: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def incomplete(self) -> bool:
@@ -167,6 +174,9 @@ class AllReduceRunner(ABC):
     """
 
     in_place: ClassVar[bool] = False
+    #: whether :meth:`run` takes the keyword argument ``upload_rate`` (bytes/s, this member's
+    #: measured throughput; passed only when known): the runner may pace its connections by it
+    paces: ClassVar[bool] = False
 
     @abstractmethod
     async def run(

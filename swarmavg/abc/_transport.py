@@ -352,6 +352,21 @@ class Connection(TypedAttributeProvider, ABC):
         timer)."""
         return None
 
+    def traffic(self) -> tuple[int, int] | None:
+        """``(bytes the peer acknowledged, bytes that arrived from it)`` on this connection so
+        far, counted where they cross the network (for TCP: the kernel's counters, which see
+        data when it leaves and arrives, not when the application hands it over or reads it;
+        framing and encryption included); ``None``: the transport does not tell. Only the
+        differences between two reads mean something."""
+        return None
+
+    def set_pacing_rate(self, rate: float | None) -> bool:
+        """Cap the rate at which this connection sends at ``rate`` bytes/s (``None``: no cap),
+        spreading its packets over time. Returns whether the transport did (``False``: it
+        cannot pace). The all-reduce paces its connections so that they share this peer's
+        upload fairly (see ``docs/design/averaging.md``)."""
+        return False
+
     @property
     def peer_id(self) -> PeerID:
         """Shortcut for ``self.extra(ConnectionAttribute.peer_id)``."""

@@ -103,6 +103,7 @@ from swarmavg.proto.averaging_messages import (
 from swarmavg.proto.codec import Message
 
 if TYPE_CHECKING:
+    from swarmavg.abc import Connection
     from swarmavg.aio.node import Node
     from swarmavg.aio.rpc import CallContext
     from swarmavg.identity import PeerID
@@ -127,6 +128,14 @@ _RELAY_TIMEOUT: Final = 10.0
 #: How long a finished round's results can be relayed (seconds), and how many rounds.
 _RELAY_KEEP: Final = 120.0
 _RELAY_ROUNDS: Final = 8
+#: How often a round samples what crossed the network to its members (seconds; see
+#: ``_WireSampler``).
+_WIRE_SAMPLE: Final = 0.05
+#: Pacing (see ``_pacing_plan``): each connection's cap is this times its share of our upload,
+#: a little above the fair share, so that a measurement a little low costs little.
+_PACING_MARGIN: Final = 1.0
+#: ... only in rounds where we send at least this much (bytes) to at least two members.
+_PACING_MIN_BYTES: Final = 16 << 20
 #: How long a call for a round that has not started here yet waits for it (seconds).
 _JOIN_WAIT: Final = 10.0
 #: ... for a round this node expects to run (its member waits for its trigger); the caller's
@@ -213,6 +222,63 @@ class _Applied:
         return in_progress or self.valid is None or self.valid()
 
 
+class _WireSampler:
+    """Samples, every ``_WIRE_SAMPLE`` seconds of a round, what crossed the network on the
+    connections to the group's members (:meth:`~swarmavg.abc.Connection.traffic`) into the
+    result's ``wire_sent_log`` / ``wire_received_log``: bytes the members acknowledged and
+    bytes that arrived from them, per sample. A connection opened during the round counts
+    from 0; one whose transport does not tell makes the logs say nothing (they are cleared)."""
+
+    def __init__(self, node: Node, peers: Sequence[PeerID], result: AllReduceResult) -> None:
+        self.node = node
+        self.peers = list(peers)
+        self.result = result
+        self.last: dict[PeerID, tuple[object, int, int]] = {}
+        self.blind = False
+        for peer in self.peers:
+            conn = node.connection_to(peer)
+            traffic = None if conn is None else conn.traffic()
+            if conn is not None and traffic is None:
+                self.blind = True
+            elif conn is not None and traffic is not None:
+                self.last[peer] = (conn, *traffic)
+
+    def tells(self) -> bool:
+        """Whether the connections count their traffic (as far as is known: none open yet
+        that does not)."""
+        return not self.blind
+
+    async def run(self) -> None:
+        while not self.blind:
+            await anyio.sleep(_WIRE_SAMPLE)
+            self.sample()
+
+    def sample(self) -> None:
+        if self.blind:
+            return
+        sent = received = 0
+        for peer in self.peers:
+            conn = self.node.connection_to(peer)
+            if conn is None:
+                continue
+            traffic = conn.traffic()
+            if traffic is None:
+                self.blind = True
+                self.result.wire_sent_log.clear()
+                self.result.wire_received_log.clear()
+                return
+            was = self.last.get(peer)
+            then_sent, then_received = (was[1], was[2]) if was and was[0] is conn else (0, 0)
+            sent += max(traffic[0] - then_sent, 0)
+            received += max(traffic[1] - then_received, 0)
+            self.last[peer] = (conn, *traffic)
+        now = anyio.current_time()
+        if sent:
+            self.result.wire_sent_log.append((now, sent))
+        if received:
+            self.result.wire_received_log.append((now, received))
+
+
 @dataclass
 class _Round:
     """A round in progress on this node, as a reducer of its span."""
@@ -257,6 +323,10 @@ class _Round:
     applied: _Applied | None = None
     #: where the accumulators come from (``None``: fresh arrays)
     pool: AccumulatorPool | None = None
+    #: the pacing cap (bytes/s) of our connection to each member (see ``_pacing_plan``), and
+    #: the connections this round capped
+    pacing: dict[PeerID, float] = field(default_factory=dict)
+    paced: set[Connection] = field(default_factory=set)
     #: senders whose values for our span held NaN or an infinity
     nonfinite: set[int] = field(default_factory=set)
     #: each part reduced and answerable (``ready`` is also set for every part when the round
@@ -416,6 +486,46 @@ class _Round:
             event.set()
 
 
+def _pacing_plan(
+    group: Group,
+    me: int,
+    layout: FlatLayout,
+    plans: Sequence[Sequence[Part]],
+    sends_values: bool,
+    upload_rate: float | None,
+) -> dict[PeerID, float]:
+    """The pacing cap (bytes/s) of our connection to each member this round sends to: our
+    ``upload_rate`` split in proportion to what we send each (our values of its span, and
+    the means of our span it receives), times ``_PACING_MARGIN``; empty (no pacing) without
+    a rate, with fewer than two members to send to, or under ``_PACING_MIN_BYTES`` in all.
+
+    Why: the connections of one upload share one queue (at the access link, usually
+    first-in first-out), and TCP's congestion control does not share it evenly: on the
+    network lab one of a host's three connections ran at about twice the rate of the others
+    for whole rounds, and the means of the last parts waited for the slowest one. Capped at
+    their share, they all finish together."""
+    if upload_rate is None or not (upload_rate > 0 and math.isfinite(upload_rate)):
+        return {}
+    itemsizes = [_numpy_dtype(dtype).itemsize for dtype, _ in layout.buffers]
+
+    def nbytes(parts: Sequence[Part]) -> int:
+        return sum(part.size * itemsizes[part.buffer] for part in parts)
+
+    means = nbytes(plans[me])
+    senders = set(group.senders)
+    carried: dict[PeerID, int] = {}
+    for index, member in enumerate(group.members):
+        if index == me:
+            continue
+        amount = (nbytes(plans[index]) if sends_values else 0) + (means if index in senders else 0)
+        if amount > 0:
+            carried[member.peer_id] = amount
+    total = sum(carried.values())
+    if len(carried) < 2 or total < _PACING_MIN_BYTES:
+        return {}
+    return {peer: _PACING_MARGIN * upload_rate * amount / total for peer, amount in carried.items()}
+
+
 def _numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(np.float32 if name == "bfloat16" else name)
 
@@ -516,6 +626,8 @@ class AllReduceService(AllReduceRunner):
 
     #: the buffers may be the caller's tensors (see :class:`~swarmavg.abc.AllReduceRunner`)
     in_place = True
+    #: ``run`` takes ``upload_rate`` and paces its connections by it (see ``_pacing_plan``)
+    paces = True
 
     def __init__(self, node: Node, *, join_wait: float = _JOIN_WAIT) -> None:
         self.node = node
@@ -535,6 +647,8 @@ class AllReduceService(AllReduceRunner):
         self._told: OrderedDict[bytes, None] = OrderedDict()
         #: peers whose last connection to us ended, and when (``anyio.current_time()``)
         self._lost: OrderedDict[PeerID, float] = OrderedDict()
+        #: connections paced by running rounds: the caps each round asked for (their sum holds)
+        self._paced: dict[Connection, dict[bytes, float]] = {}
         node.watch_peers(self._peer_lost)
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
         node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
@@ -609,9 +723,14 @@ class AllReduceService(AllReduceRunner):
         error_feedback: ErrorFeedback | None = None,
         clip_norm: float | None = None,
         results_valid: Callable[[], bool] | None = None,
+        upload_rate: float | None = None,
     ) -> AllReduceResult:
         """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
         place) with the rest of ``group``.
+
+        ``upload_rate`` (bytes/s; the averager passes its measured bandwidth): the connections
+        this round sends on are paced to share it in proportion to what each carries (see
+        :func:`_pacing_plan`) while the round runs.
 
         ``results_valid``: the buffers are the caller's memory, which changes after this
         returns; groupmates are relayed results from them only while it says ``True`` (see
@@ -682,6 +801,8 @@ class AllReduceService(AllReduceRunner):
             feedback=error_feedback,
             pool=self._accumulators,
         )
+        sends_values = mode is not MemberMode.AUX and weight > 0
+        round_.pacing = _pacing_plan(group, me, layout, plans, sends_values, upload_rate)
         result = AllReduceResult([], 0.0, own_nonfinite=own_nonfinite, started=started)
         round_.applied = applied = _Applied(
             group,
@@ -720,10 +841,20 @@ class AllReduceService(AllReduceRunner):
             round_.max_norms = [clip_norm * math.sqrt(p.size / total) for p in round_.parts]
         self._reducer_timeouts[group.group_id] = reducer_timeout
         deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        wire = _WireSampler(
+            self.node, [m.peer_id for i, m in enumerate(group.members) if i != me], result
+        )
         try:
+            for peer in round_.pacing:
+                self._pace(round_, peer)
             with anyio.fail_after(timeout), round_.scope:
                 outbound = _Outbound(buffers, weight, averaging_alpha, result, weights)
-                await self._run_tasks(group, round_, plans, codecs, outbound)
+                async with anyio.create_task_group() as sampling:
+                    if wire.tells():
+                        sampling.start_soon(wire.run)
+                    await self._run_tasks(group, round_, plans, codecs, outbound)
+                    sampling.cancel_scope.cancel()
+                wire.sample()
             applied.close()
             if result.local_spans and round_.left is None:
                 budget = min(reducer_timeout or _RELAY_TIMEOUT, _RELAY_TIMEOUT)
@@ -739,6 +870,7 @@ class AllReduceService(AllReduceRunner):
             if round_.left is None:
                 raise
         finally:
+            self._unpace(round_)
             del self._rounds[group.group_id]
             del self._reducer_timeouts[group.group_id]
             round_.close()
@@ -782,6 +914,32 @@ class AllReduceService(AllReduceRunner):
         result.contributors = [i for i in senders if weights.get(i, 0.0) > 0]
         result.total_weight = sum(weights.get(i, 0.0) for i in senders)
         return result
+
+    def _pace(self, round_: _Round, peer: PeerID) -> None:
+        """Cap our pooled connection to ``peer`` at what ``round_``'s plan gives it (added to
+        the caps of other rounds that pace it), once per connection and round."""
+        rate = round_.pacing.get(peer)
+        conn = self.node.connection_to(peer)
+        if rate is None or conn is None or conn in round_.paced:
+            return
+        rates = self._paced.setdefault(conn, {})
+        rates[round_.group.group_id] = rate
+        if conn.set_pacing_rate(sum(rates.values())):
+            round_.paced.add(conn)
+        else:  # (the transport cannot pace, or the connection is gone)
+            rates.pop(round_.group.group_id)
+            if not rates:
+                del self._paced[conn]
+
+    def _unpace(self, round_: _Round) -> None:
+        """Take ``round_``'s caps off its connections (another round's stay)."""
+        for conn in round_.paced:
+            rates = self._paced.get(conn, {})
+            rates.pop(round_.group.group_id, None)
+            if not rates:
+                self._paced.pop(conn, None)
+            conn.set_pacing_rate(sum(rates.values()) if rates else None)
+        round_.paced.clear()
 
     def _finish(self, group_id: bytes) -> None:
         """Remember the round as over here; calls waiting for it fail."""
@@ -1230,6 +1388,7 @@ class AllReduceService(AllReduceRunner):
         async with self.node.rpc.open(
             member.address, METHOD, kind="bidi", response_type=Message
         ) as call:
+            self._pace(round_, member.peer_id)  # (its connection may be new)
 
             async def send() -> None:
                 await call.send(AvgBegin(group.group_id, me, float(out.weight)))

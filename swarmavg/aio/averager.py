@@ -42,7 +42,13 @@ import numpy as np
 import numpy.typing as npt
 
 from swarmavg._time import get_dht_time
-from swarmavg.abc._averaging import AllReduceResult, AllReduceRunner, Matchmaker, MemberMode
+from swarmavg.abc._averaging import (
+    AllReduceResult,
+    AllReduceRunner,
+    Group,
+    Matchmaker,
+    MemberMode,
+)
 from swarmavg.aio.allreduce import AllReduceService
 from swarmavg.aio.matchmaking import DHTMatchmaker
 from swarmavg.aio.state import (
@@ -101,6 +107,14 @@ _CHECK_IN_THREAD = 1 << 22
 #: Bounds of the automatic part size (elements).
 _MIN_PART = 1 << 18
 _MAX_PART = 1 << 22
+#: Every this many rounds with a measured bandwidth, one is not paced (see ``_upload_rate``).
+_PROBE_EVERY = 8
+#: The automatic part size keeps a reducer's last answer to everyone within about this long
+#: (seconds) at the slowest member's announced bandwidth...
+_PART_TAIL = 0.1
+#: ... counting only announced bandwidths of at least this (bytes/s): smaller ones are taken
+#: for ratios (``bandwidth=`` only needs the right ratios), which say nothing about time.
+_MIN_RATE = 1e5
 
 _TORCH_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
@@ -494,6 +508,11 @@ class DecentralizedAverager:
         #: measures our throughput when no ``bandwidth`` was given (see measured_bandwidth)
         self._throughput = BandwidthEstimator() if bandwidth is None else None
         self._measured_bandwidth: float | None = None
+        #: pacing (see ``_upload_rate``): the rate of the last round that was not paced, whether
+        #: the round running now is, and the rounds since the last one that was not
+        self._unpaced_rate: float | None = None
+        self._pacing_round = False
+        self._paced_rounds = 0
         client = dht.client_mode if client_mode is None else client_mode
         self.mode = (
             MemberMode.AUX if auxiliary else MemberMode.CLIENT if client else MemberMode.NODE
@@ -596,7 +615,13 @@ class DecentralizedAverager:
         estimator = self._throughput
         if estimator is None:
             return
-        report = estimator.add_round(outcome.started, outcome.sent_log, outcome.received_log)
+        if outcome.wire_sent_log or outcome.wire_received_log:  # (the network's view)
+            logs = (outcome.wire_sent_log, outcome.wire_received_log)
+        else:
+            logs = (outcome.sent_log, outcome.received_log)
+        if not self._pacing_round:
+            self._unpaced_rate = estimator.round_rate(outcome.started, *logs) or self._unpaced_rate
+        report = estimator.add_round(outcome.started, *logs)
         estimate = self._measured_bandwidth = estimator.estimate
         if estimate is None:
             return
@@ -608,6 +633,19 @@ class DecentralizedAverager:
                 " load balancing",
                 estimate / 1e6,
             )
+
+    def _upload_rate(self) -> float | None:
+        """The upload rate (bytes/s) this round's connections are paced by, or ``None`` (not
+        paced): the measured bandwidth, or the last unpaced round's rate if higher. A paced
+        round cannot measure more than its caps, so that the estimate can rise when the link
+        gets faster, every ``_PROBE_EVERY``-th round is not paced (and measures freely)."""
+        if self._measured_bandwidth is None or not getattr(self.allreduce, "paces", False):
+            return None
+        self._paced_rounds += 1
+        if self._paced_rounds >= _PROBE_EVERY:
+            self._paced_rounds = 0
+            return None
+        return max(self._measured_bandwidth, self._unpaced_rate or 0.0)
 
     # -- tensors and bits ------------------------------------------------------------------------
 
@@ -810,16 +848,32 @@ class DecentralizedAverager:
                 seconds,
             )
 
-    def _part_size(self, group_size: int) -> int:
+    def _part_size(self, group: Group) -> int:
         """Elements per part: ``part_size_bytes / 4``, or automatically about a quarter of a
         span, a power of two between 1 MiB and 16 MiB of float32: enough parts to overlap
         sending, reducing and receiving, few enough that Python's cost per part stays far
-        below the data's. (Every member must use the same: the automatic size depends only
-        on what all members share, the tensors and the group size.)"""
+        below the data's. On slow links, smaller (down to 1 MiB): a reducer answers its last
+        part to every sender only after the last values came, and nothing else overlaps that,
+        so the part is held to what the slowest member (by the bandwidths announced, when they
+        are rates) sends to all in about ``_PART_TAIL`` seconds. (Every member must use the
+        same: the automatic size depends only on what all members share, the tensors and the
+        group.)"""
         if self.part_size_bytes is not None:
             return max(1, self.part_size_bytes // 4)
-        quarter_span = max(1, self.layout.numel // (4 * group_size))
-        return min(max(1 << (quarter_span - 1).bit_length(), _MIN_PART), _MAX_PART)
+        size = len(group.members)
+        quarter_span = max(1, self.layout.numel // (4 * size))
+        elements = 1 << (quarter_span - 1).bit_length()
+        rates = [
+            m.bandwidth
+            for m in group.members
+            if m.bandwidth is not None
+            and m.bandwidth >= _MIN_RATE
+            and m.mode is not MemberMode.CLIENT
+        ]
+        if rates and size > 1:
+            tail = max(1, int(min(rates) * _PART_TAIL / (size - 1) / 4))
+            elements = min(elements, 1 << (tail.bit_length() - 1))  # (a power of two <= it)
+        return min(max(elements, _MIN_PART), _MAX_PART)
 
     # -- state sharing ---------------------------------------------------------------------------
 
@@ -1254,12 +1308,16 @@ class DecentralizedAverager:
                 compressing["clip_norm"] = self.clip_norm
             if in_place is not None:
                 compressing["results_valid"] = in_place.results_valid
+            upload_rate = self._upload_rate()
+            self._pacing_round = upload_rate is not None
+            if upload_rate is not None:
+                compressing["upload_rate"] = upload_rate
             outcome = await self.allreduce.run(
                 group,
                 buffers,
                 self.layout,
                 weight=weight,
-                part_size=self._part_size(len(group.members)),
+                part_size=self._part_size(group),
                 averaging_alpha=self.averaging_alpha,
                 min_vector_size=self.min_vector_size,
                 timeout=timeout,

@@ -14,6 +14,9 @@ connection is a link that serializes messages at ``bandwidth`` bytes/s, then del
 ``retransmit_timeout`` (head-of-line blocking, as TCP and a QUIC stream would show it). The
 receiver does not return a message before its delivery time. Flow control is per stream: a
 sender waits while the bytes it has sent and the receiver has not yet read exceed ``window``.
+A connection's ``set_pacing_rate`` caps its sending direction's rate below the link's, and
+``traffic`` counts the bytes each way as the link delivers them (evenly over a message's
+serialization, shifted by the latency).
 
 :meth:`MemoryTransport.set_link` pulls a peer's cable: while it is down, whatever is sent to or
 from it (messages, EOFs, resets) is lost without a word, and dialing it or from it waits until
@@ -104,7 +107,17 @@ class MemoryNetwork:
 class _Link:
     """One direction of a connection: serialization at a bandwidth, then latency and loss."""
 
-    __slots__ = ("_free_at", "_last_delivery", "bandwidth", "latency", "loss", "rto")
+    __slots__ = (
+        "_delivered",
+        "_free_at",
+        "_in_flight",
+        "_last_delivery",
+        "bandwidth",
+        "latency",
+        "loss",
+        "pacing",
+        "rto",
+    )
 
     def __init__(self, latency: float, bandwidth: float | None, loss: float, rto: float) -> None:
         self.latency = latency
@@ -113,20 +126,48 @@ class _Link:
         self.rto = rto
         self._free_at = 0.0
         self._last_delivery = 0.0
+        #: messages not wholly delivered: (first byte's arrival, last byte's, bytes)
+        self._in_flight: deque[tuple[float, float, int]] = deque()
+        self._delivered = 0
+        #: a sender's cap on this direction (bytes/s; ``Connection.set_pacing_rate``)
+        self.pacing: float | None = None
+
+    def delivered(self) -> int:
+        """Bytes delivered over this link so far: a message's bytes arrive evenly over its
+        serialization time, shifted by the latency (as a kernel's counters would see them)."""
+        now = anyio.current_time()
+        while self._in_flight and self._in_flight[0][1] <= now:
+            self._delivered += self._in_flight.popleft()[2]
+        partial = 0
+        for first, last, nbytes in self._in_flight:
+            if first >= now:
+                break
+            partial += int(nbytes * (now - first) / (last - first))
+        return self._delivered + partial
 
     @property
     def ideal(self) -> bool:
-        return self.latency == 0 and self.bandwidth is None and self.loss == 0
+        return self.latency == 0 and self.rate is None and self.loss == 0
+
+    @property
+    def rate(self) -> float | None:
+        """Bytes/s this direction serializes at: the link's, or the sender's cap if lower."""
+        if self.pacing is None or (self.bandwidth is not None and self.bandwidth < self.pacing):
+            return self.bandwidth
+        return self.pacing
 
     def delivery_time(self, nbytes: int) -> float:
         now = anyio.current_time()
         start = max(now, self._free_at)
-        self._free_at = start + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+        rate = self.rate
+        self._free_at = start + (nbytes / rate if rate else 0.0)
         at = self._free_at + self.latency
         if self.loss and random.random() < self.loss:
             at += self.rto
         # in-order delivery: a message never overtakes the one before it
         self._last_delivery = max(self._last_delivery, at)
+        serialized = nbytes / rate if rate else 0.0
+        self._in_flight.append((self._last_delivery - serialized, self._last_delivery, nbytes))
         return self._last_delivery
 
 
@@ -345,6 +386,20 @@ class _MemoryConnection(Connection):
 
     def idle_seconds(self) -> float | None:
         return max(anyio.current_time() - self._last_receive, 0.0)
+
+    def set_pacing_rate(self, rate: float | None) -> bool:
+        """Messages sent from now on serialize at most at ``rate`` bytes/s (``None``: at the
+        link's rate)."""
+        if self.is_closed:
+            return False
+        self._out_link.pacing = rate
+        return True
+
+    def traffic(self) -> tuple[int, int] | None:
+        """Bytes of messages delivered each way so far (at their delivery times)."""
+        peer = self._peer
+        received = 0 if peer is None else peer._out_link.delivered()
+        return self._out_link.delivered(), received
 
     async def open_stream(self) -> Stream:
         await anyio.lowlevel.checkpoint()

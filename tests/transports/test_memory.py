@@ -5,7 +5,13 @@ import pytest
 
 from swarmavg.errors import ConnectError
 from swarmavg.identity import Identity
-from swarmavg.testing import TRANSPORT_CHECKS, MemoryNetwork, MemoryTransport, run_transport_check
+from swarmavg.testing import (
+    TRANSPORT_CHECKS,
+    MemoryNetwork,
+    MemoryTransport,
+    run_on_virtual_time,
+    run_transport_check,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -123,3 +129,36 @@ async def test_a_pulled_cable_loses_what_is_sent_and_holds_dials_until_it_is_bac
             stream.receive_nowait()
         second = await a.connect(listener.address)
         assert not second.is_closed
+
+
+def test_traffic_counts_bytes_as_the_link_delivers_them() -> None:
+    """``traffic()``: bytes delivered each way, arriving evenly over a message's serialization
+    (shifted by the latency), as a kernel's counters would see them; both ends agree."""
+
+    async def main() -> None:
+        network = MemoryNetwork()
+        a = MemoryTransport(Identity.generate(), network=network, latency=0.05)
+        b = MemoryTransport(Identity.generate(), network=network, bandwidth=10e6)
+        async with a, b:
+            listener = await b.listen("memory://local:0")
+            conn = await a.connect(listener.address)
+            peer = await listener.accept()
+            assert conn.traffic() == peer.traffic() == (0, 0)
+            stream = await conn.open_stream()
+            start = anyio.current_time()
+            await stream.send(bytes(1_000_000))  # 0.1 s at 10 MB/s, + 0.05 s latency
+            assert conn.traffic() == (0, 0)  # (handed over; nothing crossed yet)
+            await anyio.sleep(start + 0.1 - anyio.current_time())  # half of it arrived
+            sent, received = conn.traffic() or (0, 0)
+            assert sent == pytest.approx(500_000, rel=0.02)
+            assert received == 0
+            assert peer.traffic() == (0, sent)
+            remote = await peer.accept_stream()
+            assert len(await remote.receive()) == 1_000_000
+            assert conn.traffic() == (1_000_000, 0)
+            await remote.send(bytes(1000))
+            assert len(await stream.receive()) == 1000
+            assert conn.traffic() == (1_000_000, 1000)
+            assert peer.traffic() == (1000, 1_000_000)
+
+    run_on_virtual_time(main)

@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import socket
+import struct
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -1271,3 +1272,68 @@ async def test_a_peer_that_only_acknowledges_is_not_idle() -> None:
             assert idle < 0.3  # ... but the peer acknowledged ours
         else:
             assert idle >= 0.4
+
+
+async def test_traffic_counts_what_crossed_the_network() -> None:
+    """``traffic()`` (Linux): the kernel's count of bytes the peer acknowledged and bytes that
+    arrived, each end's view the mirror of the other's; what the averager measures its
+    throughput from, since it does not see a socket buffer filled or drained at once.
+    Elsewhere the transport does not tell (``None``)."""
+    async with (
+        serving() as (_, listener),
+        TcpTransport(Identity.generate()) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        before = dialed.traffic(), accepted.traffic()
+        if sys.platform != "linux":
+            assert before == (None, None)
+            return
+        assert before[0] is not None
+        assert before[1] is not None
+        size = 3 << 20
+        with anyio.fail_after(BOUND):
+            stream = await dialed.open_stream()
+            await stream.send(bytes(size))
+            served = await accepted.accept_stream()
+            assert len(await served.receive()) == size
+            await served.send(b"y" * 1000)
+            assert len(await stream.receive()) == 1000
+            await anyio.sleep(0.05)  # (the last acknowledgements)
+        after = dialed.traffic(), accepted.traffic()
+        assert after[0] is not None
+        assert after[1] is not None
+        sent = after[0][0] - before[0][0]
+        came_back = after[0][1] - before[0][1]
+        # the payload and its framing, nothing more (the transport's overhead is small)
+        assert size <= sent <= size * 1.01
+        assert 1000 <= came_back <= 2000
+        # the other end saw the same bytes arrive and leave (give or take what was in flight
+        # when the two ends were first read, the handshake's last bytes)
+        assert abs((after[1][1] - before[1][1]) - sent) < 1000
+        assert abs((after[1][0] - before[1][0]) - came_back) < 1000
+
+
+async def test_pacing_caps_the_kernel_s_sending_rate_and_comes_off() -> None:
+    """``set_pacing_rate`` (Linux): the kernel's ``SO_MAX_PACING_RATE``, read back from
+    ``TCP_INFO``'s ``tcpi_max_pacing_rate``; ``None`` lifts the cap. Elsewhere it cannot."""
+    async with (
+        serving() as (_, listener),
+        TcpTransport(Identity.generate()) as client,
+    ):
+        dialed, _ = await pair(client, listener)
+
+        def cap() -> int:
+            info = dialed._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 120)
+            return int(struct.unpack_from("=Q", info, 112)[0])
+
+        if sys.platform != "linux":
+            assert dialed.set_pacing_rate(4e6) is False
+            return
+        unlimited = cap()
+        assert unlimited >= 0xFFFFFFFF
+        assert dialed.set_pacing_rate(4e6) is True
+        assert cap() == 4_000_000
+        assert dialed.set_pacing_rate(None) is True
+        assert cap() == unlimited
+        await dialed.aclose()
+        assert dialed.set_pacing_rate(4e6) is False

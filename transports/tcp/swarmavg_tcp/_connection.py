@@ -133,6 +133,45 @@ def _since_last_ack(sock: socket.socket) -> float | None:
     return milliseconds / 1000
 
 
+#: ... ``tcpi_bytes_acked`` and ``tcpi_bytes_received`` (RFC 4898's HCThruOctetsAcked and
+#: HCThruOctetsReceived, Linux 4.1+) are the u64s at this offset, after the pacing rates.
+_TCP_INFO_BYTES_ACKED: Final = 120
+
+
+def _tcp_traffic(sock: socket.socket) -> tuple[int, int] | None:
+    """``sock``'s bytes acknowledged by the peer and bytes received, from the kernel
+    (``None``: not Linux, or the socket cannot say)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES_ACKED + 16)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_BYTES_ACKED + 16:
+        return None
+    acked, received = struct.unpack_from("=QQ", info, _TCP_INFO_BYTES_ACKED)
+    return int(acked), int(received)
+
+
+#: ``SO_MAX_PACING_RATE`` (Linux 3.13+): the most bytes/s the kernel sends the socket's data
+#: at, spread evenly (TCP's own pacing, or the ``fq`` qdisc); the u32 ``~0`` means no cap.
+_SO_MAX_PACING_RATE: Final = 47
+_NO_PACING_CAP: Final = 0xFFFFFFFF
+
+
+def _set_max_pacing_rate(sock: socket.socket, rate: float | None) -> bool:
+    """Cap ``sock``'s sending rate at ``rate`` bytes/s (``None``: no cap); ``False`` where the
+    kernel cannot (not Linux, or the socket is gone)."""
+    if sys.platform != "linux":
+        return False
+    value = _NO_PACING_CAP if rate is None else max(1, min(int(rate), _NO_PACING_CAP - 1))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, struct.pack("=I", value))
+    except OSError:
+        return False
+    return True
+
+
 class _FifoLock:
     """A fair lock that costs nothing when free (no checkpoint on the uncontended path)."""
 
@@ -655,6 +694,17 @@ class TcpConnection(Connection):
         idle = max(time.monotonic() - self._last_receive, 0.0)
         acked = _since_last_ack(self._sock)
         return idle if acked is None else min(idle, acked)
+
+    def set_pacing_rate(self, rate: float | None) -> bool:
+        """The kernel's ``SO_MAX_PACING_RATE`` (Linux; elsewhere ``False``); see the abc."""
+        if self.is_closed:
+            return False
+        return _set_max_pacing_rate(self._sock, rate)
+
+    def traffic(self) -> tuple[int, int] | None:
+        """The kernel's count of bytes the peer acknowledged and bytes that arrived (Linux;
+        elsewhere ``None``); see the abc."""
+        return _tcp_traffic(self._sock)
 
     def __repr__(self) -> str:
         side = "to" if self._is_initiator else "from"
