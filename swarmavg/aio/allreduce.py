@@ -131,8 +131,9 @@ _RELAY_ROUNDS: Final = 8
 #: How often a round samples what crossed the network to its members (seconds; see
 #: ``_WireSampler``).
 _WIRE_SAMPLE: Final = 0.05
-#: Pacing (see ``_pacing_plan``): each connection's cap is this times its share of our upload,
-#: a little above the fair share, so that a measurement a little low costs little.
+#: Pacing (see ``_pacing_plan``): each connection's cap is this times its share of our upload
+#: rate. None above: the rate is a peak measurement, already a little above what the link
+#: sustains, and caps 10% higher let the connections drift apart again (docs/design/averaging.md).
 _PACING_MARGIN: Final = 1.0
 #: ... only in rounds where we send at least this much (bytes) to at least two members.
 _PACING_MIN_BYTES: Final = 16 << 20
