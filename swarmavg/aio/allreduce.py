@@ -1490,6 +1490,7 @@ class AllReduceService(AllReduceRunner):
             raise ValueError("the caller is not the member it claims to be")
         if members[sender].mode is MemberMode.AUX:
             raise ValueError("an auxiliary member sends nothing")
+        self._pace(round_, ctx.peer_id)  # (a connection the sender opened mid-round)
         if sender in round_.weights:
             raise ValueError(f"member {sender} already called")
         if not (begin.weight >= 0 and math.isfinite(begin.weight)):
