@@ -118,39 +118,37 @@ _SMALL_READ = 64 << 10
 _TCP_INFO_LAST_ACK_RECV: Final = 56
 
 
-def _since_last_ack(sock: socket.socket) -> float | None:
-    """Seconds since ``sock`` last received an acknowledgement (``None``: not Linux, or the
-    socket cannot say)."""
-    if sys.platform != "linux":
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LAST_ACK_RECV + 4)
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_LAST_ACK_RECV + 4:
-        return None
-    milliseconds: int = struct.unpack_from("=I", info, _TCP_INFO_LAST_ACK_RECV)[0]
-    return milliseconds / 1000
-
-
 #: ... ``tcpi_bytes_acked`` and ``tcpi_bytes_received`` (RFC 4898's HCThruOctetsAcked and
 #: HCThruOctetsReceived, Linux 4.1+) are the u64s at this offset, after the pacing rates.
 _TCP_INFO_BYTES_ACKED: Final = 120
 
 
-def _tcp_traffic(sock: socket.socket) -> tuple[int, int] | None:
-    """``sock``'s bytes acknowledged by the peer and bytes received, from the kernel
-    (``None``: not Linux, or the socket cannot say)."""
+def _tcp_info(sock: socket.socket, fmt: str, offset: int) -> tuple[int, ...] | None:
+    """The fields ``fmt`` (``struct``) at ``offset`` of ``sock``'s ``struct tcp_info``
+    (``None``: not Linux, or the socket cannot say, or the kernel's struct is shorter)."""
     if sys.platform != "linux":
         return None
+    size = offset + struct.calcsize(fmt)
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES_ACKED + 16)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, size)
     except OSError:
         return None
-    if len(info) < _TCP_INFO_BYTES_ACKED + 16:
+    if len(info) < size:
         return None
-    acked, received = struct.unpack_from("=QQ", info, _TCP_INFO_BYTES_ACKED)
-    return int(acked), int(received)
+    return tuple(int(field) for field in struct.unpack_from(fmt, info, offset))
+
+
+def _since_last_ack(sock: socket.socket) -> float | None:
+    """Seconds since ``sock`` last received an acknowledgement (``None``: cannot say)."""
+    fields = _tcp_info(sock, "=I", _TCP_INFO_LAST_ACK_RECV)
+    return None if fields is None else fields[0] / 1000
+
+
+def _tcp_traffic(sock: socket.socket) -> tuple[int, int] | None:
+    """``sock``'s bytes acknowledged by the peer and bytes received, from the kernel
+    (``None``: cannot say)."""
+    fields = _tcp_info(sock, "=QQ", _TCP_INFO_BYTES_ACKED)
+    return None if fields is None else (fields[0], fields[1])
 
 
 #: ``SO_MAX_PACING_RATE`` (Linux 3.13+): the most bytes/s the kernel sends the socket's data
