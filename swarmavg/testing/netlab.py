@@ -72,6 +72,12 @@ SUBNET = "10.77.0"
 EMULATOR = Path(__file__).with_name("_netemu.py")
 CLONE_NEWNET = 0x40000000
 COMMAND_TIMEOUT = 20.0
+#: ``net.ipv4.tcp_tso_rtt_log`` in the hosts when offload frames are on (the kernel's default is
+#: 9): a TCP flow's offload frames grow by ``64 KiB >> (min_rtt_us >> log)``, so with 14 a flow
+#: over a 40 ms path builds frames of at least 16 KiB (the default adds nothing beyond ~5 ms),
+#: however slowly it is paced. Without it, 8 hosts each sending to the 7 others make frames of
+#: one or two packets and the emulator, not the links, sets the rate (see the docs).
+TSO_RTT_LOG = 14
 _counter = itertools.count()
 
 
@@ -374,7 +380,8 @@ class NetLab:
     segmentation-offload frames of up to 64 KiB (the emulator handles several times fewer
     frames and sustains far higher rates; it still loses each packet on its own: a frame with
     lost segments is cut, and only its kept segments go on, as the kernel would have cut them;
-    reordering and a hop's delay draw stay per frame); ``False`` makes every frame one packet,
+    reordering and a hop's delay draw stay per frame; the hosts' TCP builds frames of at least
+    ~16 KiB on a 40 ms path, see :data:`TSO_RTT_LOG`); ``False`` makes every frame one packet,
     which the emulator sustains up to about 300 Mbit/s in all here; ``None`` (the default): on
     unless a profile reorders (a frame of many packets would overtake as one). Fixed for the
     lab's life.
@@ -533,6 +540,12 @@ class NetLab:
                 self._sysctl(
                     host.netns, {"net.ipv4.tcp_congestion_control": self.congestion_control}
                 )
+            if (
+                self.offload
+                and self.emulate
+                and Path("/proc/sys/net/ipv4/tcp_tso_rtt_log").exists()
+            ):
+                self._sysctl(host.netns, {"net.ipv4.tcp_tso_rtt_log": str(TSO_RTT_LOG)})
         if not self.offload:
             _run(
                 ["ip", "-n", self.core, "-batch", "-"],

@@ -5,9 +5,11 @@ nothing of a lab outlives it, also after an exception or the death of its owner.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -125,6 +127,99 @@ def test_tcp_connect_takes_one_round_trip_and_live_profile_change(wan_lab: NetLa
     wan_lab.set_profile(1, LinkProfile(rate_bps=100e6, rtt_s=0.300))
     # host 0 keeps 10 ms per hop, host 1 now has 75 ms: 2 x (10 + 75) ms
     assert 0.170 <= connect_time() < 0.170 + 0.100
+
+
+def test_a_slowly_paced_flow_on_a_long_path_still_hands_over_large_frames(
+    wan_lab: NetLab,
+) -> None:
+    """With offload, a TCP flow paced at 1 MB/s over the 40 ms path builds offload frames of
+    ~16 KiB and more (``TSO_RTT_LOG``), not the one or two packets the kernel's default sizes
+    them to (a millisecond of its rate): many slow flows at once would otherwise bring the
+    emulator to its frame rate before the links reach theirs."""
+    assert wan_lab.offload
+    with wan_lab.host(1).entered():
+        listener = socket.create_server((wan_lab.host(1).address, PORT))
+    received = [0]
+
+    def sink() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while chunk := conn.recv(1 << 16):
+                received[0] += len(chunk)
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    with wan_lab.host(0).entered():
+        conn = socket.create_connection((wan_lab.host(1).address, PORT), timeout=5)
+    conn.setsockopt(socket.SOL_SOCKET, 47, 1_000_000)  # SO_MAX_PACING_RATE: 1 MB/s
+    before = wan_lab.stats()[0]
+    total = 1 << 20
+    conn.sendall(b"\0" * total)
+    conn.close()
+    thread.join(timeout=15)
+    listener.close()
+    after = wan_lab.stats()[0]
+    assert received[0] == total
+    frames = after["rx_frames"] - before["rx_frames"]
+    assert frames > 0
+    # host 0's frames into the emulator: its data (and its few ACKs of nothing)
+    assert (after["rx_bytes"] - before["rx_bytes"]) / frames > 8000
+
+
+def test_tcp_traffic_counts_what_reached_the_peer_also_behind_a_lost_packet() -> None:
+    """The TCP transport's ``traffic()`` counts data the peer acknowledged selectively (SACK)
+    as it arrives: over a lossy 40 ms path its count of bytes sent grows at the link's rate,
+    where the cumulative acknowledgement alone stalls behind each lost packet and then jumps
+    (the averager measures its bandwidth from the peaks of these counts)."""
+    from swarmavg_tcp._connection import _tcp_traffic
+
+    rate = 40e6  # bits/s
+    lossy = LinkProfile(rate_bps=rate, rtt_s=0.040, loss=0.01)
+    with NetLab(2, profile=lossy, seed=5) as lab:
+        with lab.host(1).entered():
+            listener = socket.create_server((lab.host(1).address, PORT))
+
+        def sink() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while conn.recv(1 << 16):
+                    pass
+
+        thread = threading.Thread(target=sink, daemon=True)
+        thread.start()
+        with lab.host(0).entered():
+            conn = socket.create_connection((lab.host(1).address, PORT), timeout=5)
+        conn.setblocking(False)
+        data = memoryview(bytes(1 << 20))
+        samples: list[tuple[float, int, int]] = []  # (time, traffic's sent, bytes acked)
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            with contextlib.suppress(BlockingIOError):
+                conn.send(data)
+            traffic = _tcp_traffic(conn)
+            acked = struct.unpack_from("=Q", conn.getsockopt(socket.IPPROTO_TCP, 11, 136), 120)[0]
+            assert traffic is not None
+            samples.append((time.monotonic(), traffic[0], acked))
+            time.sleep(0.01)
+        conn.close()
+        thread.join(timeout=15)
+        listener.close()
+
+    def peak(column: int, span: float = 0.2) -> float:
+        """The highest rate (bytes/s) over ``span`` seconds, after the first second."""
+        best = 0.0
+        first = 0
+        for sample in samples:
+            while samples[first][0] < sample[0] - span:
+                first += 1
+            if samples[first][0] > samples[0][0] + 1.0 and sample[0] > samples[first][0]:
+                moved = sample[column] - samples[first][column]
+                best = max(best, moved / (sample[0] - samples[first][0]))
+        return best
+
+    link = rate / 8 * 1448 / 1514  # bytes/s of TCP payload
+    assert peak(1) < link * 1.3
+    assert peak(2) > peak(1)  # (the cumulative acknowledgement's jumps)
 
 
 def test_rate_is_limited_both_ways() -> None:
