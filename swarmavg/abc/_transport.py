@@ -353,11 +353,12 @@ class Connection(TypedAttributeProvider, ABC):
         return None
 
     def traffic(self) -> tuple[int, int] | None:
-        """``(bytes the peer acknowledged, bytes that arrived from it)`` on this connection so
+        """``(bytes that reached the peer, bytes that arrived from it)`` on this connection so
         far, counted where they cross the network (for TCP: the kernel's counters, which see
-        data when it leaves and arrives, not when the application hands it over or reads it;
-        framing and encryption included); ``None``: the transport does not tell. Only the
-        differences between two reads mean something."""
+        data when it arrives, not when the application hands it over or reads it; framing and
+        encryption included; what reached the peer counts what it acknowledged selectively
+        too, so a lost packet does not hold back the count of the data after it); ``None``:
+        the transport does not tell. Only the differences between two reads mean something."""
         return None
 
     def set_pacing_rate(self, rate: float | None) -> bool:

@@ -118,9 +118,11 @@ _SMALL_READ = 64 << 10
 _TCP_INFO_LAST_ACK_RECV: Final = 56
 
 
-#: ... ``tcpi_bytes_acked`` and ``tcpi_bytes_received`` (RFC 4898's HCThruOctetsAcked and
-#: HCThruOctetsReceived, Linux 4.1+) are the u64s at this offset, after the pacing rates.
-_TCP_INFO_BYTES_ACKED: Final = 120
+#: ... and from ``tcpi_snd_mss`` (offset 16) on: the MSS, skip ``tcpi_rcv_mss`` and
+#: ``tcpi_unacked``, ``tcpi_sacked`` (segments the peer acknowledged selectively, above a
+#: hole), skip to ``tcpi_bytes_acked`` and ``tcpi_bytes_received`` (RFC 4898's
+#: HCThruOctetsAcked and HCThruOctetsReceived, Linux 4.1+), the u64s at 120.
+_TCP_INFO_TRAFFIC: Final = (16, "=I8xI88xQQ")
 
 
 def _tcp_info(sock: socket.socket, fmt: str, offset: int) -> tuple[int, ...] | None:
@@ -145,10 +147,18 @@ def _since_last_ack(sock: socket.socket) -> float | None:
 
 
 def _tcp_traffic(sock: socket.socket) -> tuple[int, int] | None:
-    """``sock``'s bytes acknowledged by the peer and bytes received, from the kernel
-    (``None``: cannot say)."""
-    fields = _tcp_info(sock, "=QQ", _TCP_INFO_BYTES_ACKED)
-    return None if fields is None else (fields[0], fields[1])
+    """``sock``'s bytes that reached the peer and bytes received, from the kernel (``None``:
+    cannot say). What reached the peer: the bytes it acknowledged plus the segments it
+    acknowledged selectively (SACK) times the MSS. The cumulative acknowledgement alone stalls
+    behind a lost packet for a round trip or more while the data after it keeps arriving,
+    then jumps by all of it: 50 ms samples of it on ``wan`` read up to 8 times the link's
+    rate, and peaks over a second ~40% above it."""
+    offset, fmt = _TCP_INFO_TRAFFIC
+    fields = _tcp_info(sock, fmt, offset)
+    if fields is None:
+        return None
+    mss, sacked, acked, received = fields
+    return acked + sacked * mss, received
 
 
 #: ``SO_MAX_PACING_RATE`` (Linux 3.13+): the most bytes/s the kernel sends the socket's data
@@ -700,8 +710,8 @@ class TcpConnection(Connection):
         return _set_max_pacing_rate(self._sock, rate)
 
     def traffic(self) -> tuple[int, int] | None:
-        """The kernel's count of bytes the peer acknowledged and bytes that arrived (Linux;
-        elsewhere ``None``); see the abc."""
+        """The kernel's count of bytes that reached the peer (acknowledged, or selectively
+        acknowledged) and bytes that arrived (Linux; elsewhere ``None``); see the abc."""
         return _tcp_traffic(self._sock)
 
     def __repr__(self) -> str:
