@@ -227,22 +227,25 @@ class _WireSampler:
     """Samples, every ``_WIRE_SAMPLE`` seconds of a round, what crossed the network on the
     connections to the group's members (:meth:`~swarmavg.abc.Connection.traffic`) into the
     result's ``wire_sent_log`` / ``wire_received_log``: bytes the members acknowledged and
-    bytes that arrived from them, per sample. A connection opened during the round counts
-    from 0; one whose transport does not tell makes the logs say nothing (they are cleared)."""
+    bytes that arrived from them, per sample. Every open connection to a member counts (two
+    members that dialed each other at once hold two, and each sends on its own pooled one: what
+    this node receives comes over the other); one opened during the round counts from 0; one
+    whose transport does not tell makes the logs say nothing (they are cleared)."""
 
     def __init__(self, node: Node, peers: Sequence[PeerID], result: AllReduceResult) -> None:
         self.node = node
         self.peers = list(peers)
         self.result = result
-        self.last: dict[PeerID, tuple[object, int, int]] = {}
+        #: per connection: its last (sent, received)
+        self.last: dict[Connection, tuple[int, int]] = {}
         self.blind = False
         for peer in self.peers:
-            conn = node.connection_to(peer)
-            traffic = None if conn is None else conn.traffic()
-            if conn is not None and traffic is None:
-                self.blind = True
-            elif conn is not None and traffic is not None:
-                self.last[peer] = (conn, *traffic)
+            for conn in node.connections_to(peer):
+                traffic = conn.traffic()
+                if traffic is None:
+                    self.blind = True
+                else:
+                    self.last[conn] = traffic
 
     def tells(self) -> bool:
         """Whether the connections count their traffic (as far as is known: none open yet
@@ -258,21 +261,20 @@ class _WireSampler:
         if self.blind:
             return
         sent = received = 0
+        seen: dict[Connection, tuple[int, int]] = {}
         for peer in self.peers:
-            conn = self.node.connection_to(peer)
-            if conn is None:
-                continue
-            traffic = conn.traffic()
-            if traffic is None:
-                self.blind = True
-                self.result.wire_sent_log.clear()
-                self.result.wire_received_log.clear()
-                return
-            was = self.last.get(peer)
-            then_sent, then_received = (was[1], was[2]) if was and was[0] is conn else (0, 0)
-            sent += max(traffic[0] - then_sent, 0)
-            received += max(traffic[1] - then_received, 0)
-            self.last[peer] = (conn, *traffic)
+            for conn in self.node.connections_to(peer):
+                traffic = conn.traffic()
+                if traffic is None:
+                    self.blind = True
+                    self.result.wire_sent_log.clear()
+                    self.result.wire_received_log.clear()
+                    return
+                then_sent, then_received = self.last.get(conn, (0, 0))
+                sent += max(traffic[0] - then_sent, 0)
+                received += max(traffic[1] - then_received, 0)
+                seen[conn] = traffic
+        self.last = seen
         now = anyio.current_time()
         if sent:
             self.result.wire_sent_log.append((now, sent))
@@ -627,8 +629,11 @@ class AllReduceService(AllReduceRunner):
 
     #: the buffers may be the caller's tensors (see :class:`~swarmavg.abc.AllReduceRunner`)
     in_place = True
-    #: ``run`` takes ``upload_rate`` and paces its connections by it (see ``_pacing_plan``)
-    paces = True
+    #: ``run`` takes ``upload_rate`` and paces its connections by it (see ``_pacing_plan``),
+    #: but the averager does not ask it to: on the network lab, pacing by the measured rate
+    #: cost 9% of a round at 8 peers and gained ~1% at 4 (``docs/design/averaging.md``,
+    #: "Pacing"). A subclass with ``paces = True`` gets the averager's ``upload_rate``.
+    paces = False
 
     def __init__(self, node: Node, *, join_wait: float = _JOIN_WAIT) -> None:
         self.node = node

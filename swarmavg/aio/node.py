@@ -132,8 +132,9 @@ class Node:
         self._tg: anyio.abc.TaskGroup | None = None
         self._scopes: set[anyio.CancelScope] = set()  # of our background tasks
         self._closed = False
-        #: connections open per peer, and who wants to hear when a peer's last one ends
-        self._connections: dict[PeerID, int] = {}
+        #: connections open per peer (the pooled one among them), and who wants to hear when a
+        #: peer's last one ends
+        self._connections: dict[PeerID, list[Connection]] = {}
         self._watchers: list[Callable[[PeerID], object]] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -384,6 +385,12 @@ class Node:
         conn = self._pool.get(peer_id)
         return conn if conn is not None and not conn.is_closed else None
 
+    def connections_to(self, peer_id: PeerID) -> list[Connection]:
+        """Every open connection to ``peer_id``: the pooled one, and any other (two peers that
+        dial each other at the same moment end up with two connections; each side sends on its
+        pooled one, so what it receives may come over the other)."""
+        return [conn for conn in self._connections.get(peer_id, ()) if not conn.is_closed]
+
     async def open_stream(self, address: str | Address, *, timeout: float | None = None) -> Stream:
         """Open a stream to the peer at ``address`` (connecting first if needed)."""
         conn = await self.connect(address, timeout=timeout)
@@ -397,7 +404,7 @@ class Node:
         previous = self._pool.get(conn.peer_id)
         if previous is None or previous.is_closed:
             self._pool[conn.peer_id] = conn
-        self._connections[conn.peer_id] = self._connections.get(conn.peer_id, 0) + 1
+        self._connections.setdefault(conn.peer_id, []).append(conn)
         self._tg.start_soon(
             self._guarded, self._serve_connection, conn, name=f"conn {conn.peer_id.short()}"
         )
@@ -478,8 +485,8 @@ class Node:
             peer = conn.peer_id
             if self._pool.get(peer) is conn:
                 del self._pool[peer]
-            left = self._connections.get(peer, 1) - 1
-            if left > 0:
+            left = [other for other in self._connections.get(peer, ()) if other is not conn]
+            if left:
                 self._connections[peer] = left
             else:
                 self._connections.pop(peer, None)

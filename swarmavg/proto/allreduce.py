@@ -19,6 +19,13 @@ split that makes the slowest member fastest gives each member the same time, so
 help) or under ``min_vector_size`` reduce nothing and the others share their part (water
 filling). Members with bandwidth 0 (client-mode peers, which nobody can dial) reduce nothing; a
 bandwidth of ``None`` means "the mean of the others'".
+
+Bandwidths within a factor of :data:`SAME_BANDWIDTH` of the median of the group's (positive)
+ones count as that median. A measured bandwidth is noisy by several percent, and the split
+above amplifies differences (at ``n = 8`` a member 8% above the others reduces ~18% more than
+they do, and the round waits for it): on ``wan`` with 8 peers of equal links, splitting by
+measurements 12.1-13.9 MB/s made rounds ~6% slower than the even split. Differences that matter
+(a 1 Gbit/s peer among 50 Mbit/s ones) are far outside it and kept as they are.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "SAME_BANDWIDTH",
     "AccumulatorPool",
     "FlatLayout",
     "NonFiniteValues",
@@ -128,6 +136,11 @@ class FlatLayout:
         return sum(size for _, size in self.buffers[:index])
 
 
+#: bandwidths within this factor of the group's median count as the median (see the module
+#: docstring, "Load balancing")
+SAME_BANDWIDTH: Final = 1.2
+
+
 def load_balance(
     vector_size: int, bandwidths: Sequence[float | None], min_vector_size: int = 0
 ) -> list[int]:
@@ -148,6 +161,14 @@ def load_balance(
             raise ValueError(f"a bandwidth is a finite number >= 0, not {b!r}")
     default = sum(known) / len(known) if known and sum(known) > 0 else 1.0
     bw = [default if b is None else float(b) for b in bandwidths]
+    positive = sorted(b for b in bw if b > 0)
+    if positive:  # (within the noise of a measurement: the same)
+        half = len(positive) // 2
+        median = positive[half] if len(positive) % 2 else (positive[half - 1] + positive[half]) / 2
+        bw = [
+            median if b > 0 and median <= b * SAME_BANDWIDTH and b <= median * SAME_BANDWIDTH else b
+            for b in bw
+        ]
     fastest = max(bw)
     if fastest > 0:  # only ratios matter; this keeps the arithmetic finite
         bw = [b / fastest for b in bw]

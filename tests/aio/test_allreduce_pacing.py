@@ -3,6 +3,7 @@ of our upload (what it carries over all we send), and the caps come off when the
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -154,3 +155,46 @@ def test_a_round_caps_its_connections_and_takes_the_caps_off() -> None:
     assert len(caps) == len(clears) == 12
     assert caps == pytest.approx([40e6 / 3] * 12)
     assert calls[-1][1] is None
+
+
+def test_the_wire_is_counted_on_every_connection_to_a_member() -> None:
+    """Two peers that dial each other at once hold two connections, and each sends on its own
+    pooled one: what a peer receives then comes over the connection it does not use. The
+    round's wire logs count both (counting only the pooled one measured half of what came)."""
+
+    async def main() -> None:
+        network = MemoryNetwork()
+
+        async def drain(stream: Any) -> None:
+            with contextlib.suppress(Exception):
+                while await stream.receive():
+                    pass
+
+        async with AsyncExitStack() as stack:
+            a, b = [
+                await stack.enter_async_context(
+                    Node(
+                        listen=["memory://local:0"],
+                        transports={"memory": {"network": network, "bandwidth": 10e6}},
+                        stream_handler=drain,
+                    )
+                )
+                for _ in range(2)
+            ]
+            async with anyio.create_task_group() as tg:  # (both dial before either is pooled)
+                tg.start_soon(a.connect, b.addresses[0])
+                tg.start_soon(b.connect, a.addresses[0])
+            assert len(a.connections_to(b.peer_id)) == len(b.connections_to(a.peer_id)) == 2
+            result = allreduce_module.AllReduceResult(contributors=[], total_weight=0.0)
+            sampler = allreduce_module._WireSampler(a, [b.peer_id], result)
+            for conn in b.connections_to(a.peer_id):  # 1 MB over each
+                stream = await conn.open_stream()
+                await stream.send_last(bytes(1_000_000))
+            await anyio.sleep(1.0)  # (0.2 s at 10 MB/s)
+            sampler.sample()
+            assert sum(nbytes for _, nbytes in result.wire_received_log) == 2_000_000
+            await anyio.sleep(1.0)
+            sampler.sample()  # nothing new
+            assert sum(nbytes for _, nbytes in result.wire_received_log) == 2_000_000
+
+    run_on_virtual_time(main)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmavg.proto.allreduce import (
+    SAME_BANDWIDTH,
     AccumulatorPool,
     FlatLayout,
     PartReducer,
@@ -54,6 +55,20 @@ def test_a_slow_member_gets_less_and_a_very_slow_one_nothing() -> None:
 def test_min_vector_size_leaves_small_shares_to_others() -> None:
     assert load_balance(100, [1.0] * 4, min_vector_size=30) == [34, 33, 33, 0]
     assert load_balance(100, [1.0, 3.0], min_vector_size=1000) == [0, 100]
+
+
+def test_bandwidths_within_measurement_noise_split_evenly() -> None:
+    """Measured bandwidths of 8 peers with the same links (``wan``, MB/s) are a few percent
+    apart: the split is even, not amplified noise (see ``SAME_BANDWIDTH``)."""
+    measured = [13.2, 13.6, 13.6, 13.3, 13.2, 13.3, 13.0, 12.9]
+    assert load_balance(8000, measured) == [1000] * 8
+    assert load_balance(8000, [12.1, 13.9, 12.6, 13.3, 12.6, 12.1, 12.7, 12.6]) == [1000] * 8
+    assert load_balance(4000, [1.0, 1.0, 1.0, SAME_BANDWIDTH * 0.99]) == [1000] * 4
+    # beyond it, a difference is real and followed; far beyond, exactly as given
+    shares = load_balance(4000, [1.0, 1.0, 1.0, SAME_BANDWIDTH * 1.01])
+    assert shares[3] > 1000 > shares[0] == shares[1] == shares[2]
+    assert load_balance(10**6, [1e9, 1e9, 5e7, 5e7]) == load_balance(10**6, [20.0, 20.0, 1.0, 1.0])
+    assert load_balance(10**6, [20.0, 20.0, 1.0, 1.0]) != [250_000] * 4
 
 
 def test_none_means_the_mean_of_the_others() -> None:
