@@ -118,9 +118,9 @@ class AllReduceResult:
     started: float = 0.0
     sent_log: list[tuple[float, int]] = field(default_factory=list)
     received_log: list[tuple[float, int]] = field(default_factory=list)
-    #: the same, counted where the bytes crossed the network (``(time, bytes)`` acknowledged
-    #: by, or arrived from, the group's members since the previous sample, on their
-    #: connections; see :meth:`~swarmavg.abc.Connection.traffic`): empty where the transport
+    #: the same, counted where the bytes crossed the network (``(time, bytes)`` that reached,
+    #: or arrived from, the group's members since the previous sample, on all connections to
+    #: them; see :meth:`~swarmavg.abc.Connection.traffic`): empty where the transport
     #: does not tell. Unlike the logs above, they do not see a socket buffer filled or
     #: drained at once, so the averager measures from them where it has them.
     wire_sent_log: list[tuple[float, int]] = field(default_factory=list)

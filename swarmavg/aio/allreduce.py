@@ -135,8 +135,12 @@ _WIRE_SAMPLE: Final = 0.05
 #: rate. None above: the rate is a peak measurement, already a little above what the link
 #: sustains, and caps 10% higher let the connections drift apart again (docs/design/averaging.md).
 _PACING_MARGIN: Final = 1.0
-#: ... only in rounds where we send at least this much (bytes) to at least two members.
+#: ... only in rounds where we send at least this much (bytes) to at least two members...
 _PACING_MIN_BYTES: Final = 16 << 20
+#: ... and to at most this many: with more connections to share an upload, the flows came out
+#: even enough by themselves, and caps cost more at the round's end than they saved (on the
+#: network lab, 8% at 6 peers and 9% at 8; docs/design/averaging.md).
+_PACING_MAX_PEERS: Final = 3
 #: How long a call for a round that has not started here yet waits for it (seconds).
 _JOIN_WAIT: Final = 10.0
 #: ... for a round this node expects to run (its member waits for its trigger); the caller's
@@ -226,7 +230,7 @@ class _Applied:
 class _WireSampler:
     """Samples, every ``_WIRE_SAMPLE`` seconds of a round, what crossed the network on the
     connections to the group's members (:meth:`~swarmavg.abc.Connection.traffic`) into the
-    result's ``wire_sent_log`` / ``wire_received_log``: bytes the members acknowledged and
+    result's ``wire_sent_log`` / ``wire_received_log``: bytes that reached the members and
     bytes that arrived from them, per sample. Every open connection to a member counts (two
     members that dialed each other at once hold two, and each sends on its own pooled one: what
     this node receives comes over the other); one opened during the round counts from 0; one
@@ -500,7 +504,8 @@ def _pacing_plan(
     """The pacing cap (bytes/s) of our connection to each member this round sends to: our
     ``upload_rate`` split in proportion to what we send each (our values of its span, and
     the means of our span it receives), times ``_PACING_MARGIN``; empty (no pacing) without
-    a rate, with fewer than two members to send to, or under ``_PACING_MIN_BYTES`` in all.
+    a rate, with fewer than two or more than ``_PACING_MAX_PEERS`` members to send to, or
+    under ``_PACING_MIN_BYTES`` in all.
 
     Why: the connections of one upload share one queue (at the access link, usually
     first-in first-out), and TCP's congestion control does not share it evenly: on the
@@ -524,7 +529,7 @@ def _pacing_plan(
         if amount > 0:
             carried[member.peer_id] = amount
     total = sum(carried.values())
-    if len(carried) < 2 or total < _PACING_MIN_BYTES:
+    if not 2 <= len(carried) <= _PACING_MAX_PEERS or total < _PACING_MIN_BYTES:
         return {}
     return {peer: _PACING_MARGIN * upload_rate * amount / total for peer, amount in carried.items()}
 
@@ -629,11 +634,8 @@ class AllReduceService(AllReduceRunner):
 
     #: the buffers may be the caller's tensors (see :class:`~swarmavg.abc.AllReduceRunner`)
     in_place = True
-    #: ``run`` takes ``upload_rate`` and paces its connections by it (see ``_pacing_plan``),
-    #: but the averager does not ask it to: on the network lab, pacing by the measured rate
-    #: cost 9% of a round at 8 peers and gained ~1% at 4 (``docs/design/averaging.md``,
-    #: "Pacing"). A subclass with ``paces = True`` gets the averager's ``upload_rate``.
-    paces = False
+    #: ``run`` takes ``upload_rate`` and paces its connections by it (see ``_pacing_plan``)
+    paces = True
 
     def __init__(self, node: Node, *, join_wait: float = _JOIN_WAIT) -> None:
         self.node = node

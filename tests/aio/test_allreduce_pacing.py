@@ -80,7 +80,7 @@ def test_shares_follow_what_each_connection_carries() -> None:
     assert caps == [None, pytest.approx(4.5e6), pytest.approx(4.5e6)]
 
 
-def test_nothing_is_paced_without_a_rate_a_choice_or_enough_bytes() -> None:
+def test_nothing_is_paced_without_a_rate_a_choice_or_enough_bytes_or_with_many_peers() -> None:
     big = FlatLayout([TensorSpec((8 * MIB,), "float32")])
     small = FlatLayout([TensorSpec((MIB,), "float32")])  # 4 MiB: under 16 MiB sent in all
     four = _group([MemberMode.NODE] * 4)
@@ -90,6 +90,9 @@ def test_nothing_is_paced_without_a_rate_a_choice_or_enough_bytes() -> None:
     assert _plan(four, 0, small, True, 12e6) == [None] * 4
     # one connection has nothing to share its upload with
     assert _plan(_group([MemberMode.NODE] * 2), 0, big, True, 12e6) == [None] * 2
+    # four or more share it evenly enough by themselves (measured: caps cost more there)
+    assert _plan(_group([MemberMode.NODE] * 5), 0, big, True, 12e6) == [None] * 5
+    assert _plan(_group([MemberMode.NODE] * 8), 3, big, True, 12e6) == [None] * 8
 
 
 def test_a_round_caps_its_connections_and_takes_the_caps_off() -> None:
