@@ -34,8 +34,8 @@ not timed) of one float32 tensor of ``size`` MiB per peer:
   round is even), and the row's note says what each measured after the last round (MB/s).
   On the uniform profiles, ``ours`` (fresh averagers: a peer's first round, nothing
   measured) and ``ours, measured`` (kept averagers, as in training: from the first timed
-  round on, each knows its throughput, which sets the pacing of its connections and, on
-  slow links, the part size);
+  round on, each announces the throughput it measured, which sets the split and, on slow
+  links, the part size);
 - ``gloo``: ``torch.distributed`` gloo ``all_reduce`` (``benchmarks/_netlab_gloo.py``, one rank
   per host, TCP over the lab), the max over ranks of a call;
 - ``hivemind``: hivemind 1.1.12's ``DecentralizedAverager`` (``benchmarks/_netlab_hivemind.py``
