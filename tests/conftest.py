@@ -97,4 +97,7 @@ def fresh_loop() -> Iterator[None]:
     yield
     swarmavg.sync.shutdown_loop(timeout=10)
     leftover = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    for thread in leftover:  # (one told to stop may still be on its way out: anyio's workers
+        thread.join(timeout=2)  # end when their loop closes, a moment after anyio.run returns)
+    leftover = [t for t in leftover if t.is_alive()]
     assert leftover == [], f"threads left behind: {leftover}"
