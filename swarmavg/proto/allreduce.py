@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import threading
 import weakref
 from collections.abc import Sequence
@@ -161,10 +162,9 @@ def load_balance(
             raise ValueError(f"a bandwidth is a finite number >= 0, not {b!r}")
     default = sum(known) / len(known) if known and sum(known) > 0 else 1.0
     bw = [default if b is None else float(b) for b in bandwidths]
-    positive = sorted(b for b in bw if b > 0)
+    positive = [b for b in bw if b > 0]
     if positive:  # (within the noise of a measurement: the same)
-        half = len(positive) // 2
-        median = positive[half] if len(positive) % 2 else (positive[half - 1] + positive[half]) / 2
+        median = statistics.median(positive)
         bw = [
             median if b > 0 and median <= b * SAME_BANDWIDTH and b <= median * SAME_BANDWIDTH else b
             for b in bw
