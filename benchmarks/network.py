@@ -4,19 +4,20 @@ QUIC (Linux, root).
 
     python benchmarks/network.py [--sizes 64] [--peers 4,8] [--profiles wan,bad,lan,mixed]
                                  [--rounds 3] [--systems ours,gloo,hivemind]
-                                 [--transports tcp,quic] [--rates-only] [--round-timeout S]
+                                 [--transports tcp,quic] [--rates-only] [--lossless]
+                                 [--offload on|off] [--round-timeout S]
                                  [--json FILE] [--logs DIR] [--quick]
 
 Every cell (profile, peers, size) gets a lab of its own: ``peers`` hosts, each with the profile
 (``mixed``: the first half ``lan`` rates, 1 Gbit/s, the others 50 Mbit/s, both 0.5 ms round
-trip). The lab's default offload: TCP hands the emulator offload frames of up to 64 KiB, which
-still lose single packets (the emulator cuts a frame with lost segments), except on ``bad``
-(reordering): one packet a frame there (the emulator sustains ~300 Mbit/s of those).
+trip). The lab's default offload: TCP hands the emulator offload frames of up to 64 KiB (at
+least 16 KiB on every path, see ``netlab.tso_rtt_log``), which still lose and reorder single
+packets (the emulator cuts a frame with lost or reordered segments).
 ``--rates-only`` keeps only the profiles' rates and joins the hosts with a kernel bridge
 (``NetLab(emulate=False)``): no emulator, so what differs from the emulated run is what the
 emulator (a Python process on the same cores) cost. ``--lossless`` drops the profiles' loss
 and reordering (delay and jitter stay); ``--offload off`` makes every frame one packet (the
-emulator's load before offload frames could lose single packets), ``on`` forces offload.
+emulator sustains ~300 Mbit/s of those).
 
 In a cell, one system after the other, each with ``1 + --rounds`` rounds (the first a warm-up,
 not timed) of one float32 tensor of ``size`` MiB per peer:
@@ -545,7 +546,7 @@ def run_cell(
     rounds: int,
     rates_only: bool,
     lossless: bool = False,
-    offload: bool | None = None,
+    offload: bool = True,
     part_bytes: int | None = None,
     measured: bool = True,
     round_timeout: float | None,
@@ -563,7 +564,7 @@ def run_cell(
     bound = round(bound_s(nbytes, rates), 3)
     timeout = round_timeout or 4 * bound + 60
     label = profile + (" (rates only)" if rates_only else "") + (" (lossless)" if lossless else "")
-    label += "" if offload is None else f" (offload {'on' if offload else 'off'})"
+    label += "" if offload else " (offload off)"
     label += "" if part_bytes is None else f" (parts {part_bytes / MIB:g} MiB)"
     rows = [] if rows is None else rows
 
@@ -660,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates-only", action="store_true", help="rates only, no emulator")
     parser.add_argument("--lossless", action="store_true", help="the profiles without loss")
     parser.add_argument(
-        "--offload", choices=("auto", "on", "off"), default="auto", help="the lab's offload"
+        "--offload", choices=("on", "off"), default="on", help="the lab's offload frames"
     )
     parser.add_argument("--part-mib", type=float, default=None, help="ours' part size, MiB")
     parser.add_argument("--round-timeout", type=float, default=None, help="s (4x bound + 60)")
@@ -710,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                         lossless=args.lossless,
                         part_bytes=None if args.part_mib is None else int(args.part_mib * MIB),
                         measured=not quick,  # (its rounds are too small to measure)
-                        offload={"auto": None, "on": True, "off": False}[args.offload],
+                        offload=args.offload == "on",
                         round_timeout=args.round_timeout,
                         logs=logs,
                         say=lambda line: print(line, flush=True),

@@ -18,8 +18,11 @@ destination MAC (or to every other host for a broadcast), after:
   whole (``lost`` counts segments);
 - **delay and jitter**: held for ``delay_up[i] + delay_down[j]``, each hop's delay drawn
   uniformly in ``delay ± jitter/2`` (never below 0); frames between a pair leave in order
-  (a frame is never sent before the previous one of its pair) unless **reordered**: with the
-  hop's ``reorder`` probability a frame takes half the delay and skips the queue.
+  (a frame is never sent before the previous one of its pair) unless **reordered**: each
+  segment is, with the two hops' ``reorder`` probability, taken half the delay and sent ahead
+  of the queue; a TCP/IPv4 offload frame with such segments is cut like one with losses (the
+  segment overtakes alone, the runs around it keep their place), any other frame overtakes
+  whole.
 
 Rates are not the emulator's job: ``tc`` ``tbf`` shapes each host's upload (on the host's end of
 its veth) and download (on the core end, which the emulator sends through, so a full download
@@ -265,10 +268,15 @@ class Emulator:
             source.counters["link_drops"] += 1
             return
         up, down = source.up, target.down
+        reorder = up.reorder + down.reorder
+        if not (up.loss or down.loss or reorder):
+            self.hold(source, target, frame, now, reordered=False)
+            return
+        # (most frames are one packet, ACKs among them: parse only offload frames)
+        layout = tcp4_layout(frame) if frame[1] else None
+        count = segments(frame, layout)
+        runs = [(0, count)]
         if up.loss or down.loss:
-            # (most frames are one packet, ACKs among them: parse only offload frames)
-            layout = tcp4_layout(frame) if frame[1] else None
-            count = segments(frame, layout)
             kept = (1.0 - up.loss) * (1.0 - down.loss)
             if self.rng.random() >= kept**count:  # at least one segment is lost
                 runs = self.lost_segments(1.0 - kept, count)
@@ -276,42 +284,73 @@ class Emulator:
                     source.counters["lost"] += count
                     return
                 source.counters["lost"] += count - sum(end - first for first, end in runs)
-                for first, end in runs:
-                    self.hold(source, target, cut(frame, layout, first, end, count), now)
-                return
-        self.hold(source, target, frame, now)
+        for first, end in runs:
+            pieces = [(first, end, False)]
+            if reorder and self.rng.random() >= (1.0 - reorder) ** (end - first):
+                if layout is None:  # (a frame it cannot cut overtakes whole)
+                    pieces = [(first, end, True)]
+                else:
+                    pieces = self.reordered_pieces(reorder, first, end)
+            for start, stop, reordered in pieces:
+                if layout is None or (start, stop) == (0, count):
+                    part = frame
+                else:
+                    part = cut(frame, layout, start, stop, count)
+                self.hold(source, target, part, now, reordered=reordered)
+
+    def picked(self, probability: float, count: int) -> list[int]:
+        """The indices (ascending) of ``count`` segments each picked with ``probability``,
+        given that at least one is."""
+        keep = 1.0 - probability
+        if keep <= 0.0:
+            return list(range(count))
+        # the first picked segment, drawn from its distribution given that there is one
+        at_least_one = 1.0 - keep**count
+        first = math.floor(math.log1p(-self.rng.random() * at_least_one) / math.log1p(-probability))
+        first = min(max(first, 0), count - 1)
+        return [first] + [i for i in range(first + 1, count) if self.rng.random() < probability]
 
     def lost_segments(self, loss: float, count: int) -> list[tuple[int, int]]:
         """The runs ``(first, end)`` of the ``count`` segments of a frame that are kept, each
         segment lost with probability ``loss``, given that at least one is."""
-        keep = 1.0 - loss
-        if keep <= 0.0:
-            return []
-        # the first lost segment, drawn from its distribution given that there is one
-        at_least_one = 1.0 - keep**count
-        first_lost = math.floor(math.log1p(-self.rng.random() * at_least_one) / math.log1p(-loss))
-        first_lost = min(max(first_lost, 0), count - 1)
-        runs = [(0, first_lost)] if first_lost else []
-        start = first_lost + 1
-        for index in range(first_lost + 1, count):
-            if self.rng.random() < loss:
-                if index > start:
-                    runs.append((start, index))
-                start = index + 1
+        runs = []
+        start = 0
+        for index in self.picked(loss, count):
+            if index > start:
+                runs.append((start, index))
+            start = index + 1
         if start < count:
             runs.append((start, count))
         return runs
 
-    def hold(self, source: Host, target: Host, frame: bytes, now: float) -> None:
-        """Send ``frame`` after its delay (at once if it has none and nothing is held)."""
+    def reordered_pieces(self, reorder: float, first: int, end: int) -> list[tuple[int, int, bool]]:
+        """Segments ``first`` to ``end - 1`` as pieces ``(first, end, reordered)`` in their
+        order: each segment reordered with probability ``reorder`` (one piece each), given that
+        at least one is; the runs between them stay whole."""
+        pieces = []
+        start = first
+        for index in self.picked(reorder, end - first):
+            index += first
+            if index > start:
+                pieces.append((start, index, False))
+            pieces.append((index, index + 1, True))
+            start = index + 1
+        if start < end:
+            pieces.append((start, end, False))
+        return pieces
+
+    def hold(
+        self, source: Host, target: Host, frame: bytes, now: float, *, reordered: bool
+    ) -> None:
+        """Send ``frame`` after its delay (at once if it has none and nothing is held);
+        ``reordered``: after half of it, ahead of the pair's queue."""
         up, down = source.up, target.down
         if self.held_bytes + len(frame) > self.max_held:
             source.counters["held_drops"] += 1
             return
         delay = self.hop_delay(up) + self.hop_delay(down)
         pair = (source.index, target.index)
-        reorder = up.reorder + down.reorder
-        if reorder and self.rng.random() < reorder:
+        if reordered:
             due = now + delay / 2
             source.counters["reordered"] += 1
         else:

@@ -64,6 +64,7 @@ __all__ = [
     "NetLabError",
     "NetLabHost",
     "cleanup_stale",
+    "tso_rtt_log",
     "unavailable_reason",
 ]
 
@@ -72,12 +73,28 @@ SUBNET = "10.77.0"
 EMULATOR = Path(__file__).with_name("_netemu.py")
 CLONE_NEWNET = 0x40000000
 COMMAND_TIMEOUT = 20.0
-#: ``net.ipv4.tcp_tso_rtt_log`` in the hosts when offload frames are on (the kernel's default is
-#: 9): a TCP flow's offload frames grow by ``64 KiB >> (min_rtt_us >> log)``, so with 14 a flow
-#: over a 40 ms path builds frames of at least 16 KiB (the default adds nothing beyond ~5 ms),
-#: however slowly it is paced. Without it, 8 hosts each sending to the 7 others make frames of
-#: one or two packets and the emulator, not the links, sets the rate (see the docs).
-TSO_RTT_LOG = 14
+#: The smallest offload frame (bytes) the hosts' TCP builds on its longest path, however slowly
+#: a flow is paced (see :func:`tso_rtt_log`).
+TSO_MIN_FRAME = 16 << 10
+
+
+def tso_rtt_log(rtt_s: float) -> int:
+    """The ``net.ipv4.tcp_tso_rtt_log`` a lab host gets (with offload) when its longest path
+    has ``rtt_s`` of round trip: TCP sizes a flow's offload frames to a millisecond of its
+    pacing rate plus ``64 KiB >> (min_rtt_us >> log)``, so this log makes frames of at least
+    :data:`TSO_MIN_FRAME` on every path of the host (14 on ``wan``, 16 on ``bad``; never below
+    the kernel's default, 9, which adds nothing beyond ~5 ms). Without it, 8 hosts each sending
+    to the 7 others make frames of one or two packets and the emulator, not the links, sets the
+    rate (see the docs)."""
+    if not (math.isfinite(rtt_s) and rtt_s >= 0):
+        raise ValueError(f"rtt_s must be a finite number >= 0, got {rtt_s!r}")
+    rtt_us = int(rtt_s * 1e6)
+    log = 9
+    while (65536 >> min(rtt_us >> log, 17)) < TSO_MIN_FRAME:
+        log += 1
+    return log
+
+
 _counter = itertools.count()
 
 
@@ -272,6 +289,9 @@ class NetLabHost:
         self.mac = f"02:77:00:00:{index >> 8:02x}:{index & 0xFF:02x}"
         self.core_ifname = f"h{index}"
         self.profile: LinkProfile = LAN
+        self.tso_rtt_log: int | None = None
+        """The host's ``net.ipv4.tcp_tso_rtt_log`` (``None``: the kernel's; see
+        :func:`tso_rtt_log`)."""
 
     def __repr__(self) -> str:
         return f"<NetLabHost {self.index} {self.address} in {self.netns}>"
@@ -376,15 +396,14 @@ class NetLab:
 
     ``hosts``: a number of hosts (each with ``profile``), or one profile per host (a
     heterogeneous swarm: ``[LAN, LAN, WAN.replace(rate_bps=50e6)]``). ``seed`` seeds the
-    emulator's loss, jitter and reordering. ``offload``: let TCP hand the links
-    segmentation-offload frames of up to 64 KiB (the emulator handles several times fewer
-    frames and sustains far higher rates; it still loses each packet on its own: a frame with
-    lost segments is cut, and only its kept segments go on, as the kernel would have cut them;
-    reordering and a hop's delay draw stay per frame; the hosts' TCP builds frames of at least
-    ~16 KiB on a 40 ms path, see :data:`TSO_RTT_LOG`); ``False`` makes every frame one packet,
-    which the emulator sustains up to about 300 Mbit/s in all here; ``None`` (the default): on
-    unless a profile reorders (a frame of many packets would overtake as one). Fixed for the
-    lab's life.
+    emulator's loss, jitter and reordering. ``offload`` (the default): let TCP hand the
+    links segmentation-offload frames of up to 64 KiB (the emulator handles several times
+    fewer frames and sustains far higher rates; it still loses and reorders each packet on its
+    own: a frame with lost or reordered segments is cut as the kernel would have cut it, the
+    lost segments dropped, a reordered one sent ahead alone; a hop's delay draw stays per
+    frame; the hosts' TCP builds frames of at least 16 KiB on each path, see
+    :func:`tso_rtt_log`); ``False`` makes every frame one packet, which the emulator sustains
+    up to about 300 Mbit/s in all here. Fixed for the lab's life.
     ``congestion_control``: the hosts' TCP congestion control (``"cubic"``, ``"bbr"``,
     ``"reno"``; ``None`` keeps the kernel's default). ``emulate=False`` joins the hosts with a
     kernel bridge instead of the emulator: rates only (profiles with delay, loss, jitter or
@@ -400,7 +419,7 @@ class NetLab:
         *,
         profile: LinkProfile | str = "lan",
         seed: int | None = 0,
-        offload: bool | None = None,
+        offload: bool = True,
         congestion_control: str | None = None,
         emulate: bool = True,
     ) -> None:
@@ -423,8 +442,8 @@ class NetLab:
         self.name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.core = f"{self.name}-core"
         self.seed = seed
-        if offload is None:  # (the emulator moves ~300 Mbit/s of 1500-byte frames, see the docs)
-            offload = not any(p.reorder for p in profiles)
+        if not isinstance(offload, bool):
+            raise TypeError(f"offload must be True or False, got {offload!r}")
         self.offload = offload
         self.congestion_control = congestion_control
         self.emulate = emulate
@@ -540,12 +559,7 @@ class NetLab:
                 self._sysctl(
                     host.netns, {"net.ipv4.tcp_congestion_control": self.congestion_control}
                 )
-            if (
-                self.offload
-                and self.emulate
-                and Path("/proc/sys/net/ipv4/tcp_tso_rtt_log").exists()
-            ):
-                self._sysctl(host.netns, {"net.ipv4.tcp_tso_rtt_log": str(TSO_RTT_LOG)})
+        self._set_tso_rtt_logs()
         if not self.offload:
             _run(
                 ["ip", "-n", self.core, "-batch", "-"],
@@ -555,6 +569,28 @@ class NetLab:
             self._shape(host)
         if self.emulate:
             self._start_emulator()
+
+    def _set_tso_rtt_logs(self) -> None:
+        """Each host's ``tcp_tso_rtt_log`` for its longest path (see :func:`tso_rtt_log`)."""
+        if not (
+            self.offload and self.emulate and Path("/proc/sys/net/ipv4/tcp_tso_rtt_log").exists()
+        ):
+            return
+        for host in self._hosts:
+            longest = max(
+                (
+                    (host.profile.rtt_s + other.profile.rtt_s) / 2
+                    + host.profile.jitter_s
+                    + other.profile.jitter_s
+                    for other in self._hosts
+                    if other is not host
+                ),
+                default=0.0,
+            )
+            log = tso_rtt_log(longest)
+            if host.tso_rtt_log != log:
+                self._sysctl(host.netns, {"net.ipv4.tcp_tso_rtt_log": str(log)})
+                host.tso_rtt_log = log
 
     def _sysctl(self, namespace: str, values: Mapping[str, str]) -> None:
         _run(
@@ -711,6 +747,7 @@ class NetLab:
         host = self._hosts[index]
         host.profile = new
         self._shape(host)
+        self._set_tso_rtt_logs()
         if self.emulate:
             with self._lock:
                 self._ask({"op": "set", "host": index, "up": new.hop(), "down": new.hop()})

@@ -103,3 +103,31 @@ def test_each_segment_is_lost_with_the_links_probability() -> None:
     for count_at in lost:
         assert abs(count_at / frames - loss) < 0.01
     assert abs(pairs / frames - loss * loss) < 0.004
+
+
+def test_each_segment_overtakes_with_the_paths_probability_and_alone() -> None:
+    """Reordering is drawn per segment like loss: a reordered segment of an offload frame is a
+    piece of its own (it overtakes alone), the runs around it stay whole and in order, and every
+    position is reordered with the per-packet probability."""
+    emulator = _netemu.Emulator.__new__(_netemu.Emulator)
+    emulator.rng = random.Random(11)
+    reorder, first, end, frames = 0.1, 2, 10, 20_000
+    count = end - first
+    reordered = [0] * count
+    for _ in range(frames):
+        if emulator.rng.random() < (1 - reorder) ** count:
+            continue
+        pieces = emulator.reordered_pieces(reorder, first, end)
+        # the pieces cover the segments once, in order; reordered ones are single segments
+        assert pieces[0][0] == first and pieces[-1][1] == end
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+        assert any(flag for _a, _b, flag in pieces)
+        for start, stop, flag in pieces:
+            assert stop > start
+            if flag:
+                assert stop == start + 1
+                reordered[start - first] += 1
+        for a, b in zip(pieces, pieces[1:], strict=False):  # runs kept are whole
+            assert a[2] or b[2]
+    for count_at in reordered:
+        assert abs(count_at / frames - reorder) < 0.01

@@ -283,11 +283,12 @@ def test_loss_is_as_configured_and_counted_exactly() -> None:
     assert 0.2 * sent / 2 < stats[0]["lost"] < 0.2 * sent * 1.6
 
 
-def test_offload_frames_lose_single_packets_and_tcp_carries_every_byte() -> None:
-    """With offload, a lossy link loses packets, not whole 64 KiB frames: the emulator cuts a
-    frame with lost segments into valid frames of the kept ones (a wrong cut would corrupt the
-    stream or stall it), and counts the lost packets."""
-    lossy = LinkProfile(rate_bps=200e6, rtt_s=0.002, loss=0.02)
+def test_offload_frames_lose_and_reorder_single_packets_and_tcp_carries_every_byte() -> None:
+    """With offload, a lossy link that reorders loses and reorders packets, not whole 64 KiB
+    frames: the emulator cuts a frame with lost or reordered segments into valid frames of the
+    kept ones and sends a reordered segment ahead alone (a wrong cut would corrupt the stream or
+    stall it), and counts the lost and reordered packets."""
+    lossy = LinkProfile(rate_bps=200e6, rtt_s=0.002, loss=0.02, reorder=0.02)
     data = os.urandom(6 << 20)
     with NetLab(2, profile=lossy, seed=3) as lab:
         assert lab.offload
@@ -316,6 +317,7 @@ def test_offload_frames_lose_single_packets_and_tcp_carries_every_byte() -> None
     # ~2% of the data packets (retransmissions and ACKs add some); frames lost whole would
     # lose every segment of ~1 frame in 6 (8 segments or more a frame)
     assert 0.01 * packets < stats[0]["lost"] < 0.04 * packets
+    assert 0.01 * packets < stats[0]["reordered"] < 0.04 * packets
     assert stats[0]["rx_frames"] < packets / 2  # offload frames: several packets each
 
 
@@ -402,6 +404,34 @@ def test_a_dead_owners_lab_is_removed_by_the_next_one() -> None:
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True, check=False)
 
 
+def test_each_host_builds_large_frames_on_its_longest_path() -> None:
+    """A host's ``tcp_tso_rtt_log`` follows its longest path (frames of at least 16 KiB there,
+    see ``tso_rtt_log``), also when a profile changes while the lab runs."""
+
+    def logs(lab: NetLab) -> list[int]:
+        return [
+            int(host.run(["sysctl", "-n", "net.ipv4.tcp_tso_rtt_log"], timeout=10).stdout)
+            for host in lab.hosts
+        ]
+
+    with NetLab([netlab.WAN, netlab.BAD, netlab.WAN]) as lab:
+        assert lab.offload
+        # wan to bad: 95 ms of round trip and up to 10 ms of jitter; wan to wan: 40 ms
+        assert logs(lab) == [16, 16, 16]
+        lab.set_profile(1, netlab.LAN)  # wan to wan: 40 ms; lan to wan: 20 ms
+        assert logs(lab) == [14, 13, 14]
+        assert [host.tso_rtt_log for host in lab.hosts] == [14, 13, 14]
+    assert [netlab.tso_rtt_log(rtt) for rtt in (0.0, 0.0005, 0.040, 0.170, 0.5)] == [
+        9,
+        9,
+        14,
+        16,
+        18,
+    ]
+    for rtt in (0.003, 0.040, 0.170, 2.0):  # the kernel's addition at that log
+        assert 65536 >> (int(rtt * 1e6) >> netlab.tso_rtt_log(rtt)) >= netlab.TSO_MIN_FRAME
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="hosts"):
         NetLab(0)
@@ -413,6 +443,10 @@ def test_bad_arguments_are_refused() -> None:
         LinkProfile(rate_bps=1e6, loss=1.5)
     with pytest.raises(ValueError, match="emulate=False"):
         NetLab(2, profile="wan", emulate=False)
+    with pytest.raises(TypeError, match="offload"):
+        NetLab(2, offload=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rtt_s"):
+        netlab.tso_rtt_log(-1.0)
 
 
 def test_a_partition_cuts_the_paths_between_groups_only() -> None:
@@ -446,3 +480,71 @@ def test_a_partition_cuts_the_paths_between_groups_only() -> None:
                 echo.close()
             client0.close()
             client1.close()
+
+
+def test_a_small_message_does_not_queue_behind_seconds_of_bulk_in_the_kernel() -> None:
+    """On a slow path, a connection busy with bulk keeps only ~0.1 s of its rate unsent in the
+    kernel (``TCP_NOTSENT_LOWAT``, from its pacing rate): an RPC on another stream of the same
+    connection goes before the bulk's next batch and answers within a fraction of a second,
+    where a full 4 MiB send buffer would hold it behind ~4 s of data at 1 MB/s."""
+    import anyio
+
+    from swarmavg.identity import Identity
+    from swarmavg_tcp import TcpTransport
+
+    slow = LinkProfile(rate_bps=8e6, rtt_s=0.040)
+    round_trips: list[float] = []
+    received = [0]
+
+    async def main(lab: NetLab) -> None:
+        async with (
+            TcpTransport(Identity.generate()) as server,
+            TcpTransport(Identity.generate()) as client,
+        ):
+            with lab.host(1).entered():
+                listener = await server.listen(f"tcp://{lab.host(1).address}:{PORT}")
+            with lab.host(0).entered():
+                dialed = await client.connect(listener.address)
+            accepted = await listener.accept()
+            chunk = bytes(1 << 20)
+
+            async def serve() -> None:
+                bulk = await accepted.accept_stream()
+                rpc = await accepted.accept_stream()
+
+                async def drain() -> None:
+                    async for message in bulk:
+                        received[0] += len(message)
+
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(drain)
+                    async for message in rpc:
+                        await rpc.send(message)
+
+            async def send_bulk(stream: Any) -> None:
+                while True:
+                    await stream.send(chunk)
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(serve)
+                    bulk = await dialed.open_stream()
+                    await bulk.send(b"bulk")
+                    rpc = await dialed.open_stream()
+                    await rpc.send(b"hello")
+                    assert bytes(await rpc.receive()) == b"hello"
+                    tg.start_soon(send_bulk, bulk)
+                    await anyio.sleep(3.0)  # the link busy for a while: the socket full
+                    for i in range(5):
+                        start = time.monotonic()
+                        await rpc.send(b"ping %d" % i)
+                        assert bytes(await rpc.receive()) == b"ping %d" % i
+                        round_trips.append(time.monotonic() - start)
+                        await anyio.sleep(0.2)
+                    tg.cancel_scope.cancel()
+
+    with NetLab(2, profile=slow) as lab:
+        anyio.run(main, lab)
+    assert received[0] > 2 << 20  # the bulk moved meanwhile (~1 MB/s)
+    # the path's 40 ms, ~0.1 s of the rate unsent, and one batch's records ahead of it
+    assert max(round_trips) < 0.8, round_trips

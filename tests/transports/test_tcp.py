@@ -850,6 +850,11 @@ async def test_a_send_whose_stream_the_peer_resets_midway_raises_stream_reset() 
         raw_session(listener, encryption=True) as (raw, _, stream),
     ):
         outcome: list[Any] = []
+
+        async def read_on() -> None:  # (and drop that stream's records), as a peer does
+            while True:
+                await raw.receive_record()
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(outcome_of, lambda: stream.send(bytes(32 << 20)), outcome)
             with anyio.fail_after(BOUND):
@@ -858,6 +863,11 @@ async def test_a_send_whose_stream_the_peer_resets_midway_raises_stream_reset() 
                 assert (ftype, stream_id) == (fr.DATA, stream.id)
                 assert flags & fr.FIRST
                 await raw.send(fr.RESET, 0, stream.id, fr.CANCELLED)
+                # the sender finds the reset between two batches of the message
+                tg.start_soon(read_on)
+                while not outcome:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
         assert isinstance(outcome[0], StreamReset), outcome
 
 

@@ -161,6 +161,28 @@ def _tcp_traffic(sock: socket.socket) -> tuple[int, int] | None:
     return acked + sacked * mss, received
 
 
+#: ``tcpi_pacing_rate`` (u64, bytes/s) in ``struct tcp_info``.
+_TCP_INFO_PACING_RATE: Final = 104
+#: ``TCP_NOTSENT_LOWAT`` (Linux 3.12+): the socket takes more data only while fewer than this
+#: many bytes wait unsent in it (what is in flight is not counted).
+_TCP_NOTSENT_LOWAT: Final = 25
+#: How much of the connection's sending, in seconds at its pacing rate, may wait unsent in the
+#: kernel (where nothing can overtake it), within :data:`UNSENT_BOUNDS`. The rest waits in the
+#: connection, where a small message goes before the next batch of a bulk one.
+UNSENT_SECONDS: Final = 0.1
+UNSENT_BOUNDS: Final = (128 << 10, 4 << 20)
+
+
+def _unsent_limit(sock: socket.socket) -> int | None:
+    """The ``TCP_NOTSENT_LOWAT`` for ``sock`` now: :data:`UNSENT_SECONDS` of its pacing rate,
+    within :data:`UNSENT_BOUNDS` (``None``: the kernel cannot say its rate)."""
+    fields = _tcp_info(sock, "=Q", _TCP_INFO_PACING_RATE)
+    if fields is None or not fields[0] or fields[0] == 0xFFFFFFFFFFFFFFFF:
+        return None
+    low, high = UNSENT_BOUNDS
+    return max(low, min(high, int(fields[0] * UNSENT_SECONDS)))
+
+
 #: ``SO_MAX_PACING_RATE`` (Linux 3.13+): the most bytes/s the kernel sends the socket's data
 #: at, spread evenly (TCP's own pacing, or the ``fq`` qdisc); the u32 ``~0`` means no cap.
 _SO_MAX_PACING_RATE: Final = 47
@@ -603,6 +625,10 @@ class TcpConnection(Connection):
         self._keepalive = keepalive_interval
         self._idle_timeout = idle_timeout
         self._write_timeout = write_timeout
+        #: the ``TCP_NOTSENT_LOWAT`` set on the socket (``None``: the kernel's, no limit)
+        self._unsent_limit: int | None = None
+        #: a bulk message's batch ends past this many bytes (or when another writer waits)
+        self._batch_bytes = _WRITE_BATCH
         self._on_close = on_close
         # streams
         self._streams: dict[int, TcpStream] = {}
@@ -832,6 +858,7 @@ class TcpConnection(Connection):
                     scope.cancel()
                 else:
                     self._loop.add_reader(self._sock.fileno(), self._on_readable)
+                    self._bound_unsent()  # (from the handshake's round trips)
                 async with anyio.create_task_group() as tg:
                     self._tasks = tg
                     tg.start_soon(self._control_writer)
@@ -931,7 +958,7 @@ class TcpConnection(Connection):
                     index += 1
                     if (
                         index > last
-                        or batched >= _WRITE_BATCH
+                        or batched >= self._batch_bytes
                         or self._write_lock.contended
                         or (out is not None and len(out) - batched < self._record_room)
                     ):
@@ -1137,6 +1164,7 @@ class TcpConnection(Connection):
         left. Each time the socket takes data, ``scope`` gets ``write_timeout`` more."""
         loop = self._loop
         fd = self._sock.fileno()
+        self._bound_unsent()
         done: asyncio.Future[None] = loop.create_future()
 
         def on_writable() -> None:
@@ -1160,6 +1188,27 @@ class TcpConnection(Connection):
         finally:
             if self._sock.fileno() == fd:  # (not closed by the teardown, which removed it)
                 loop.remove_writer(fd)
+
+    def _bound_unsent(self) -> None:
+        """Keep what waits unsent in the kernel, and a bulk message's batches, to about
+        :data:`UNSENT_SECONDS` of the connection's rate (called when the connection starts and
+        when the socket is full, so at most once a batch): on a slow path a full 4 MiB send
+        buffer is seconds of bulk that a control record, an RPC or a keep-alive would otherwise
+        queue behind (11 s for a flow at a 7th of 20 Mbit/s), and so is a 2 MiB batch."""
+        limit = _unsent_limit(self._sock)
+        if limit is None or self._unsent_limit == limit:
+            return
+        if self._unsent_limit is not None and (
+            self._unsent_limit / 1.5 < limit < self._unsent_limit * 1.5
+        ):
+            return  # (close enough: no system call for every wobble of the rate)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, limit)
+        except OSError:
+            return
+        self._unsent_limit = limit
+        # (a batch being written holds the lock: what a small message waits for beyond it)
+        self._batch_bytes = min(_WRITE_BATCH, limit)
 
     async def _finish_batch(self, rest: list[bytes]) -> None:
         """Write the rest of a batch whose writer was cancelled, then the control records
