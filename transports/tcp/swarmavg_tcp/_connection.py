@@ -24,7 +24,10 @@ while the socket is full, it leaves the rest of the batch it was writing (a reco
 would break the connection's framing; at most 2 MiB) to a task of the connection, and, unless
 that batch ends the message, the stream is reset (RESET after it): the peer drops the part it
 got, and its operations and ours raise :class:`StreamReset`. A socket that takes nothing for
-``write_timeout`` drops the connection. Nothing in the send path is shielded.
+``write_timeout`` drops the connection. Nothing in the send path is shielded. On a slow path
+the kernel keeps only ~0.1 s of the connection's rate unsent (``TCP_NOTSENT_LOWAT``, from its
+pacing rate) and a bulk message's batches are no larger, so a small message waits for about
+that, not for a whole send buffer.
 
 Flow control (both numbers come from the *receiver's* settings): a message costs its size plus
 ``MESSAGE_OVERHEAD`` of credit, of its stream's window and of the connection's. A message costing
@@ -170,7 +173,7 @@ _TCP_NOTSENT_LOWAT: Final = 25
 #: kernel (where nothing can overtake it), within :data:`UNSENT_BOUNDS`. The rest waits in the
 #: connection, where a small message goes before the next batch of a bulk one.
 UNSENT_SECONDS: Final = 0.1
-UNSENT_BOUNDS: Final = (128 << 10, 4 << 20)
+UNSENT_BOUNDS: Final = (64 << 10, 4 << 20)
 
 
 def _unsent_limit(sock: socket.socket) -> int | None:
@@ -894,7 +897,8 @@ class TcpConnection(Connection):
                 self._credit -= cost
                 break
             await self._credit_changed.wait()
-        records = plan_records(parts, peer.max_record_size)
+        # (records no larger than a batch: a small message goes between two of them)
+        records = plan_records(parts, min(peer.max_record_size, self._batch_bytes))
         stream._announced = True
         if len(records) == 1 and self._write_lock.try_acquire():
             # fast path (small messages): write at once, no cancel scopes, no task switch
@@ -935,10 +939,11 @@ class TcpConnection(Connection):
                 if self.is_closed or stream._peer_discards():
                     break  # (the peer discards the rest of this message)
                 sent_first = True
-                # Plaintext records go several to a sendmsg while nobody else waits to write
-                # (the socket buffer, megabytes, is the real queue anyway); a sealed record
-                # lives in the one write buffer until it is written. Queued control records go
-                # first, in the same write.
+                # Plaintext records go several to a sendmsg while nobody else waits to write,
+                # up to _batch_bytes (0.1 s of the rate on a slow path: what a small message
+                # may wait for, beside what is unsent in the kernel); a sealed record lives in
+                # the one write buffer until it is written. Queued control records go first,
+                # in the same write.
                 buffers = [self._compose_control()] if self._control else []
                 batched = 0
                 # (a message of one record, here because another writer held the lock, is
