@@ -3,6 +3,7 @@ segments cut as the kernel would have segmented it, and losses drawn per segment
 
 from __future__ import annotations
 
+import itertools
 import random
 import struct
 
@@ -119,15 +120,16 @@ def test_each_segment_overtakes_with_the_paths_probability_and_alone() -> None:
             continue
         pieces = emulator.reordered_pieces(reorder, first, end)
         # the pieces cover the segments once, in order; reordered ones are single segments
-        assert pieces[0][0] == first and pieces[-1][1] == end
-        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+        assert pieces[0][0] == first
+        assert pieces[-1][1] == end
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
         assert any(flag for _a, _b, flag in pieces)
         for start, stop, flag in pieces:
             assert stop > start
             if flag:
                 assert stop == start + 1
                 reordered[start - first] += 1
-        for a, b in zip(pieces, pieces[1:], strict=False):  # runs kept are whole
+        for a, b in itertools.pairwise(pieces):  # runs kept are whole
             assert a[2] or b[2]
     for count_at in reordered:
         assert abs(count_at / frames - reorder) < 0.01

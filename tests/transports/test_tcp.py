@@ -855,8 +855,14 @@ async def test_a_send_whose_stream_the_peer_resets_midway_raises_stream_reset() 
             while True:
                 await raw.receive_record()
 
+        sent = anyio.Event()
+
+        async def send() -> None:
+            await outcome_of(lambda: stream.send(bytes(32 << 20)), outcome)
+            sent.set()
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(outcome_of, lambda: stream.send(bytes(32 << 20)), outcome)
+            tg.start_soon(send)
             with anyio.fail_after(BOUND):
                 # the first record is out: the message has started
                 ftype, flags, stream_id, _, _, _ = await raw.receive_record()
@@ -865,8 +871,7 @@ async def test_a_send_whose_stream_the_peer_resets_midway_raises_stream_reset() 
                 await raw.send(fr.RESET, 0, stream.id, fr.CANCELLED)
                 # the sender finds the reset between two batches of the message
                 tg.start_soon(read_on)
-                while not outcome:
-                    await anyio.sleep(0.01)
+                await sent.wait()
                 tg.cancel_scope.cancel()
         assert isinstance(outcome[0], StreamReset), outcome
 
