@@ -1200,12 +1200,8 @@ class TcpConnection(Connection):
         when the socket is full, so at most once a batch): on a slow path a full 4 MiB send
         buffer is seconds of bulk that a control record, an RPC or a keep-alive would otherwise
         queue behind (11 s for a flow at a 7th of 20 Mbit/s), and so is a 2 MiB batch."""
-        limit = _unsent_limit(self._sock)
-        if limit is None or self._unsent_limit == limit:
-            return
-        if self._unsent_limit is not None and (
-            self._unsent_limit / 1.5 < limit < self._unsent_limit * 1.5
-        ):
+        limit, current = _unsent_limit(self._sock), self._unsent_limit
+        if limit is None or (current is not None and current / 1.5 <= limit <= current * 1.5):
             return  # (close enough: no system call for every wobble of the rate)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, limit)
