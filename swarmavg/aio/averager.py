@@ -107,6 +107,8 @@ _CHECK_IN_THREAD = 1 << 22
 #: Bounds of the automatic part size (elements).
 _MIN_PART = 1 << 18
 _MAX_PART = 1 << 22
+#: ... and its lower bound where the announced bandwidths make it smaller (``_PART_TAIL``).
+_MIN_SLOW_PART = 1 << 16
 #: Every this many rounds with a measured bandwidth, one is not paced (see ``_upload_rate``).
 _PROBE_EVERY = 8
 #: The automatic part size keeps a reducer's last answer to everyone within about this long
@@ -852,17 +854,17 @@ class DecentralizedAverager:
         """Elements per part: ``part_size_bytes / 4``, or automatically about a quarter of a
         span, a power of two between 1 MiB and 16 MiB of float32: enough parts to overlap
         sending, reducing and receiving, few enough that Python's cost per part stays far
-        below the data's. On slow links, smaller (down to 1 MiB): a reducer answers its last
-        part to every sender only after the last values came, and nothing else overlaps that,
-        so the part is held to what the slowest member (by the bandwidths announced, when they
-        are rates) sends to all in about ``_PART_TAIL`` seconds. (Every member must use the
-        same: the automatic size depends only on what all members share, the tensors and the
-        group.)"""
+        below the data's. On slow links, smaller (down to 256 KiB): a reducer answers a part
+        only once every sender delivered it, and its last part to every sender only after
+        the last values came, so the part is held to what the slowest member (by the
+        bandwidths announced, when they are rates) sends to all in about ``_PART_TAIL``
+        seconds. (Every member must use the same: the automatic size depends only on what
+        all members share, the tensors and the group.)"""
         if self.part_size_bytes is not None:
             return max(1, self.part_size_bytes // 4)
         size = len(group.members)
         quarter_span = max(1, self.layout.numel // (4 * size))
-        elements = 1 << (quarter_span - 1).bit_length()
+        elements = min(max(1 << (quarter_span - 1).bit_length(), _MIN_PART), _MAX_PART)
         rates = [
             m.bandwidth
             for m in group.members
@@ -872,8 +874,9 @@ class DecentralizedAverager:
         ]
         if rates and size > 1:
             tail = max(1, int(min(rates) * _PART_TAIL / (size - 1) / 4))
-            elements = min(elements, 1 << (tail.bit_length() - 1))  # (a power of two <= it)
-        return min(max(elements, _MIN_PART), _MAX_PART)
+            tail = max(1 << (tail.bit_length() - 1), _MIN_SLOW_PART)  # (a power of two <= it)
+            elements = min(elements, tail)
+        return elements
 
     # -- state sharing ---------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ class _Recording(AllReduceRunner):
         self.inner = inner
         self.groups: list[Group] = []
         self.upload_rates: list[float | None] = []
+        self.part_sizes: list[int] = []
 
     async def run(
         self,
@@ -45,6 +46,7 @@ class _Recording(AllReduceRunner):
     ) -> AllReduceResult:
         self.groups.append(group)
         self.upload_rates.append(options.get("upload_rate"))
+        self.part_sizes.append(options["part_size"])
         return await self.inner.run(group, buffers, layout, **options)
 
     def expect(self, group: Group) -> None:
@@ -153,6 +155,32 @@ def test_an_explicit_bandwidth_is_not_overridden() -> None:
     # the peer given bandwidth=3.0 announces it and measures nothing; the other measures
     assert announced == [3.0, pytest.approx(RATE, rel=0.01)]
     assert measured == [None, pytest.approx(RATE, rel=0.01)]
+
+
+@pytest.mark.parametrize(
+    ("bandwidths", "elements"),
+    [
+        ((None, None), 1 << 19),  # nothing known: a quarter of a span (2 MiB)
+        ((40e6, 40e6), 1 << 19),  # 40 MB/s: a part to the other in 0.1 s is 4 MB, no less
+        ((8e6, 8e6), 1 << 17),  # 8 MB/s: 0.8 MB in 0.1 s -> 512 KiB
+        ((8e6, 3.0), 1 << 17),  # (3.0 is a ratio: says nothing about time)
+        ((1e6, 8e6), 1 << 16),  # the slowest's 0.1 MB in 0.1 s, but no less than 256 KiB
+    ],
+)
+def test_the_part_size_follows_the_slowest_announced_rate(
+    bandwidths: tuple[float | None, float | None], elements: int
+) -> None:
+    """Parts are a quarter of a span (1 to 16 MiB), smaller on slow links: what the slowest
+    member sends to all the others in about 0.1 s, a power of two, at least 256 KiB; both
+    members use the same."""
+
+    async def main() -> list[list[int]]:
+        async with AsyncExitStack() as stack:
+            averagers, runners = await _pair(stack, 4 << 20, list(bandwidths))
+            await _step_both(averagers)
+            return [runner.part_sizes for runner in runners]
+
+    assert run_on_virtual_time(main) == [[elements], [elements]]
 
 
 def test_small_rounds_measure_nothing() -> None:
