@@ -1065,6 +1065,9 @@ class Accumulator:
                 return
         self._heard_from(peer)
         if ack.epoch != getattr(message, "epoch", None):
+            if getattr(message, "epoch", None) == self.core.epoch:
+                # (alive, and it keeps our message until it adopts our epoch: waited on longer)
+                self.core.heard_elsewhere(str(peer), anyio.current_time())
             self.group.refresh_soon()
             self._wake.set()
 

@@ -29,6 +29,7 @@ See ``docs/guides/diloco.md``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import threading
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from swarmavg.averager import DecentralizedAverager
+from swarmavg.aio.averager import AveragingStage, StepResult
+from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.compression import CompressionBase, NoCompression, TensorInfo
 from swarmavg.metrics import DiLoCoMetrics
 from swarmavg.optim.progress_tracker import ProgressTracker
@@ -79,6 +81,8 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LR
 #: Scheduler steps beyond which a rebuilt schedule jumps (torch's closed form) instead of
 #: stepping one by one.
 _MAX_SCHEDULER_STEPS = 10_000
+#: Seconds between looks at the records while a round looks for its group.
+_ROUND_POLL = 0.1
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -513,13 +517,23 @@ class DiLoCo:
             # meet the peers ahead, whose mean would take its Δ against an older θ_global
             self.averager.set_group_bits(epoch_group_bits(self.outer_epoch))
             try:
-                result = self.averager.step(
+                handle = self.averager.step(
                     gather=gather_payload(self.outer_epoch, self._theta_digest()),
                     weight=weight,
                     timeout=self.averaging_timeout,
+                    wait=False,
                 )
+                result = self._await_round(handle)
             except Exception as exc:
                 self._fail(f"{type(exc).__name__}: {exc}"[:200], started)
+                return
+            if result is None:
+                self._fail(
+                    f"the swarm went on to outer epoch {self.tracker.global_epoch} while this "
+                    "peer looked for a group",
+                    started,
+                )
+                self._catch_up(force=True)
                 return
             if result.local_spans:
                 # some parts of Δ̄ kept this peer's own values: the members disagree on it
@@ -561,6 +575,24 @@ class DiLoCo:
             if diverged:
                 how += f" ({diverged} held another θ_global and take this one)"
         logger.log(self.status_loglevel, "%s outer epoch %d: %s", self.run_id, report.epoch, how)
+
+    def _await_round(self, handle: StepHandle) -> StepResult | None:
+        """The round's result; ``None`` if, while it still looked for a group, the records
+        showed the swarm at a later outer epoch (and no failed download asks to wait): the
+        round is cancelled then. Its peers averaged this epoch without this one (groups form
+        per epoch: it would find nobody), and waiting out ``averaging_timeout`` only put it
+        further behind: under load, a peer whose first round missed the others' waited 10 s
+        there while they trained on, and it never averaged again in that run."""
+        while True:
+            done, _ = concurrent.futures.wait([handle], timeout=_ROUND_POLL)
+            if done:
+                return handle.result()
+            if handle.stage in (
+                AveragingStage.IDLE,
+                AveragingStage.LOOKING_FOR_GROUP,
+            ) and self.schedule.should_load_state(self.tracker.global_epoch, time.monotonic()):
+                handle.cancel()
+                return None
 
     @torch.no_grad()
     def _outer_step(self) -> None:

@@ -73,6 +73,8 @@ WEIGHTINGS: Final[tuple[str, ...]] = ("contributions", "samples")
 _MAX_EARLY_MESSAGES: Final = 64
 #: Peers whose messages of an epoch this member has not adopted are kept (a cohort's size).
 _MAX_EARLY_PEERS: Final = 256
+#: Kept messages of an epoch this member has not adopted last this many ``round_timeout``.
+_EARLY_KEEP: Final = 2
 _MAX_INT64: Final = (1 << 63) - 1
 #: Bytes of an epoch (a SHA-256).
 EPOCH_SIZE: Final = 32
@@ -370,6 +372,9 @@ class AccumulatorCore:
         #: per peer, messages of the one epoch it last spoke of that this member has not
         #: adopted, and when the first of them came
         self._early: dict[str, tuple[float, list[CoreMessage]]] = {}
+        #: members of this epoch that last spoke of another one (a message, or an answer to
+        #: ours: see :meth:`heard_elsewhere`), and when
+        self._elsewhere: dict[str, float] = {}
         self._next_index = 0
         self._pending: dict[int, _Pending] = {}
         self._has_gradients = False
@@ -518,6 +523,7 @@ class AccumulatorCore:
         self._state_requests = False
         self._counts.clear()
         self._pending.clear()
+        self._elsewhere.clear()
         self._next_index = 0
         hello = Hello(epoch, *self.state_id())
         self._hellos = _Exchange(now, {self.me: hello})
@@ -636,6 +642,7 @@ class AccumulatorCore:
             if len(kept[1]) >= _MAX_EARLY_MESSAGES:
                 raise RemoteProtocolError(f"{peer} sent too many messages of an unknown epoch")
             kept[1].append(message)
+            self.heard_elsewhere(peer, now)
             return [Refresh(peer)]
         if peer not in self._members or peer == self.me:
             raise RemoteProtocolError(f"{peer} is not a member of this epoch")
@@ -662,10 +669,20 @@ class AccumulatorCore:
         return actions
 
     def _forget_early(self, now: float) -> None:
-        """Drop kept messages that came ``round_timeout`` ago or more: their sender has given
-        up on this member by now (and a peer that left must not hold a place for good)."""
+        """Drop kept messages that came ``_EARLY_KEEP * round_timeout`` ago or more: their
+        sender has given up on this member by then (and a peer that left must not hold a
+        place for good).
+
+        Not after one ``round_timeout``: the sender waits that long from its own message and
+        then a little more before it suspects this member, while this member may itself have
+        spent a ``round_timeout`` in a view that still holds a dead peer (it suspects one only
+        once its messages failed for that long) before it adopts the sender's. Forgetting at
+        one ``round_timeout`` dropped the hellos of the sender's epoch just before this member
+        adopted it; the sender, holding this member's hello, went on, and each side waited
+        for the other until it suspected it: the cohort split in two."""
+        keep = _EARLY_KEEP * self.round_timeout
         for peer, (since, _) in list(self._early.items()):
-            if now - since >= self.round_timeout:
+            if now - since >= keep:
                 del self._early[peer]
 
     def _on_hello(self, peer: str, hello: Hello) -> list[Action]:
@@ -837,17 +854,42 @@ class AccumulatorCore:
 
     # --- faults ---------------------------------------------------------------------------------
 
+    def heard_elsewhere(self, peer: str, now: float) -> None:
+        """``peer``, a member of this epoch, answered one of our messages with another epoch
+        (or sent one of another epoch): it is alive and has not adopted ours yet, and it keeps
+        what we sent until it does (see :meth:`stalled`)."""
+        if peer in self._members and peer != self.me:
+            self._elsewhere[peer] = now
+
     def stalled(self, now: float) -> tuple[str, ...]:
         """Members that an exchange of this epoch has waited on for ``round_timeout`` (the
-        caller checks whether they still answer, and suspects those that do not). A count
-        waits only once this member sent its own."""
+        caller suspects them: they are left out of the view until they speak again). A count
+        waits only once this member sent its own.
+
+        A member that spoke of another epoch since the exchange began is waited on for twice
+        ``round_timeout``: it is alive and on its way to ours (it may itself spend a
+        ``round_timeout`` in a view that still holds a dead peer before it adopts ours, as
+        this member did before it); suspected at one ``round_timeout``, it was often suspected
+        just before its hello came, and the cohort split for a while."""
         silent: set[str] = set()
         exchanges = list(self._counts.values())
         if self._hellos is not None:
             exchanges.append(self._hellos)
         for exchange in exchanges:
-            if self.me in exchange.got and now - exchange.started >= self.round_timeout:
-                silent.update(m for m in self._members if m not in exchange.got)
+            waited = now - exchange.started
+            if self.me not in exchange.got or waited < self.round_timeout:
+                continue
+            for member in self._members:
+                if member in exchange.got:
+                    continue
+                elsewhere = self._elsewhere.get(member)
+                if (
+                    waited < _EARLY_KEEP * self.round_timeout
+                    and elsewhere is not None
+                    and elsewhere >= exchange.started
+                ):
+                    continue
+                silent.add(member)
         return tuple(sorted(silent))
 
 

@@ -543,6 +543,55 @@ def test_a_failed_round_rolls_back_or_keeps_local(policy: str) -> None:
                 torch.testing.assert_close(param.detach(), torch.full((2,), -2.0))
 
 
+def test_a_round_looking_for_a_group_stops_when_the_swarm_goes_on() -> None:
+    """A peer whose round looks for a group (up to ``averaging_timeout``, 30 s here) while the
+    records show the swarm at a later outer epoch stops looking at once: the round fails and
+    the peer catches up, instead of waiting out the timeout while the others train on."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    with swarm(2) as (dht, other_dht):
+        inner = torch.optim.SGD([param], lr=1.0)
+        with (
+            _make(other_dht, torch.nn.Linear(1, 1), "went-on", sync_every=2) as ahead,
+            DiLoCo(
+                [param],
+                inner_optimizer=inner,
+                dht=dht,
+                run_id="went-on",
+                sync_every=2,
+                matchmaking_time=0.5,
+                averaging_timeout=30.0,
+                load_state_timeout=5.0,
+                averager_opts=FAST,
+                tracker_opts=TRACKER,
+            ) as late,
+        ):
+            ahead.tracker.report_local_progress(0, 1)
+            _wait_for_peers(late, 2)
+
+            def go_on() -> None:  # (the other peer's record moves on while the round looks)
+                deadline = time.monotonic() + 30
+                while late.inner_step < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.5)
+                ahead.tracker.report_local_progress(1, 1)
+
+            mover = threading.Thread(target=go_on)
+            mover.start()
+            for _ in range(2):
+                param.grad = torch.ones(2)
+                inner.step()
+            mover.join()
+            report = late.last_round
+            assert report is not None
+            assert report.outcome == "failed"
+            assert report.error is not None
+            assert "went on to outer epoch 1 while this peer looked for a group" in report.error
+            assert report.seconds < 15.0  # (not the 30 s of averaging_timeout)
+            assert late.outer_epoch == 0  # (the other's state is at epoch 0: nothing newer)
+            assert late.inner_step == 0  # (rolled back to θ_global)
+            torch.testing.assert_close(param.detach(), torch.zeros(2))
+
+
 # -- checkpoints and metrics ---------------------------------------------------------------------
 
 

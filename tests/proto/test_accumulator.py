@@ -611,19 +611,78 @@ def test_messages_of_an_epoch_adopted_after_another_one_are_still_received() -> 
         assert cohort.members[name].core.stalled(cohort.now + 1e6) == ()
 
 
-def test_messages_of_unknown_epochs_are_bounded_and_forgotten_after_the_round_timeout() -> None:
+def test_hellos_kept_for_one_round_timeout_still_count_when_their_epoch_is_adopted() -> None:
+    """As above, with the clock the processes saw (a CI failure): a and b suspect d (their
+    counts to it failed for ``round_timeout``) and say hello in the view without it; c holds
+    another view with d (it did not send d anything) and leaves it only once its own hello
+    to d failed for ``round_timeout``, a little more than ``round_timeout`` after a's and b's
+    hellos came. Those still count: the three elect at once. (Kept for one ``round_timeout``
+    they were dropped just before: c waited on a and b, who held c's hello and went on
+    without it, until each side suspected the other.)"""
+    cohort = connected_cohort(["a", "b", "c", "d"], round_timeout=10.0)
+    cohort.now = 100.0
+    cohort.epoch(["a", "b", "c"], who=["a", "b"])
+    cohort.deliver(only_to={"a", "b", "c"})
+    cohort.now = 100.01
+    cohort.epoch(["a", "b", "c", "d"], who=["c"], epoch=b"\x01" * 32)
+    cohort.deliver(only_to={"a", "b", "c"})
+    cohort.now = 110.02  # (c's hello to d failed for round_timeout)
+    cohort.epoch(["a", "b", "c"], who=["c"])
+    cohort.deliver(only_to={"a", "b", "c"})
+    assert {cohort.members[n].core.leader for n in "abc"} == {"c"}
+    for name in "abc":
+        assert cohort.members[name].core.stalled(cohort.now + 9.0) == ()
+
+
+def test_a_member_heard_from_another_epoch_is_waited_on_for_twice_the_round_timeout() -> None:
+    """a and b adopt the view without d and say hello; c, still in a view with d, answers
+    a's hello with its own epoch (a hears of it: ``heard_elsewhere``) and says hello in that
+    view to b. Both wait on c for twice ``round_timeout`` (it is alive, and it keeps their
+    hellos until it adopts their view); a member that never spoke of another epoch is
+    suspected after one."""
+    cohort = connected_cohort(["a", "b", "c", "d"], round_timeout=10.0)
+    cohort.now = 100.0
+    cohort.epoch(["a", "b", "c"], who=["a", "b"])
+    cohort.deliver(only_to={"a", "b", "c"})
+    a, b, c = (cohort.members[n].core for n in "abc")
+    a.heard_elsewhere("c", 100.01)  # (the shell, on c's answer)
+    a.heard_elsewhere("x", 100.01)  # (not a member: nothing)
+    cohort.now = 100.02
+    cohort.epoch(["a", "b", "c", "d"], who=["c"], epoch=b"\x02" * 32)
+    cohort.queue = [m for m in cohort.queue if m[1] == "b"]  # (c's hello to b: kept, heard)
+    cohort.deliver(only_to={"b"})
+    for core in (a, b):
+        assert core.stalled(110.01) == ()
+        assert core.stalled(119.99) == ()
+        assert core.stalled(120.0) == ("c",)
+    # an exchange that began after c last spoke of another epoch waits one round_timeout
+    cohort.epoch(["a", "b", "c"], who=["a", "b"], epoch=b"\x03" * 32)
+    assert a.stalled(cohort.now + 10.0) == ("b", "c")
+    # once c adopts their view, the kept hellos count, and nobody waits on anyone
+    cohort.queue.clear()
+    cohort.epoch(["a", "b", "c"], who=["a", "b", "c"], epoch=b"\x04" * 32)
+    cohort.deliver(only_to={"a", "b", "c"})
+    assert {core.leader for core in (a, b, c)} == {"c"}
+
+
+def test_messages_of_unknown_epochs_are_bounded_and_forgotten_after_two_round_timeouts() -> None:
     """Kept messages take a place per sender (256 senders at most, then a protocol error); a
-    place is freed ``round_timeout`` after its messages came (their sender has given up on
-    this member by then, or left for good)."""
+    place is freed twice ``round_timeout`` after its messages came (their sender has given up
+    on this member by then, or left for good)."""
     core = AccumulatorCore("m", cohort="c", round_timeout=30.0)
     core.new_epoch(["m"], 0.0)
     other = epoch_digest(["m", "x"])
     for i in range(256):
         assert core.receive(f"p{i}", Hello(other, 0, b""), 1.0) == [Refresh(f"p{i}")]
     with pytest.raises(RemoteProtocolError, match="too many peers"):
-        core.receive("late", Hello(other, 0, b""), 30.0)
-    assert core.receive("late", Hello(other, 0, b""), 31.0) == [Refresh("late")]
-    assert core.receive("later", Hello(other, 0, b""), 31.0) == [Refresh("later")]
+        core.receive("late", Hello(other, 0, b""), 60.0)
+    assert core.receive("late", Hello(other, 0, b""), 61.0) == [Refresh("late")]
+    assert core.receive("later", Hello(other, 0, b""), 61.0) == [Refresh("later")]
+    # the late ones' places were taken at 61: they stay until 121
+    core.new_epoch(["m", "y"], 120.0)  # (another epoch: they stay kept)
+    assert len(core._early) == 2
+    core.new_epoch(["m"], 121.0)
+    assert core._early == {}
 
 
 def test_stalled_names_the_silent_members_after_the_round_timeout() -> None:
