@@ -547,22 +547,22 @@ def test_a_round_looking_for_a_group_stops_when_the_swarm_goes_on() -> None:
     """A peer whose round looks for a group (up to ``averaging_timeout``, 30 s here) while the
     records show the swarm at a later outer epoch stops looking at once: the round fails and
     the peer catches up, instead of waiting out the timeout while the others train on."""
-    param = torch.nn.Parameter(torch.zeros(2))
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    param = model.weight
     with swarm(2) as (dht, other_dht):
         inner = torch.optim.SGD([param], lr=1.0)
         with (
             _make(other_dht, torch.nn.Linear(1, 1), "went-on", sync_every=2) as ahead,
-            DiLoCo(
-                [param],
+            _make(
+                dht,
+                model,
+                "went-on",
                 inner_optimizer=inner,
-                dht=dht,
-                run_id="went-on",
                 sync_every=2,
                 matchmaking_time=0.5,
                 averaging_timeout=30.0,
                 load_state_timeout=5.0,
-                averager_opts=FAST,
-                tracker_opts=TRACKER,
             ) as late,
         ):
             ahead.tracker.report_local_progress(0, 1)
@@ -578,7 +578,7 @@ def test_a_round_looking_for_a_group_stops_when_the_swarm_goes_on() -> None:
             mover = threading.Thread(target=go_on)
             mover.start()
             for _ in range(2):
-                param.grad = torch.ones(2)
+                param.grad = torch.ones(1, 2)
                 inner.step()
             mover.join()
             report = late.last_round
@@ -589,7 +589,7 @@ def test_a_round_looking_for_a_group_stops_when_the_swarm_goes_on() -> None:
             assert report.seconds < 15.0  # (not the 30 s of averaging_timeout)
             assert late.outer_epoch == 0  # (the other's state is at epoch 0: nothing newer)
             assert late.inner_step == 0  # (rolled back to θ_global)
-            torch.testing.assert_close(param.detach(), torch.zeros(2))
+            torch.testing.assert_close(param.detach(), torch.zeros(1, 2))
 
 
 # -- checkpoints and metrics ---------------------------------------------------------------------
