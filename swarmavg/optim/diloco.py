@@ -583,16 +583,20 @@ class DiLoCo:
         per epoch: it would find nobody), and waiting out ``averaging_timeout`` only put it
         further behind: under load, a peer whose first round missed the others' waited 10 s
         there while they trained on, and it never averaged again in that run."""
-        while True:
-            done, _ = concurrent.futures.wait([handle], timeout=_ROUND_POLL)
-            if done:
-                return handle.result()
-            if handle.stage in (
-                AveragingStage.IDLE,
-                AveragingStage.LOOKING_FOR_GROUP,
-            ) and self.schedule.should_load_state(self.tracker.global_epoch, time.monotonic()):
-                handle.cancel()
-                return None
+        try:
+            while True:
+                done, _ = concurrent.futures.wait([handle], timeout=_ROUND_POLL)
+                if done:
+                    return handle.result()
+                if handle.stage in (
+                    AveragingStage.IDLE,
+                    AveragingStage.LOOKING_FOR_GROUP,
+                ) and self.schedule.should_load_state(self.tracker.global_epoch, time.monotonic()):
+                    handle.cancel()
+                    return None
+        except BaseException:  # (Ctrl+C included: the step does not outlive the wait)
+            handle.cancel()
+            raise
 
     @torch.no_grad()
     def _outer_step(self) -> None:
