@@ -486,6 +486,9 @@ def main() -> int:
         logging.basicConfig(
             level=logging.INFO, format="%(created).3f %(levelname)s %(name)s: %(message)s"
         )
+        for name in os.environ.get("SWARMAVG_FAULT_DEBUG", "").split(","):
+            if name:  # (e.g. swarmavg.aio.matchmaking: a fault that went wrong, traced)
+                logging.getLogger(name).setLevel(logging.DEBUG)
     system: _System = _Ours() if args.system == "swarmavg" else _Hivemind()
     peer = _Peer(system, args.index, out)
     inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
