@@ -27,7 +27,9 @@ time (both a sender's values and a reducer's means; keyed by the part's place in
 Faults: a sender that fails, sends bad values or stalls (``sender_timeout``) is left out of the
 parts it had not delivered, and the other senders are told (:class:`AvgDropped`); a reducer that
 fails or stalls (``reducer_timeout``) leaves the rest of its span at local values; a member that
-leaves (its step was cancelled) tells the others (``avg.leave``), who go on without it at once.
+leaves (its step was cancelled) tells the others (``avg.leave``), who go on without it at once;
+so does a member whose connection to us is lost, or that we cannot connect to while it is not
+connected to us (it died after its group formed: it will not send either).
 The result says what stayed local and who was left out (``incomplete``).
 
 Relay: a reducer that dies (or stalls, or leaves out a sender) while answering may have
@@ -79,7 +81,7 @@ from swarmavg.compression import (
     TensorInfo,
     decompress,
 )
-from swarmavg.errors import AllReduceFailed, SwarmError
+from swarmavg.errors import AllReduceFailed, ConnectError, SwarmError
 from swarmavg.proto.allreduce import (
     AccumulatorPool,
     FlatLayout,
@@ -1357,6 +1359,15 @@ class AllReduceService(AllReduceRunner):
                 out.result.nonfinite.append(reducer)
             if isinstance(exc, TimeoutError):
                 reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
+            elif (
+                isinstance(exc, ConnectError)
+                and progress[0] == 0
+                and self.node.connection_to(group.members[reducer].peer_id) is None
+            ):
+                # Not there, and not connected to us: it will not send its values either (a
+                # peer that died after its group formed, before anyone of it called us). Waiting
+                # out sender_timeout for it failed whole steps when that outlasted them.
+                round_.leave(reducer, f"it cannot be reached: {reason}")
         out.result.local_spans.append((reducer, progress[0], reason))
         logger.debug(
             "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local values: %s",

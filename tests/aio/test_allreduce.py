@@ -546,6 +546,44 @@ async def test_a_reducer_that_never_comes_leaves_its_span_local() -> None:
     np.testing.assert_array_equal(flats[0][: lost.start], flats[1][: lost.start])
 
 
+async def test_a_member_that_died_before_the_round_is_left_out_at_once() -> None:
+    """A member whose process died after its group formed, before it called anyone: the
+    others cannot connect to it, and as nobody is connected to it they do not wait for its
+    values either (``sender_timeout`` is 20 s here): its span stays local, its values are left
+    out of theirs, and the survivors agree on the rest."""
+    rng = np.random.default_rng(15)
+    async with _nodes(3) as nodes:
+        group = _group(nodes)
+        buffers = [_buffers(rng) for _ in nodes]
+        before = [[b.copy() for b in own] for own in buffers]
+        expected = _expected(buffers, [1.0] * 3, [0, 1])
+        await nodes[2].aclose()
+        started = anyio.current_time()
+        outcomes = await _run_some(
+            nodes, group, buffers, range(2), timeout=25, sender_timeout=20, reducer_timeout=20
+        )
+        assert anyio.current_time() - started < 5
+        spans = group.span_sizes(LAYOUT.numel)
+    flat_expected = np.concatenate([e.astype(np.float64) for e in expected])
+    lost = slice(spans[0] + spans[1], LAYOUT.numel)  # member 2's span
+    for i in range(2):
+        result = outcomes[i]
+        assert isinstance(result, AllReduceResult), result
+        assert result.incomplete
+        assert [(r, first) for r, first, _ in result.local_spans] == [(2, 0)]
+        # (each reducer left it out of its span, and tells the others)
+        assert sorted((r, s, first) for r, s, first, _ in result.dropped) == [(0, 2, 0), (1, 2, 0)]
+        assert all("cannot be reached" in why for _, _, _, why in result.dropped)
+        flat = np.concatenate([b.astype(np.float64) for b in buffers[i]])
+        flat_before = np.concatenate([b.astype(np.float64) for b in before[i]])
+        np.testing.assert_array_equal(flat[lost], flat_before[lost])  # kept local
+        np.testing.assert_allclose(
+            flat[: lost.start], flat_expected[: lost.start], rtol=0, atol=2e-3
+        )
+    flats = [np.concatenate([b.astype(np.float64) for b in buffers[i]]) for i in range(2)]
+    np.testing.assert_array_equal(flats[0][: lost.start], flats[1][: lost.start])
+
+
 @pytest.mark.parametrize("seed", range(50))
 async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right(
     seed: int,
