@@ -869,7 +869,7 @@ class AccumulatorCore:
         A member that spoke of another epoch since the exchange began is waited on for twice
         ``round_timeout``: it is alive and on its way to ours (it may itself spend a
         ``round_timeout`` in a view that still holds a dead peer before it adopts ours, as
-        this member did before it); suspected at one ``round_timeout``, it was often suspected
+        this member did before it); suspected at one ``round_timeout``, it could be suspected
         just before its hello came, and the cohort split for a while."""
         silent: set[str] = set()
         exchanges = list(self._counts.values())
