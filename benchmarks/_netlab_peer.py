@@ -65,15 +65,19 @@ def main() -> int:
     dhts: dict[str, Any] = {}
     averager: Any = None
     try:
-        for transport in args.transports.split(","):
-            if transport not in ("tcp", "quic"):
-                raise SystemExit(f"--transports: unknown transport {transport!r}")
-            dhts[transport] = swarmavg.DHT(
-                initial_peers=initial.get(transport, []),
+        for spec in args.transports.split(","):  # "tcp", "quic", "quic/<congestion control>"
+            transport, _, congestion = spec.partition("/")
+            if transport not in ("tcp", "quic") or (congestion and transport != "quic"):
+                raise SystemExit(f"--transports: unknown transport {spec!r}")
+            options: dict[str, Any] = {"encryption": False} if transport == "tcp" else {}
+            if congestion:
+                options["congestion_control"] = congestion
+            dhts[spec] = swarmavg.DHT(
+                initial_peers=initial.get(spec, []),
                 transport=transport,
                 host=args.host,
                 port=0,
-                transport_options={"encryption": False} if transport == "tcp" else {},
+                transport_options=options,
             )
         _say(
             event="started",

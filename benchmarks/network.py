@@ -657,7 +657,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default=None, help="lan, wan, bad, mixed (wan,bad,lan,mixed)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per system (3)")
     parser.add_argument("--systems", default="ours,gloo,hivemind")
-    parser.add_argument("--transports", default="tcp,quic", help="ours' transports")
+    parser.add_argument(
+        "--transports",
+        default="tcp,quic",
+        help="ours' transports: tcp, quic, quic/<congestion control> (quic/bbr)",
+    )
     parser.add_argument("--rates-only", action="store_true", help="rates only, no emulator")
     parser.add_argument("--lossless", action="store_true", help="the profiles without loss")
     parser.add_argument(
@@ -683,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         if system not in SYSTEMS:
             parser.error(f"--systems: unknown system {system!r} (one of {SYSTEMS})")
     for transport in transports:
-        if transport not in ("tcp", "quic"):
+        name, _, congestion = transport.partition("/")
+        if name not in ("tcp", "quic") or (congestion and name != "quic"):
             parser.error(f"--transports: unknown transport {transport!r}")
     if any(n < 2 for n in peers) or any(s <= 0 for s in sizes) or rounds < 1:
         parser.error("--peers must be at least 2, --sizes positive, --rounds at least 1")

@@ -492,7 +492,7 @@ def test_options_are_checked() -> None:
     with pytest.raises(ValueError, match="keepalive_interval"):
         QuicTransport(ident, keepalive_interval=0)
     with pytest.raises(ValueError, match="congestion_control"):
-        QuicTransport(ident, congestion_control="bbr")
+        QuicTransport(ident, congestion_control="vegas")
 
 
 def test_the_private_aioquic_hooks_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:

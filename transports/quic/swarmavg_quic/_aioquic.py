@@ -22,6 +22,10 @@ Besides the certificate hooks of :mod:`swarmavg_quic._tls`, swarmavg needs two t
   recovery, the timeout's exponent of 2) is lowered to fit, so the interval stops growing at
   the PTO times the largest power of 2 that fits. The TCP transport caps the kernel's
   retransmission timeout likewise.
+* **Pacing at a model's rate.** A connection whose congestion control is
+  :class:`~swarmavg_quic._congestion.BbrCongestionControl` gets a
+  :class:`~swarmavg_quic._congestion.ModelPacer` in place of aioquic's pacer (``_pacer`` of its
+  loss recovery), which paces at ``window / smoothed RTT``.
 * **Liveness.** ``last_heard`` is when a packet from the peer last decrypted (an override of
   ``_payload_received``, which aioquic calls for each authenticated packet), and
   :func:`smoothed_rtt` reads the RTT estimate of aioquic's loss recovery; together they decide
@@ -41,6 +45,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated
 
+from swarmavg_quic._congestion import BbrCongestionControl, ModelPacer
 from swarmavg_quic._tls import AuthenticatingConnection
 
 __all__ = [
@@ -72,6 +77,9 @@ class FlowControlledQuic(AuthenticatingConnection):
         self.data_credit = configuration.max_data
         #: when the last packet from the peer was authenticated (the ``now`` it came with).
         self.last_heard = 0.0
+        loss = self._loss
+        if isinstance(loss._cc, BbrCongestionControl):  # (it paces at its model's rate)
+            loss._pacer = ModelPacer(loss._cc, max_datagram_size=loss._pacer._max_datagram_size)
 
     def _payload_received(
         self, context: Any, plain: bytes, crypto_frame_required: bool = False
@@ -188,7 +196,8 @@ def check_private_api() -> None:
 
     :raises RuntimeError: naming what is missing.
     """
-    from aioquic.quic.recovery import QuicPacketRecovery
+    from aioquic.quic.congestion.base import QuicCongestionControl
+    from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
     from aioquic.quic.stream import QuicStreamReceiver, QuicStreamSender
 
     from swarmavg_quic._tls import check_aioquic
@@ -211,6 +220,13 @@ def check_private_api() -> None:
         for name in ("_pto_count", "handshake_confirmed")
         if not isinstance(getattr(recovery, name, None), int)
     ]
+    missing += [
+        f"QuicPacketRecovery.{name}"
+        for name, kind in (("_cc", QuicCongestionControl), ("_pacer", QuicPacketPacer))
+        if not isinstance(getattr(recovery, name, None), kind)
+    ]
+    if not isinstance(getattr(getattr(recovery, "_pacer", None), "_max_datagram_size", None), int):
+        missing.append("QuicPacketPacer._max_datagram_size")
     sender = QuicStreamSender(stream_id=0, writable=True)
     missing += [
         f"QuicStreamSender.{name}"

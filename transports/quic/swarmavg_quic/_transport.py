@@ -17,7 +17,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
 from swarmavg.address import Address
 from swarmavg.errors import AddressInUse, ConnectError, PeerIdentityMismatch, TransportError
-from swarmavg_quic import _tls
+from swarmavg_quic import _congestion, _tls
 from swarmavg_quic._aioquic import FlowControlledQuic, check_private_api
 from swarmavg_quic._connection import CLOSE_REFUSED, QuicConnection
 from swarmavg_quic._endpoint import CID_LENGTH, Endpoint, bind_socket
@@ -30,7 +30,8 @@ __all__ = ["QuicListener", "QuicTransport"]
 
 logger = logging.getLogger("swarmavg_quic")
 
-_CONGESTION_CONTROL = ("reno", "cubic")
+#: our names -> aioquic's
+_CONGESTION_CONTROL = {"reno": "reno", "cubic": "cubic", "bbr": _congestion.NAME}
 
 
 class QuicTransport(TaskGroupTransport):
@@ -60,7 +61,10 @@ class QuicTransport(TaskGroupTransport):
     :param max_connections_per_peer: incoming connections one PeerID may hold at once.
     :param max_incoming_connections: incoming connections in all.
     :param max_pending_handshakes: incoming handshakes in progress at once; more are dropped.
-    :param congestion_control: ``"reno"`` (aioquic's default) or ``"cubic"``.
+    :param congestion_control: ``"bbr"`` (the default: paces at the bandwidth it measures and
+        does not slow down for random loss; ``swarmavg_quic._congestion``), ``"reno"``
+        (aioquic's default) or ``"cubic"``. Reno and CUBIC cut their window at every loss: on
+        a long path with some loss they hold a connection far below the link's rate.
     """
 
     name: ClassVar[str] = "quic"
@@ -82,7 +86,7 @@ class QuicTransport(TaskGroupTransport):
         max_connections_per_peer: int = 8,
         max_incoming_connections: int = 1024,
         max_pending_handshakes: int = 64,
-        congestion_control: str = "reno",
+        congestion_control: str = "bbr",
     ) -> None:
         super().__init__(identity)
         check_private_api()
@@ -108,7 +112,7 @@ class QuicTransport(TaskGroupTransport):
         self._check_count("max_pending_handshakes", max_pending_handshakes)
         if congestion_control not in _CONGESTION_CONTROL:
             raise ValueError(
-                f"congestion_control must be one of {_CONGESTION_CONTROL}, "
+                f"congestion_control must be one of {tuple(_CONGESTION_CONTROL)}, "
                 f"not {congestion_control!r}"
             )
         self.max_message_size = max_message_size
@@ -161,7 +165,7 @@ class QuicTransport(TaskGroupTransport):
         config.max_data = self.connection_window
         config.max_stream_data = self.stream_window
         config.connection_id_length = CID_LENGTH
-        config.congestion_control_algorithm = self.congestion_control
+        config.congestion_control_algorithm = _CONGESTION_CONTROL[self.congestion_control]
         return config
 
     def _connection(
