@@ -86,11 +86,17 @@ AGGREGATION_MAX: Final = 0.1
 class _Sent:
     """What the connection had delivered when a packet was sent (for its rate sample)."""
 
-    __slots__ = ("app_limited", "delivered", "delivered_time", "first_sent_time")
+    __slots__ = ("app_limited", "delivered", "delivered_time", "first_sent_time", "packet")
 
     def __init__(
-        self, delivered: int, delivered_time: float, first_sent_time: float, app_limited: bool
+        self,
+        packet: QuicSentPacket,
+        delivered: int,
+        delivered_time: float,
+        first_sent_time: float,
+        app_limited: bool,
     ) -> None:
+        self.packet = packet  # (held, so that its id() is not reused while it is a key)
         self.delivered = delivered
         self.delivered_time = delivered_time
         self.first_sent_time = first_sent_time
@@ -104,7 +110,9 @@ class BbrCongestionControl(QuicCongestionControl):
     def __init__(self, *, max_datagram_size: int) -> None:
         super().__init__(max_datagram_size=max_datagram_size)
         self._mds = max_datagram_size
-        self._sent: dict[int, _Sent] = {}  # id(packet) -> its state at sending
+        #: id(packet) -> its state at sending (aioquic reports every in-flight packet it
+        #: forgets as acknowledged, lost or expired; the space's discard included)
+        self._sent: dict[int, _Sent] = {}
         #: bytes acknowledged in all, and declared lost
         self.delivered = 0
         self.lost = 0
@@ -204,6 +212,7 @@ class BbrCongestionControl(QuicCongestionControl):
             self._app_limited_until = self.delivered + packet.sent_bytes
         self.bytes_in_flight += packet.sent_bytes
         self._sent[id(packet)] = _Sent(
+            packet,
             self.delivered,
             self._delivered_time,
             self._first_sent_time,
