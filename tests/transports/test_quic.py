@@ -493,6 +493,8 @@ def test_options_are_checked() -> None:
         QuicTransport(ident, keepalive_interval=0)
     with pytest.raises(ValueError, match="congestion_control"):
         QuicTransport(ident, congestion_control="vegas")
+    with pytest.raises(TypeError, match="congestion_control"):
+        QuicTransport(ident, congestion_control=["bbr"])  # type: ignore[arg-type]
 
 
 def test_the_private_aioquic_hooks_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,10 +19,9 @@ instead of reading losses as congestion:
   ``cwnd_gain x bandwidth x min RTT`` are in flight, plus the largest recent burst of
   acknowledgements beyond that rate (a busy receiver's event loop acknowledges in batches, and
   the sender would stall between them; in a userspace stack these bursts are large). Startup
-  doubles the
-  rate every round trip until the estimate stops growing by 25% for three rounds, then drains
-  the queue it built, then cycles the pacing gain through 1.25, 0.75 and six rounds of 1 to
-  probe for more bandwidth and give back the queue the probe made.
+  doubles the rate every round trip until the estimate stops growing by 25% for three rounds,
+  then drains the queue it built, then cycles the pacing gain through 1.25, 0.75 and six
+  rounds of 1 to probe for more bandwidth and give back the queue the probe made.
 
 Losses do not shrink the window; persistent congestion (everything lost for several probe
 timeouts, e.g. a link down) starts over from the smallest window. Left out of Linux's BBR
@@ -316,10 +315,7 @@ class BbrCongestionControl(QuicCongestionControl):
             self._cwnd_gain = STARTUP_GAIN
         bdp = self.bdp()
         if self.mode == "drain" and not self.bytes_in_flight > bdp:
-            self.mode = "probe_bw"
-            self._cwnd_gain = CWND_GAIN
-            self._cycle_index = 0
-            self._start_cycle_phase(now)
+            self._enter_probe_bw(now)
         elif self.mode == "probe_bw":
             # each phase lasts a min RTT; the draining one ends early once the queue is gone
             elapsed = now - self._cycle_stamp > self.min_rtt
@@ -340,13 +336,16 @@ class BbrCongestionControl(QuicCongestionControl):
             self.congestion_window = max(self.congestion_window, self._prior_window)
             self._prior_window = 0
             if self.full_bw_reached:
-                self.mode = "probe_bw"
-                self._cwnd_gain = CWND_GAIN
-                self._cycle_index = 0
-                self._start_cycle_phase(now)
+                self._enter_probe_bw(now)
             else:
                 self.mode = "startup"
                 self.pacing_gain = self._cwnd_gain = STARTUP_GAIN
+
+    def _enter_probe_bw(self, now: float) -> None:
+        self.mode = "probe_bw"
+        self._cwnd_gain = CWND_GAIN
+        self._cycle_index = 0
+        self._start_cycle_phase(now)
 
     def _start_cycle_phase(self, now: float) -> None:
         self._cycle_index = (self._cycle_index + 1) % len(PROBE_GAINS)

@@ -110,6 +110,8 @@ class QuicTransport(TaskGroupTransport):
         self._check_count("max_connections_per_peer", max_connections_per_peer)
         self._check_count("max_incoming_connections", max_incoming_connections)
         self._check_count("max_pending_handshakes", max_pending_handshakes)
+        if not isinstance(congestion_control, str):
+            raise TypeError(f"congestion_control must be a str, not {congestion_control!r:.64}")
         if congestion_control not in _CONGESTION_CONTROL:
             raise ValueError(
                 f"congestion_control must be one of {tuple(_CONGESTION_CONTROL)}, "
