@@ -26,6 +26,10 @@ Besides the certificate hooks of :mod:`swarmavg_quic._tls`, swarmavg needs two t
   :class:`~swarmavg_quic._congestion.BbrCongestionControl` gets a
   :class:`~swarmavg_quic._congestion.ModelPacer` in place of aioquic's pacer (``_pacer`` of its
   loss recovery), which paces at ``window / smoothed RTT``.
+* **Traffic counts.** ``bytes_acked`` adds up the packets the peer acknowledged (each packet's
+  ``sent_bytes``, counted where aioquic tells its congestion control, ``on_packet_acked``, which
+  is wrapped on the instance) and ``bytes_received`` the datagrams handed to
+  ``receive_datagram``: the connection's ``traffic()``.
 * **Liveness.** ``last_heard`` is when a packet from the peer last decrypted (an override of
   ``_payload_received``, which aioquic calls for each authenticated packet), and
   :func:`smoothed_rtt` reads the RTT estimate of aioquic's loss recovery; together they decide
@@ -44,6 +48,7 @@ from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated
+from aioquic.quic.packet_builder import QuicSentPacket
 
 from swarmavg_quic._congestion import BbrCongestionControl, ModelPacer
 from swarmavg_quic._tls import AuthenticatingConnection
@@ -77,9 +82,24 @@ class FlowControlledQuic(AuthenticatingConnection):
         self.data_credit = configuration.max_data
         #: when the last packet from the peer was authenticated (the ``now`` it came with).
         self.last_heard = 0.0
+        #: bytes of the packets the peer acknowledged, and of the datagrams that came from
+        #: it (the connection's ``traffic()``)
+        self.bytes_acked = 0
+        self.bytes_received = 0
         loss = self._loss
         if isinstance(loss._cc, BbrCongestionControl):  # (it paces at its model's rate)
             loss._pacer = ModelPacer(loss._cc, max_datagram_size=loss._pacer._max_datagram_size)
+        acked = loss._cc.on_packet_acked
+
+        def on_packet_acked(*, packet: QuicSentPacket, now: float) -> None:
+            self.bytes_acked += packet.sent_bytes
+            acked(packet=packet, now=now)
+
+        setattr(loss._cc, "on_packet_acked", on_packet_acked)  # noqa: B010 (an instance's)
+
+    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        self.bytes_received += len(data)
+        super().receive_datagram(data, addr, now)
 
     def _payload_received(
         self, context: Any, plain: bytes, crypto_frame_required: bool = False
@@ -210,6 +230,7 @@ def check_private_api() -> None:
             (QuicConnection, "_write_connection_limits"),
             (QuicConnection, "_payload_received"),
             (QuicPacketRecovery, "get_probe_timeout"),
+            (QuicCongestionControl, "on_packet_acked"),
         )
         if not callable(getattr(owner, name, None))
     ]

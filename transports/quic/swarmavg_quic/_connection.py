@@ -661,6 +661,20 @@ class QuicConnection(Connection):
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
 
+    def traffic(self) -> tuple[int, int] | None:
+        """Bytes of the packets the peer acknowledged and of the datagrams that came from it
+        (QUIC headers and encryption included; a retransmitted packet counts each time it
+        arrives); see the abc."""
+        quic = self._quic
+        return quic.bytes_acked, quic.bytes_received
+
+    def set_pacing_rate(self, rate: float | None) -> bool:
+        """``False``: a QUIC connection is not capped; it paces at its congestion control's
+        own rate (with ``bbr``, its model of the path). On the network lab, capping each
+        connection at its share of the measured upload (what the all-reduce does where it
+        can) made rounds over QUIC slower, not faster (see ``docs/design/quic.md``)."""
+        return False
+
     def __repr__(self) -> str:
         side = "to" if self._is_initiator else "from"
         who = self._peer_id.short() if self._peer_id is not None else "?"
