@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+from traffic_helpers import exchange_and_count
 
 from swarmavg.address import Address
 from swarmavg.errors import (
@@ -64,30 +65,17 @@ async def test_traffic_counts_what_crossed_the_network() -> None:
     came, each end's view the mirror of the other's (what the averager measures its
     throughput from)."""
     async with _pair() as (_, _, dialed, accepted):
-        before = dialed.traffic(), accepted.traffic()
-        assert before[0] is not None
-        assert before[1] is not None
         size = 3 * MiB
-        with anyio.fail_after(30):
-            stream = await dialed.open_stream()
-            await stream.send(bytes(size))
-            served = await accepted.accept_stream()
-            assert len(await served.receive()) == size
-            await served.send(b"y" * 1000)
-            assert len(await stream.receive()) == 1000
-            await anyio.sleep(0.05)  # (the last acknowledgements)
-        after = dialed.traffic(), accepted.traffic()
-        assert after[0] is not None
-        assert after[1] is not None
-        sent = after[0][0] - before[0][0]
-        came_back = after[0][1] - before[0][1]
+        (sent, came_back), (their_sent, their_received) = await exchange_and_count(
+            dialed, accepted, size, 1000
+        )
         # the payload with QUIC's headers and encryption (a few %), nothing lost on loopback
         assert size <= sent <= size * 1.05
         assert 1000 <= came_back <= 20_000  # the reply and the acknowledgements of 3 MiB
         # the other end received what we sent (and sent what came back), give or take
         # acknowledgements in flight and packets the peer did not acknowledge yet
-        assert abs((after[1][1] - before[1][1]) - sent) < 64 * KiB
-        assert abs((after[1][0] - before[1][0]) - came_back) < 64 * KiB
+        assert abs(their_received - sent) < 64 * KiB
+        assert abs(their_sent - came_back) < 64 * KiB
         assert dialed.set_pacing_rate(1e6) is False  # (each paces at its own model's rate)
 
 

@@ -25,6 +25,7 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
+from traffic_helpers import exchange_and_count
 
 from swarmavg.abc import ConnectionAttribute
 from swarmavg.address import Address
@@ -1299,33 +1300,20 @@ async def test_traffic_counts_what_crossed_the_network() -> None:
         TcpTransport(Identity.generate()) as client,
     ):
         dialed, accepted = await pair(client, listener)
-        before = dialed.traffic(), accepted.traffic()
         if sys.platform != "linux":
-            assert before == (None, None)
+            assert (dialed.traffic(), accepted.traffic()) == (None, None)
             return
-        assert before[0] is not None
-        assert before[1] is not None
         size = 3 << 20
-        with anyio.fail_after(BOUND):
-            stream = await dialed.open_stream()
-            await stream.send(bytes(size))
-            served = await accepted.accept_stream()
-            assert len(await served.receive()) == size
-            await served.send(b"y" * 1000)
-            assert len(await stream.receive()) == 1000
-            await anyio.sleep(0.05)  # (the last acknowledgements)
-        after = dialed.traffic(), accepted.traffic()
-        assert after[0] is not None
-        assert after[1] is not None
-        sent = after[0][0] - before[0][0]
-        came_back = after[0][1] - before[0][1]
+        (sent, came_back), (their_sent, their_received) = await exchange_and_count(
+            dialed, accepted, size, 1000
+        )
         # the payload and its framing, nothing more (the transport's overhead is small)
         assert size <= sent <= size * 1.01
         assert 1000 <= came_back <= 2000
         # the other end saw the same bytes arrive and leave (give or take what was in flight
         # when the two ends were first read, the handshake's last bytes)
-        assert abs((after[1][1] - before[1][1]) - sent) < 1000
-        assert abs((after[1][0] - before[1][0]) - came_back) < 1000
+        assert abs(their_received - sent) < 1000
+        assert abs(their_sent - came_back) < 1000
 
 
 async def test_pacing_caps_the_kernel_s_sending_rate_and_comes_off() -> None:
