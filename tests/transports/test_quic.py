@@ -79,6 +79,22 @@ async def test_traffic_counts_what_crossed_the_network() -> None:
         assert dialed.set_pacing_rate(1e6) is False  # (each paces at its own model's rate)
 
 
+async def test_traffic_does_not_count_datagrams_that_do_not_decrypt() -> None:
+    """A datagram forged with the connection's ID (an on-path attacker can read it) does not
+    raise the received count that the averager's bandwidth is measured from; the connection
+    goes on."""
+    async with _pair() as (_, _, dialed, accepted):
+        await exchange_and_count(dialed, accepted, 64 * KiB, 1000)
+        quic = accepted._quic
+        before = accepted.traffic()
+        forged = bytes([0x40]) + quic.host_cid + bytes(range(256)) * 4  # short header, junk
+        for _ in range(10):
+            quic.receive_datagram(forged, ("127.0.0.1", 1), now=anyio.current_time())
+        assert accepted.traffic() == before
+        (sent, _), _ = await exchange_and_count(dialed, accepted, 64 * KiB, 1000)
+        assert sent >= 64 * KiB
+
+
 # -- flow control and memory ------------------------------------------------------------------
 
 

@@ -29,7 +29,8 @@ Besides the certificate hooks of :mod:`swarmavg_quic._tls`, swarmavg needs two t
 * **Traffic counts.** ``bytes_acked`` adds up the packets the peer acknowledged (each packet's
   ``sent_bytes``, counted where aioquic tells its congestion control, ``on_packet_acked``, which
   is wrapped on the instance) and ``bytes_received`` the datagrams handed to
-  ``receive_datagram``: the connection's ``traffic()``.
+  ``receive_datagram`` that held a packet from the peer (one that decrypted: a datagram
+  forged with the connection's ID does not count): the connection's ``traffic()``.
 * **Liveness.** ``last_heard`` is when a packet from the peer last decrypted (an override of
   ``_payload_received``, which aioquic calls for each authenticated packet), and
   :func:`smoothed_rtt` reads the RTT estimate of aioquic's loss recovery; together they decide
@@ -86,6 +87,7 @@ class FlowControlledQuic(AuthenticatingConnection):
         #: it (the connection's ``traffic()``)
         self.bytes_acked = 0
         self.bytes_received = 0
+        self._authenticated = False  # (a packet of the datagram at hand decrypted)
         loss = self._loss
         if isinstance(loss._cc, BbrCongestionControl):  # (it paces at its model's rate)
             loss._pacer = ModelPacer(loss._cc, max_datagram_size=loss._pacer._max_datagram_size)
@@ -98,14 +100,17 @@ class FlowControlledQuic(AuthenticatingConnection):
         setattr(loss._cc, "on_packet_acked", on_packet_acked)  # noqa: B010 (an instance's)
 
     def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
-        self.bytes_received += len(data)
+        self._authenticated = False
         super().receive_datagram(data, addr, now)
+        if self._authenticated:  # (counted only once the peer's keys vouched for it)
+            self.bytes_received += len(data)
 
     def _payload_received(
         self, context: Any, plain: bytes, crypto_frame_required: bool = False
     ) -> tuple[bool, bool]:
         # aioquic calls this for each packet that decrypted, i.e. that came from the peer
         self.last_heard = context.time
+        self._authenticated = True
         result: tuple[bool, bool] = super()._payload_received(
             context, plain, crypto_frame_required=crypto_frame_required
         )
