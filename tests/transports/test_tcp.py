@@ -1340,3 +1340,77 @@ async def test_pacing_caps_the_kernel_s_sending_rate_and_comes_off() -> None:
         assert cap() == unlimited
         await dialed.aclose()
         assert dialed.set_pacing_rate(4e6) is False
+
+
+class _LowatSpy:
+    """A connection's socket that records the ``SO_RCVLOWAT`` marks set on it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.marks: list[int] = []
+
+    def setsockopt(self, level: int, option: int, value: Any) -> None:
+        if (level, option) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT):
+            self.marks.append(value)
+        self._sock.setsockopt(level, option, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_RCVLOWAT's TCP semantics are Linux's")
+@pytest.mark.parametrize(
+    ("rcvbuf", "raised"),
+    [pytest.param(1 << 20, True, id="large buffer"), pytest.param(24 << 10, False, id="small")],
+)
+async def test_bulk_payloads_wake_the_reader_by_the_low_water_mark(
+    monkeypatch: pytest.MonkeyPatch, rcvbuf: int, raised: bool
+) -> None:
+    """While a large record's payload is read straight into its message, ``SO_RCVLOWAT`` has
+    the kernel wake the reader once 128 KiB of it (or all that is left of the record) are
+    queued, not for every few packets of a slow path. The mark never exceeds what is left of
+    the record (the sender writes a record whole once its header went, nothing more is
+    promised) nor a quarter of the receive buffer (Linux would clamp the window to it); it is
+    back at 1 after each record, so a small message that follows arrives at once."""
+    from swarmavg_tcp import _connection as tcp_connection
+
+    wakeups = 0  # (the reader's wake-ups)
+    on_readable = TcpConnection._on_readable
+
+    def counting(self: TcpConnection) -> None:
+        nonlocal wakeups
+        wakeups += 1
+        on_readable(self)
+
+    monkeypatch.setattr(TcpConnection, "_on_readable", counting)
+    async with (
+        serving(encryption=False) as (_, listener),
+        TcpTransport(Identity.generate(), encryption=False) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        accepted._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        buffer = accepted._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        spy = _LowatSpy(accepted._sock)
+        accepted._sock = spy  # type: ignore[assignment]
+        sa, sb = await open_pair(dialed, accepted)
+        assert dialed.set_pacing_rate(8e6)  # (a path slower than the reader: 8 MB/s)
+        message = random.Random(5).randbytes(4 << 20)
+        wakeups = 0
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sa.send, message)
+                assert bytes(await sb.receive()) == message
+            during = wakeups
+            await sa.send(b"small")  # (the mark is down again: this one wakes the reader)
+            assert bytes(await sb.receive()) == b"small"
+        assert accepted._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        assert all(mark <= min(tcp_connection._DIRECT_LOWAT, buffer // 4) for mark in spy.marks)
+        records = len(message) // (256 << 10)
+        if raised:
+            # each 256 KiB record: raised to 128 KiB, lowered to its rest, back to 1
+            assert spy.marks.count(tcp_connection._DIRECT_LOWAT) >= records - 1
+            assert spy.marks[-1] == 1
+            assert during <= 2 * records + 8, during  # (at most one wake-up per 128 KiB)
+        else:  # a quarter of the buffer is not worth a mark: the reader wakes as data comes
+            assert spy.marks == []
+        await roundtrip(dialed, accepted)

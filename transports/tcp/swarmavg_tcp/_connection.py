@@ -114,6 +114,14 @@ _SEALED_WRITE = 800 << 10
 #: that follow out of the buffer (each copy is a pass over the data), at the price of more
 #: reads when many small records come (64 KiB holds hundreds of them).
 _SMALL_READ = 64 << 10
+#: While the payload of a large record is read straight into its message, the socket's
+#: ``SO_RCVLOWAT`` asks the kernel to wake us only once this much of it (or all that is left of
+#: the record, if less) is queued: on a path slower than the CPU, the reader otherwise wakes for
+#: every few packets, and each wake-up costs a poll, a callback and a ``recv_into``. The mark
+#: never exceeds what the sender is bound to send: it writes a record whole once its header went.
+_DIRECT_LOWAT = 128 << 10
+#: ... and is not raised for less than this (not worth its system calls).
+_MIN_LOWAT = 32 << 10
 
 
 #: ``struct tcp_info`` (Linux): ``tcpi_last_ack_recv``, milliseconds since the last ACK came,
@@ -683,6 +691,11 @@ class TcpConnection(Connection):
         self._data_stream: TcpStream | None = None
         self._direct: memoryview | None = None
         self._direct_done = 0
+        #: the ``SO_RCVLOWAT`` set on the socket (1: the kernel's default), and the most we may
+        #: set it to as far as we know: a quarter of the receive buffer when last read (0: the
+        #: socket takes none; 1: not read yet)
+        self._lowat = 1
+        self._lowat_cap = 1 if sock.family in (socket.AF_INET, socket.AF_INET6) else 0
         self._bulk = False  # the last record was read straight into place
         self._buffered = 0
         self._pending = 0
@@ -1392,10 +1405,15 @@ class TcpConnection(Connection):
                 drained = n < len(target)  # a short read: no need to ask again (EAGAIN)
                 if direct is not None:
                     self._direct_done += n
-                    if self._direct_done == len(direct):
+                    rest = len(direct) - self._direct_done
+                    if rest == 0:
                         self._direct = None
                         self._bulk = True
+                        if self._lowat > 1:
+                            self._set_lowat(1)
                         self._end_data()
+                    elif self._lowat > rest:  # (never wait for more than the record holds)
+                        self._set_lowat(rest)
                 else:
                     self._rend += n
                     self._process()
@@ -1409,6 +1427,32 @@ class TcpConnection(Connection):
             self._fail(exc)
         except OSError as exc:
             self._fail(ConnectionLost(f"reading from the socket failed: {exc}"))
+
+    def _raise_lowat(self, rest: int) -> None:
+        """Let the kernel wake the reader only once ``min(rest, _DIRECT_LOWAT)`` bytes of the
+        record being read in place are queued, if the receive buffer is large enough.
+
+        At most a quarter of ``SO_RCVBUF``: a larger mark makes Linux grow the buffer *and*
+        clamp the receive window to the mark (``tcp_set_rcvlowat``), which would cap the
+        connection's rate; the buffer grows by itself as the connection speeds up."""
+        mark = min(rest, _DIRECT_LOWAT)
+        try:
+            if mark > self._lowat_cap:
+                self._lowat_cap = min(
+                    self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4, _DIRECT_LOWAT
+                )
+                mark = min(mark, self._lowat_cap)
+            if mark >= _MIN_LOWAT:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+                self._lowat = mark
+        except OSError:  # (a platform without it: read as the data comes)
+            self._lowat_cap = 0
+
+    def _set_lowat(self, mark: int) -> None:
+        """Lower the mark (an error fails the connection: a mark left above what is coming
+        would never wake the reader)."""
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+        self._lowat = mark
 
     def _sealed_read_end(self, end: int) -> int:
         """Where a read of sealed records into the read buffer should end (at most ``end``):
@@ -1467,6 +1511,8 @@ class TcpConnection(Connection):
                 self._rpos = self._rend
                 self._direct = out
                 self._direct_done = avail
+                if self._lowat_cap:
+                    self._raise_lowat(length - avail)
                 return
             sealed = length + tag
             if avail < sealed:
