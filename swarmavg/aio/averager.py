@@ -113,7 +113,7 @@ _MIN_SLOW_PART = 1 << 16
 _PROBE_EVERY = 8
 #: The automatic part size keeps a reducer's last answer to everyone within about this long
 #: (seconds) at the slowest member's announced bandwidth...
-_PART_TAIL = 0.1
+_PART_TAIL = 0.4
 #: ... counting only announced bandwidths of at least this (bytes/s): smaller ones are taken
 #: for ratios (``bandwidth=`` only needs the right ratios), which say nothing about time.
 _MIN_RATE = 1e5

@@ -161,17 +161,17 @@ def test_an_explicit_bandwidth_is_not_overridden() -> None:
     ("bandwidths", "elements"),
     [
         ((None, None), 1 << 19),  # nothing known: a quarter of a span (2 MiB)
-        ((40e6, 40e6), 1 << 19),  # 40 MB/s: a part to the other in 0.1 s is 4 MB, no less
-        ((8e6, 8e6), 1 << 17),  # 8 MB/s: 0.8 MB in 0.1 s -> 512 KiB
-        ((8e6, 3.0), 1 << 17),  # (3.0 is a ratio: says nothing about time)
-        ((1e6, 8e6), 1 << 16),  # the slowest's 0.1 MB in 0.1 s, but no less than 256 KiB
+        ((40e6, 40e6), 1 << 19),  # 40 MB/s: a part to the other in 0.4 s is 16 MB, no less
+        ((2e6, 2e6), 1 << 17),  # 2 MB/s: 0.8 MB in 0.4 s -> 512 KiB
+        ((2e6, 3.0), 1 << 17),  # (3.0 is a ratio: says nothing about time)
+        ((0.25e6, 8e6), 1 << 16),  # the slowest's 0.1 MB in 0.4 s, but no less than 256 KiB
     ],
 )
 def test_the_part_size_follows_the_slowest_announced_rate(
     bandwidths: tuple[float | None, float | None], elements: int
 ) -> None:
     """Parts are a quarter of a span (1 to 16 MiB), smaller on slow links: what the slowest
-    member sends to all the others in about 0.1 s, a power of two, at least 256 KiB; both
+    member sends to all the others in about 0.4 s, a power of two, at least 256 KiB; both
     members use the same."""
 
     async def main() -> list[list[int]]:
