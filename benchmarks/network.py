@@ -299,6 +299,12 @@ def run_ours(
             row.exact = not problems
             if problems:
                 row.note = "; ".join(problems)[:200]
+                # (in full, with what each peer's result says was left out and why)
+                said = {
+                    i: {k: r.get(k) for k in ("incomplete", "local_spans", "dropped", "relayed")}
+                    for i, r in results.items()
+                }
+                print("# " + json.dumps({"problems": problems, "results": said}), flush=True)
         else:
             row.times_s.append(round(max(r["allreduce_s"] for r in results.values()), 3))
     if keep:

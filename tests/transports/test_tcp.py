@@ -1290,6 +1290,43 @@ async def test_a_peer_that_only_acknowledges_is_not_idle() -> None:
             assert idle >= 0.4
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel's receive times are Linux's")
+async def test_bytes_the_kernel_holds_unread_count_as_hearing_from_the_peer() -> None:
+    """While a low-water mark holds the peer's bytes in our kernel (the reader wakes only once
+    enough of a large record came, which on a slow flow can take seconds), the connection is
+    not idle: ``idle_seconds`` counts data our kernel received, not only data we read (the
+    DHT closes connections idle for long; closing one that carries an all-reduce breaks it)."""
+    async with (
+        serving(encryption=False) as (_, listener),
+        TcpTransport(Identity.generate(), encryption=False) as client,
+    ):
+        dialed, accepted = await pair(client, listener)
+        sa, sb = await open_pair(dialed, accepted)
+        await anyio.sleep(0.5)
+        accepted._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1 << 20)
+        traffic = accepted.traffic()
+        assert traffic is not None
+        with anyio.fail_after(BOUND):
+            # a trickle, below the mark (the reader does not wake), for longer than the idle
+            # that is asserted below
+            for _ in range(30):
+                await sa.send(b"x" * 1000)
+                await anyio.sleep(0.02)
+            for _ in range(400):  # (until our kernel has all of it)
+                now = accepted.traffic()
+                if now is None or now[1] >= traffic[1] + 30_000:
+                    break
+                await anyio.sleep(0.01)
+        assert time.monotonic() - accepted._last_receive >= 0.9  # nothing was read ...
+        idle = accepted.idle_seconds()
+        assert idle is not None
+        assert idle < 0.3  # ... but the bytes came
+        accepted._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        with anyio.fail_after(BOUND):
+            for _ in range(30):
+                assert bytes(await sb.receive()) == b"x" * 1000
+
+
 async def test_traffic_counts_what_crossed_the_network() -> None:
     """``traffic()`` (Linux): the kernel's count of bytes the peer acknowledged and bytes that
     arrived, each end's view the mirror of the other's; what the averager measures its

@@ -124,9 +124,10 @@ _DIRECT_LOWAT = 128 << 10
 _MIN_LOWAT = 32 << 10
 
 
-#: ``struct tcp_info`` (Linux): ``tcpi_last_ack_recv``, milliseconds since the last ACK came,
-#: is the u32 at this offset (after 8 bytes of u8 fields and 12 u32s).
-_TCP_INFO_LAST_ACK_RECV: Final = 56
+#: ``struct tcp_info`` (Linux): ``tcpi_last_data_recv`` and ``tcpi_last_ack_recv``,
+#: milliseconds since the last data and the last ACK came, are the u32s at this offset (after
+#: 8 bytes of u8 fields and 11 u32s).
+_TCP_INFO_LAST_RECV: Final = 52
 
 
 #: ... and from ``tcpi_snd_mss`` (offset 16) on: the MSS, skip ``tcpi_rcv_mss`` and
@@ -151,10 +152,11 @@ def _tcp_info(sock: socket.socket, fmt: str, offset: int) -> tuple[int, ...] | N
     return tuple(int(field) for field in struct.unpack_from(fmt, info, offset))
 
 
-def _since_last_ack(sock: socket.socket) -> float | None:
-    """Seconds since ``sock`` last received an acknowledgement (``None``: cannot say)."""
-    fields = _tcp_info(sock, "=I", _TCP_INFO_LAST_ACK_RECV)
-    return None if fields is None else fields[0] / 1000
+def _since_last_heard(sock: socket.socket) -> float | None:
+    """Seconds since ``sock``'s kernel last received data or an acknowledgement from the peer,
+    whether or not we read it yet (``None``: cannot say)."""
+    fields = _tcp_info(sock, "=II", _TCP_INFO_LAST_RECV)
+    return None if fields is None else min(fields) / 1000
 
 
 def _tcp_traffic(sock: socket.socket) -> tuple[int, int] | None:
@@ -738,12 +740,14 @@ class TcpConnection(Connection):
         await self._closed_event.wait()
 
     def idle_seconds(self) -> float | None:
-        """Seconds since the last bytes arrived from the peer, or (Linux) since its kernel last
-        acknowledged what we sent, whichever is less: a peer that only receives from us (its
-        side of a bulk transfer done, ours still going) is heard from through its ACKs."""
+        """Seconds since we last read bytes from the peer or (Linux) since our kernel last
+        received data or an acknowledgement from it, whichever is less: a peer that only
+        receives from us (its side of a bulk transfer done, ours still going) is heard from
+        through its ACKs, and one whose bytes the kernel holds until a low-water mark is met
+        (see ``_raise_lowat``) through its data."""
         idle = max(time.monotonic() - self._last_receive, 0.0)
-        acked = _since_last_ack(self._sock)
-        return idle if acked is None else min(idle, acked)
+        heard = _since_last_heard(self._sock)
+        return idle if heard is None else min(idle, heard)
 
     def set_pacing_rate(self, rate: float | None) -> bool:
         """The kernel's ``SO_MAX_PACING_RATE`` (Linux; elsewhere ``False``); see the abc."""
