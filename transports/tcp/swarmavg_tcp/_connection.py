@@ -694,10 +694,12 @@ class TcpConnection(Connection):
         self._direct: memoryview | None = None
         self._direct_done = 0
         #: the ``SO_RCVLOWAT`` set on the socket (1: the kernel's default), and the most we may
-        #: set it to as far as we know: a quarter of the receive buffer when last read (0: the
-        #: socket takes none; 1: not read yet)
+        #: set it to as far as we know: a quarter of the receive buffer when last read (0: none
+        #: is set; 1: not read yet). Only where idle_seconds() sees bytes the kernel holds
+        #: (Linux's TCP_INFO): elsewhere a slow flow held below the mark would look silent.
         self._lowat = 1
-        self._lowat_cap = 1 if sock.family in (socket.AF_INET, socket.AF_INET6) else 0
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+        self._lowat_cap = 1 if tcp and sys.platform == "linux" else 0
         self._bulk = False  # the last record was read straight into place
         self._buffered = 0
         self._pending = 0
