@@ -1,9 +1,9 @@
 """All-reduce over the network lab (``swarmavg.testing.netlab``): our round beside the bandwidth
-bound, gloo and hivemind 1.1.12; a heterogeneous swarm beside the best split's bound; TCP beside
-QUIC (Linux, root).
+bound, gloo, hivemind 1.1.12 and raw TCP; a heterogeneous swarm beside the best split's bound;
+TCP beside QUIC (Linux, root).
 
     python benchmarks/network.py [--sizes 64] [--peers 4,8] [--profiles wan,bad,lan,mixed]
-                                 [--rounds 3] [--systems ours,gloo,hivemind]
+                                 [--rounds 3] [--systems ours,gloo,hivemind,tcp]
                                  [--transports tcp,quic] [--rates-only] [--lossless]
                                  [--offload on|off] [--round-timeout S]
                                  [--json FILE] [--logs DIR] [--quick]
@@ -41,7 +41,14 @@ not timed) of one float32 tensor of ``size`` MiB per peer:
   per host, TCP over the lab), the max over ranks of a call;
 - ``hivemind``: hivemind 1.1.12's ``DecentralizedAverager`` (``benchmarks/_netlab_hivemind.py``
   under ``/tmp/hm-venv/bin/python``, its p2pd daemon in the host too), from the first poll that
-  saw ``RUNNING_ALLREDUCE`` to the step's end, max over peers.
+  saw ``RUNNING_ALLREDUCE`` to the step's end, max over peers;
+- ``tcp`` (row ``raw TCP``): what TCP itself achieves with an all-reduce's traffic on these
+  links, nothing else (``benchmarks/_netlab_tcp.py``): one connection per pair of hosts, made
+  once; in a round every host sends ``2 S / N`` on each and receives as much, all flows at
+  once from a common start time, no computation, no flow waiting for another; the time to the
+  last host's last byte. An all-reduce moves the same bytes with dependencies between them,
+  so this is the ceiling for any system on the lab's TCP (its headers, its congestion
+  control), as the bound is for the links.
 
 The time per round is bounded (``--round-timeout``; by default 4x the bound + 60 s): a system
 past it is reported as ``hung`` (its processes killed), never waited for. The lab and every
@@ -101,9 +108,10 @@ from swarmavg.testing.netlab import LAN, PROFILES, LinkProfile, NetLab
 GLOO = Path(__file__).with_name("_netlab_gloo.py")
 HIVEMIND = Path(__file__).with_name("_netlab_hivemind.py")
 HIVEMIND_PYTHON = Path("/tmp/hm-venv/bin/python")
+RAW_TCP = Path(__file__).with_name("_netlab_tcp.py")
 SLOW = LinkProfile(rate_bps=50e6, rtt_s=0.0005)
 """The slow half of ``mixed``: 50 Mbit/s, 0.5 ms round trip."""
-SYSTEMS = ("ours", "gloo", "hivemind")
+SYSTEMS = ("ours", "gloo", "hivemind", "tcp")
 STEP_TIMEOUT = 60.0
 START_TIMEOUT = 90.0
 MIB = 1 << 20
@@ -539,6 +547,85 @@ class _Lines:
                 return got
 
 
+# -- raw TCP
+
+
+def run_tcp(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, logs: Path) -> Row:
+    """What TCP itself achieves: an all-reduce's bytes, ``2 S / N`` each way on one connection
+    per pair of hosts, no computation (``_netlab_tcp.py``); from a common start time to the last
+    host's last byte."""
+    n = len(lab.hosts)
+    addresses = ",".join(host.address for host in lab.hosts)
+    port = 30000 + os.getpid() % 20000
+    processes: list[subprocess.Popen[str]] = []
+    meter = Meter(lab)
+    log = (logs / "tcp.log").open("a")
+    try:
+        for i in range(n):
+            processes.append(
+                lab.host(i).popen(
+                    [
+                        *(sys.executable, str(RAW_TCP), "--rank", str(i)),
+                        *("--addresses", addresses, "--port", str(port)),
+                        *("--bytes", str(2 * size * 4 // n)),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
+            )
+        readers = [_Lines(process) for process in processes]
+        for reader in readers:
+            reader.send(op="connect")
+        if _answers(readers, "connected", START_TIMEOUT, row) is None:
+            return row
+        for number in range(1 + rounds):  # (the first a warm-up round)
+            time.sleep(1.0)  # (the links drain, as between the other systems' rounds)
+            with meter.window() if number else contextlib.nullcontext():
+                at = time.time() + 0.2  # (every host starts then: they share the clock)
+                for reader in readers:
+                    reader.send(op="go", at=at)
+                answers = _answers(readers, "done", timeout, row)
+            if answers is None:
+                return _finish(row)
+            if number:
+                row.times_s.append(round(max(a["t"] for a in answers), 3))
+    finally:
+        for process in processes:
+            with contextlib.suppress(OSError, ValueError):
+                assert process.stdin is not None
+                process.stdin.write('{"op": "exit"}\n')
+                process.stdin.flush()
+        end = time.monotonic() + 5
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, end - time.monotonic()))
+        _stop(processes)
+        log.close()
+    meter.fill(row)
+    row.drops = _drops(lab)
+    return _finish(row)
+
+
+def _answers(
+    readers: Sequence[_Lines], event: str, timeout: float, row: Row
+) -> list[dict[str, Any]] | None:
+    """Every reader's next ``event`` within ``timeout`` seconds (``None``, with ``row.status``
+    saying why, if one did not come or said an error)."""
+    deadline = time.monotonic() + timeout
+    try:
+        answers = [reader.expect(event, deadline) for reader in readers]
+    except (TimeoutError, RuntimeError) as exc:
+        row.status = f"hung ({exc})"
+        return None
+    errors = [f"host {i}: {a['error']}" for i, a in enumerate(answers) if "error" in a]
+    if errors:
+        row.status = "failed: " + "; ".join(errors)[:200]
+        return None
+    return answers
+
+
 # -- cells
 
 
@@ -619,6 +706,9 @@ def run_cell(
                     swarm.close()
         if "gloo" in systems:
             rows.append(run_gloo(lab, new("gloo", "tcp"), size, rounds, timeout, cell_logs))
+            say(_line(rows[-1]))
+        if "tcp" in systems:
+            rows.append(run_tcp(lab, new("raw TCP", "tcp"), size, rounds, timeout, cell_logs))
             say(_line(rows[-1]))
         if "hivemind" in systems:
             row = new("hivemind", "tcp+noise")

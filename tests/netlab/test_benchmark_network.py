@@ -75,3 +75,23 @@ def test_a_quick_run_on_the_lab_gives_exact_timed_rows_for_ours(tmp_path: Path) 
     assert row["times_s"][0] > 0
     # 0.25 MiB per peer, 3 peers at 100 Mbit/s (rounded to ms)
     assert row["bound_s"] == pytest.approx(4 / 3 * 0.25 * MIB * 8 / 100e6, abs=1e-3)
+
+
+@pytest.mark.skipif(_reason is not None, reason=_reason or "")
+@pytest.mark.timeout(120)
+def test_the_raw_tcp_reference_moves_an_all_reduces_bytes_no_faster_than_the_links(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--systems", "tcp", "--json", str(out), "--logs", str(tmp_path / "logs")]
+    code = _benchmark().main(argv)
+    rows = json.loads(out.read_text())
+    assert code == 0
+    assert [(r["profile"], r["peers"], r["system"], r["status"]) for r in rows] == [
+        ("wan", 3, "raw TCP", "ok")
+    ]
+    (row,) = rows
+    assert len(row["times_s"]) == 1
+    # every host sent and received 2 (N-1)/N * S through its 100 Mbit/s link, 20 ms away
+    assert row["times_s"][0] > row["bound_s"] + 0.02
+    assert row["exact"] is None  # (no values: nothing to check)
