@@ -370,6 +370,20 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _exit(processes: Sequence[subprocess.Popen[str]], grace: float) -> None:
+    """Ask processes driven by JSON lines to exit, give them ``grace`` seconds, then kill them."""
+    for process in processes:
+        with contextlib.suppress(OSError, ValueError):
+            assert process.stdin is not None
+            process.stdin.write('{"op": "exit"}\n')
+            process.stdin.flush()
+    end = time.monotonic() + grace
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.1, end - time.monotonic()))
+    _stop(processes)
+
+
 def _stop(processes: Sequence[subprocess.Popen[Any]]) -> None:
     for process in processes:
         if process.poll() is None:
@@ -492,16 +506,7 @@ def run_hivemind(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, 
                 row.exact = worst == 0.0
                 row.note = f"max abs error {worst:.3g}" if worst else ""
     finally:
-        for process in processes:
-            with contextlib.suppress(OSError):
-                assert process.stdin is not None
-                process.stdin.write('{"op": "exit"}\n')
-                process.stdin.flush()
-        end = time.monotonic() + 15
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.1, end - time.monotonic()))
-        _stop(processes)
+        _exit(processes, grace=15)
         log.close()
         remove_stale_sockets(sockets)
     meter.fill(row)
@@ -592,16 +597,7 @@ def run_tcp(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, logs:
             if number:
                 row.times_s.append(round(max(a["t"] for a in answers), 3))
     finally:
-        for process in processes:
-            with contextlib.suppress(OSError, ValueError):
-                assert process.stdin is not None
-                process.stdin.write('{"op": "exit"}\n')
-                process.stdin.flush()
-        end = time.monotonic() + 5
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.1, end - time.monotonic()))
-        _stop(processes)
+        _exit(processes, grace=5)
         log.close()
     meter.fill(row)
     row.drops = _drops(lab)
