@@ -23,6 +23,7 @@ exits when stdin closes too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import sys
@@ -73,6 +74,14 @@ def _exchange(connections: list[socket.socket], nbytes: int, start: float) -> fl
     payload = memoryview(bytes(CHUNK))
     failures: list[BaseException] = []
 
+    def fail(exc: BaseException) -> None:
+        # (every flow ends at once, here and, as the connections close, at the other
+        # hosts: no thread waits for bytes that will not come)
+        failures.append(exc)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
     def send(conn: socket.socket) -> None:
         try:
             left = nbytes
@@ -81,7 +90,7 @@ def _exchange(connections: list[socket.socket], nbytes: int, start: float) -> fl
                 conn.sendall(payload[:count])
                 left -= count
         except OSError as exc:
-            failures.append(exc)
+            fail(exc)
 
     def receive(conn: socket.socket) -> None:
         scratch = memoryview(bytearray(CHUNK))
@@ -93,7 +102,7 @@ def _exchange(connections: list[socket.socket], nbytes: int, start: float) -> fl
                     raise ConnectionError("the peer closed the connection")
                 left -= count
         except OSError as exc:
-            failures.append(exc)
+            fail(exc)
 
     threads = [
         threading.Thread(target=work, args=(conn,))

@@ -586,7 +586,7 @@ def run_tcp(lab: NetLab, row: Row, size: int, rounds: int, timeout: float, logs:
         if _answers(readers, "connected", START_TIMEOUT, row) is None:
             return row
         for number in range(1 + rounds):  # (the first a warm-up round)
-            time.sleep(1.0)  # (the links drain, as between the other systems' rounds)
+            time.sleep(1.0)  # (the links drain between rounds)
             with meter.window() if number else contextlib.nullcontext():
                 at = time.time() + 0.2  # (every host starts then: they share the clock)
                 for reader in readers:
