@@ -2,15 +2,27 @@
 
 torch is pinned to the CPU build (2.13.0) before anything else is installed: an unpinned
 ``torch`` would pull a multi-GB CUDA build.
+
+Virtual environments are made and filled by uv where it is installed (``pip install
+"nox[uv]"``; it links packages from its cache instead of unpacking them again for every
+session), by venv and pip otherwise. uv does not read pip's configuration, so the index,
+find-links, constraint and certificate settings that pip has here are handed to uv
+(:func:`_uv_settings_from_pip`): both install the same packages (on a machine whose CPU
+build of torch comes from a local find-links folder, uv would otherwise fetch the CUDA one).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"
 nox.options.sessions = ["lint", "typecheck", "docs", "install", "tests", "oldest"]
 nox.options.error_on_missing_interpreters = True
 
@@ -45,6 +57,50 @@ OLDEST = {
 #: namespaces: ``lightning.pytorch`` and ``pytorch_lightning``; tests/test_packaging.py checks
 #: it against the extra). ``tests`` gets the newest release.
 OLDEST_LIGHTNING = {"lightning": "2.4.0", "pytorch-lightning": "2.4.0"}
+
+
+#: pip's settings (``pip config list``) and the uv environment variables that mean the same
+_PIP_TO_UV = {
+    "index-url": "UV_INDEX_URL",
+    "extra-index-url": "UV_EXTRA_INDEX_URL",
+    "find-links": "UV_FIND_LINKS",
+    "constraint": "UV_CONSTRAINT",
+    "cert": "SSL_CERT_FILE",
+}
+
+
+def _uv_settings_from_pip() -> dict[str, str]:
+    """The uv environment that installs what pip, as configured on this machine, would."""
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    # e.g. "global.find-links='/opt/wheels'"; pip's precedence: its environment variables,
+    # then the site, user and global files
+    rank = {":env:": 0, "site": 1, "user": 2, "global": 3}
+    chosen: dict[str, tuple[int, str]] = {}
+    for line in listed.splitlines():
+        found = re.fullmatch(r"([^.]*)\.([a-z-]+)=(.*)", line.strip())
+        if found is None or found[2] not in _PIP_TO_UV:
+            continue
+        level = rank.get(found[1], 4)
+        if found[2] not in chosen or level < chosen[found[2]][0]:
+            chosen[found[2]] = (level, " ".join(shlex.split(found[3])))
+    uv = {_PIP_TO_UV[name]: value for name, (_, value) in chosen.items()}
+    if "UV_FIND_LINKS" in uv:  # (uv separates find-links locations by commas)
+        uv["UV_FIND_LINKS"] = ",".join(uv["UV_FIND_LINKS"].split())
+    # pip takes the best version across all indexes; uv's default stops at the first
+    uv["UV_INDEX_STRATEGY"] = "unsafe-best-match"
+    return {name: value for name, value in uv.items() if name not in os.environ}
+
+
+os.environ.update(_uv_settings_from_pip())
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:
@@ -100,8 +156,9 @@ def oldest(session: nox.Session) -> None:
     )
     session.run(
         "pytest",
-        # (the network lab's tests measure links, not dependencies: `tests` runs them)
-        *(session.posargs or ["-q", "--durations=25", "--ignore=tests/netlab"]),
+        # the in-process tiers (tests/tiers.py): what depends on the versions of anyio,
+        # msgpack, cryptography, numpy and Lightning runs there; `tests` runs every tier
+        *(session.posargs or ["-q", "--durations=25", "-m", "not process and not lab"]),
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=[0, 5] if session.posargs else [0],
     )
@@ -143,8 +200,13 @@ def install(session: nox.Session, editable: bool) -> None:
 
 @nox.session(python=PYTHON)
 def fuzz(session: nox.Session) -> None:
-    """A short run of every fuzz harness (``nox -s fuzz -- --seconds 600`` for a long one)."""
+    """The property tests on the ``dev`` hypothesis profile (``HYPOTHESIS_PROFILE=thorough``
+    for more) and a short run of every fuzz harness (``nox -s fuzz -- --seconds 600`` for a
+    long one)."""
     _install(session)
+    # the suite's property tests with more examples than CI's profile gives them
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+    session.run("pytest", "-q", "-m", "hypothesis", env={"HYPOTHESIS_PROFILE": profile})
     args = session.posargs or ["--seconds", "20"]
     session.run("python", "fuzz/fuzz_wire.py", *args)
     session.run("python", "fuzz/fuzz_tcp.py", *args)

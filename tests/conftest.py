@@ -11,12 +11,20 @@ from types import ModuleType
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tiers import TierGuard
+
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.register_profile("thorough", max_examples=5000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the tiers (tests/tiers.py): markers from folders, a check that only `process` and `lab`
+    # tests start interpreters, and the time budget printed and checked at the end
+    config.pluginmanager.register(TierGuard(config), "swarmavg-tiers")
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CASES = """
 import logging
 import threading
@@ -42,6 +44,7 @@ def test_expects_an_error():
 """
 
 
+@pytest.mark.process
 def test_a_test_that_logs_an_error_fails_at_teardown(tmp_path: Path) -> None:
     conftest = Path(__file__).with_name("conftest.py").read_text()
     (tmp_path / "conftest.py").write_text(conftest)

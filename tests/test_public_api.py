@@ -32,6 +32,7 @@ def test_all_is_curated(module: str) -> None:
         assert hasattr(mod, name), f"{module}.__all__ names missing {name}"
 
 
+@pytest.mark.process
 def test_import_does_not_pull_torch_or_transports() -> None:
     code = (
         "import sys, swarmavg, swarmavg.proto, swarmavg.sync, swarmavg.testing, swarmavg.aio.node\n"

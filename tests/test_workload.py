@@ -269,6 +269,7 @@ def test_workload_imports_nothing_of_swarmavg() -> None:
     assert modules - set(sys.stdlib_module_names) == {"numpy", "torch"}
 
 
+@pytest.mark.process
 def test_swarmavg_testing_stays_torch_free() -> None:
     code = "import sys, swarmavg.testing; print('torch' in sys.modules)"
     out = subprocess.run(

@@ -21,6 +21,8 @@ from typing import IO, Any
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = 4
 VICTIM = PEERS - 1

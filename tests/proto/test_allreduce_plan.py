@@ -75,7 +75,7 @@ def test_none_means_the_mean_of_the_others() -> None:
     assert load_balance(900, [2.0, None, 4.0]) == load_balance(900, [2.0, 3.0, 4.0])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(
     st.integers(0, 10**7),
     st.lists(st.floats(0, 1e4) | st.none(), min_size=1, max_size=16),
@@ -140,7 +140,7 @@ def test_parts_cover_every_span_within_buffers() -> None:
         plan_parts(layout, [6, 6], part_size=4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(
     st.lists(st.integers(0, 50), min_size=1, max_size=5),
     st.lists(st.integers(0, 60), min_size=1, max_size=6),

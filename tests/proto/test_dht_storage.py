@@ -145,7 +145,7 @@ def _state(s: LocalStorage) -> dict[bytes, object]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(_stores, st.randoms(use_true_random=False))
 def test_replicas_converge_whatever_order_stores_arrive_in(
     stores: list[tuple[bytes, bytes | None, bytes, float]], rng: random.Random

@@ -127,7 +127,7 @@ def test_two_owners_or_a_bad_owner_id_make_a_record_nobody_can_write() -> None:
     assert not SignatureValidator(a).validate(DHTRecord(b"[owner:1111]", None, signed_by_a, T))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.binary(max_size=200), st.binary(max_size=64), st.booleans())
 def test_garbage_values_are_invalid_never_an_exception(
     value: bytes, suffix: bytes, subkey: bool

@@ -193,7 +193,7 @@ def test_msgpack_timestamps_decode_as_msgpack_does() -> None:
 _WRAPS = ["bare", "in a list", "a map key", "a map value", "in a tuple"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(code=st.integers(-128, 127), payload=st.binary(max_size=40), wrap=st.sampled_from(_WRAPS))
 def test_any_extension_payload_decodes_or_is_refused(code: int, payload: bytes, wrap: str) -> None:
     ext = _ext(code, payload)
@@ -215,7 +215,7 @@ def test_any_extension_payload_decodes_or_is_refused(code: int, payload: bytes, 
         assert ext == msgpack.packb(msgpack.ExtType(code, payload))  # (the helper is right)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(value=_values, data=st.data())
 def test_a_corrupted_value_decodes_or_is_refused(value: Any, data: st.DataObject) -> None:
     packed = bytearray(pack(value))

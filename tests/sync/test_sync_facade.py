@@ -98,6 +98,7 @@ MISUSE = """
 """
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_mypy_strict_accepts_the_overloads(tmp_path: Path) -> None:
     """mypy --strict passes on this file and rejects the misuse in ``MISUSE``."""

@@ -20,7 +20,7 @@ import pytest
 
 from swarmavg.sync import THREAD_NAME, TaskHandle, run_sync, shutdown_loop, start_soon
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(20)]
 
 WAIT = 10.0
 

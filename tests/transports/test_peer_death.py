@@ -27,7 +27,7 @@ from swarmavg.errors import TransportError
 from swarmavg.identity import Identity
 from swarmavg.transport import resolve_transport
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.process, pytest.mark.anyio]
 
 PEER = Path(__file__).with_name("_dying_peer.py")
 #: An operation pending on the dead peer's connection must fail within this many seconds of

@@ -1,0 +1,227 @@
+"""The suite's tiers, and the time budget behind them (a pytest plugin; tests/conftest.py
+registers it).
+
+Every test is in one tier:
+
+- **deterministic** (no marker): in-process, on virtual time or no time at all. Each takes at
+  most :data:`TEST_LIMIT_S` seconds of CPU and waits at most as long beyond it (else it fails:
+  make it cheaper, or mark it). ``@pytest.mark.slow`` exempts a test that is deterministic but
+  heavy (a 128-peer swarm), so that every exemption is written down.
+- **realtime**: in-process, on the wall clock (real sockets, the sync facades' loop thread).
+- **process**: starts interpreters (``subprocess``, ``multiprocessing``).
+- **lab**: the network lab (network namespaces, root).
+
+A test gets its tier from a marker of its own (``pytestmark`` or a decorator), else from its
+folder (:data:`FOLDER_TIERS`). A test not in ``process`` or ``lab`` that starts a Python
+interpreter fails, so the tiers stay true and ``nox -s oldest``, which runs the in-process
+tiers only (``-m "not process and not lab"``), leaves out exactly what it means to.
+
+At the end of a run the plugin prints the seconds spent per tier; a run of the whole suite
+(no paths, no ``-k``) fails if an in-process tier took longer than its :data:`BUDGET_S`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TIERS = ("deterministic", "realtime", "process", "lab")
+#: the tier of a test without a tier marker of its own, by its folder under tests/
+FOLDER_TIERS = {
+    "netlab": "lab",
+    "e2e": "process",
+    "sync": "realtime",
+    "optim": "realtime",
+    "transports": "realtime",
+    "gpu": "realtime",
+}
+#: seconds (setup, call and teardown, summed over the tier's tests) a run of the whole suite may spend
+#: in each in-process tier on the CI machine (2 cores) before it fails
+BUDGET_S = {"deterministic": 240.0, "realtime": 420.0}
+#: seconds of CPU, and seconds of waiting beyond it, one deterministic test may take
+TEST_LIMIT_S = 2.0
+
+_INTERPRETER = re.compile(r"^(python[0-9.]*|swarmavg|pytest|nox)$")
+
+
+def _is_interpreter(argv: Iterable[Any]) -> bool:
+    for arg in list(argv)[:6]:  # (also behind `ip netns exec NAME`, `timeout N`, ...)
+        text = os.fspath(arg) if isinstance(arg, str | os.PathLike) else ""
+        if text == sys.executable or _INTERPRETER.match(Path(text).name):
+            return True
+    return False
+
+
+@dataclass
+class _Timing:
+    wall: float = 0.0
+    cpu: float = 0.0
+    started: tuple[float, float] = (0.0, 0.0)
+
+
+@dataclass(eq=False)  # (pluggy keeps plugins in sets)
+class TierGuard:
+    """The plugin (one per pytest run)."""
+
+    config: pytest.Config
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    problems: list[str] = field(default_factory=list)
+    _current: str | None = None
+    _spawned: dict[str, str] = field(default_factory=dict)
+    _timings: dict[str, _Timing] = field(default_factory=dict)
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+
+    # -- tiers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def tier_of(item: pytest.Item) -> str:
+        own = [m.name for m in item.iter_markers() if m.name in TIERS[1:]]
+        if len(set(own)) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: more than one tier marker: {own}")
+        if own:
+            return own[0]
+        parts = Path(item.path).parts
+        if "tests" in parts:
+            below = parts[parts.index("tests") + 1 :]
+            if len(below) > 1 and below[0] in FOLDER_TIERS:
+                return FOLDER_TIERS[below[0]]
+        return "deterministic"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        # (before `-m` deselects: a folder's tier is a marker like any other)
+        for item in items:
+            tier = self.tier_of(item)
+            item.stash[_TIER] = tier
+            if tier != "deterministic" and item.get_closest_marker(tier) is None:
+                item.add_marker(tier)
+
+    # -- interpreters started --------------------------------------------------------------
+
+    def pytest_sessionstart(self) -> None:
+        popen_init = subprocess.Popen.__init__
+        process_start = multiprocessing.process.BaseProcess.start
+        guard = self
+
+        def init(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+            argv = [args] if isinstance(args, str | bytes | os.PathLike) else args
+            if kwargs.get("shell") and isinstance(args, str):
+                argv = args.split()
+            if _is_interpreter(argv):
+                guard._note_spawn(" ".join(map(str, list(argv)[:3]))[:100])
+            popen_init(popen, args, *rest, **kwargs)
+
+        def start(process: Any) -> None:
+            guard._note_spawn(f"multiprocessing {type(process).__name__}")
+            process_start(process)
+
+        subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
+
+        def undo() -> None:
+            subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+            multiprocessing.process.BaseProcess.start = process_start  # type: ignore[method-assign]
+
+        self._undo.append(undo)
+
+    def _note_spawn(self, what: str) -> None:
+        if self._current is not None:
+            self._spawned.setdefault(self._current, what)
+
+    # -- time ------------------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, object, object]:
+        self._current = item.nodeid
+        self._timings[item.nodeid] = _Timing(started=(time.perf_counter(), time.process_time()))
+        try:
+            return (yield)
+        finally:
+            self._current = None
+            self._spawned.pop(item.nodeid, None)
+            self._timings.pop(item.nodeid, None)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        timing = self._timings.get(item.nodeid)
+        tier = item.stash.get(_TIER, "deterministic")
+        if timing is None or report.when != "call":
+            if report.when == "teardown" and timing is not None:
+                self.seconds[tier] += time.perf_counter() - timing.started[0]
+                self.counts[tier] += 1
+            return report
+        wall = time.perf_counter() - timing.started[0]
+        cpu = time.process_time() - timing.started[1]
+        complaint = None
+        spawned = self._spawned.get(item.nodeid)
+        if spawned is not None and tier not in ("process", "lab"):
+            complaint = (
+                f"it started an interpreter ({spawned}) but is in the {tier} tier: mark it "
+                "`@pytest.mark.process` (tests/tiers.py)"
+            )
+        elif (
+            tier == "deterministic"
+            and item.get_closest_marker("slow") is None
+            and (cpu > TEST_LIMIT_S or wall - cpu > TEST_LIMIT_S)
+        ):
+            complaint = (
+                f"an unmarked (deterministic) test may take {TEST_LIMIT_S:g} s of CPU and wait "
+                f"{TEST_LIMIT_S:g} s beyond it; this one took {cpu:.2f} s of CPU in "
+                f"{wall:.2f} s: make it cheaper, move it to virtual time, or mark its tier "
+                "(realtime, process, lab) or `slow` (tests/tiers.py)"
+            )
+        if complaint is not None and report.passed:
+            report.outcome = "failed"
+            report.longrepr = f"{item.nodeid}: {complaint}"
+        return report
+
+    # -- the budget --------------------------------------------------------------------------
+
+    def _whole_suite(self) -> bool:
+        option = self.config.option
+        return not option.file_or_dir and not option.keyword
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
+        if not self._whole_suite():
+            return
+        for tier, budget in BUDGET_S.items():
+            if self.seconds[tier] > budget:
+                self.problems.append(
+                    f"the {tier} tier took {self.seconds[tier]:.0f} s, over its budget of "
+                    f"{budget:.0f} s (tests/tiers.py BUDGET_S)"
+                )
+        if self.problems and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        write = terminalreporter.write_line
+        terminalreporter.section("time per tier (tests/tiers.py)")
+        for tier in TIERS:
+            budget = BUDGET_S.get(tier)
+            limit = f"  (budget {budget:.0f} s)" if budget is not None else ""
+            write(f"{tier:14s} {self.counts[tier]:5d} tests {self.seconds[tier]:8.1f} s{limit}")
+        total = sum(self.seconds.values())
+        write(f"{'all':14s} {sum(self.counts.values()):5d} tests {total:8.1f} s")
+        for problem in self.problems:
+            terminalreporter.write_line(f"BUDGET EXCEEDED: {problem}", red=True, bold=True)
+
+
+_TIER = pytest.StashKey[str]()
