@@ -28,6 +28,7 @@ from swarmavg._train_demo import (
     _view,
     _write_plot,
 )
+from swarmavg.cli import main
 
 CLI = [sys.executable, "-m", "swarmavg.cli", "demo"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -132,10 +133,20 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         (["--out", "no/such/directory"], "--out"),
     ],
 )
-def test_bad_arguments_are_named(tmp_path: Path, args: list[str], name: str) -> None:
-    out = _demo(*args, cwd=tmp_path)
-    assert out.returncode == 2
-    assert name in out.stderr.splitlines()[-1], out.stderr
+def test_bad_arguments_are_named(
+    tmp_path: Path,
+    args: list[str],
+    name: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (in this process: a usage error exits before any process starts)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert name in err.splitlines()[-1], err
     assert list(tmp_path.iterdir()) == []
 
 

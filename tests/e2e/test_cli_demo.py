@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from swarmavg._demo import STEP_TIMEOUT, group_bits, lonely_peers, reaches_exact_mean
+from swarmavg.cli import main
 
 CLI = [sys.executable, "-m", "swarmavg.cli"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -164,10 +165,20 @@ def test_lonely_peers() -> None:
         (["--plot", "no/such/directory/plot.png"], "--plot"),
     ],
 )
-def test_bad_arguments_are_named(tmp_path: Path, args: list[str], name: str) -> None:
-    out = _demo(*args, cwd=tmp_path, timeout=60)
-    assert out.returncode == 2
-    assert name in out.stderr.splitlines()[-1], out.stderr
+def test_bad_arguments_are_named(
+    tmp_path: Path,
+    args: list[str],
+    name: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (in this process: a usage error exits before any peer starts)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "averaging", *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert name in err.splitlines()[-1], err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 

@@ -1,6 +1,6 @@
 """``SwarmStrategy`` with real Lightning ``Trainer``\\ s (spec C.3, ported from lightning-Hivemind's
-tests, plus what they lacked): under both namespaces, single-process fits on a tiny model, and
-two processes training the workload together over TCP on 127.0.0.1."""
+tests, plus what they lacked): under both namespaces, single-process fits on a tiny model; and,
+under ``lightning.pytorch``, processes training the workload together over TCP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -72,10 +72,26 @@ def _no_peer_variables(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+# The tests that start ``lightning_peer.py`` processes run under one namespace only: the two
+# differ only in the import path (the same strategy class serves both), which the in-process
+# tests check under each; every process start imports torch and Lightning again, and these
+# tests start three or more each.
+PROCESS_NAMESPACES = NAMESPACES[:1] if _installed("lightning.pytorch") else NAMESPACES[1:]
+
+
 @pytest.fixture(params=NAMESPACES)
 def pl(request: pytest.FixtureRequest) -> SimpleNamespace:
     """One namespace's ``Trainer``, ``BoringModel`` and ``SwarmStrategy``."""
-    name = request.param
+    return _namespace(request.param)
+
+
+@pytest.fixture(params=PROCESS_NAMESPACES)
+def pl_processes(request: pytest.FixtureRequest) -> SimpleNamespace:
+    """``pl`` for the tests with peer processes: ``lightning.pytorch`` only (see above)."""
+    return _namespace(request.param)
+
+
+def _namespace(name: str) -> SimpleNamespace:
     module_name = (
         "swarmavg.integrations.lightning"
         if name == "lightning.pytorch"
@@ -726,7 +742,7 @@ def _metric_means(index: int, peers: int) -> set[float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_three_processes_train_together(pl: SimpleNamespace, tmp_path: Path) -> None:
+def test_three_processes_train_together(pl_processes: SimpleNamespace, tmp_path: Path) -> None:
     """Three processes run ``Trainer.fit`` on the workload with SwarmStrategy over TCP: each
     sees 3 peers and epochs > 0, the learning rate follows the epoch, ``self.log(...,
     sync_dist=True)`` reads the mean over the round's peers (sync_metrics), and all hold the
@@ -734,7 +750,7 @@ def test_three_processes_train_together(pl: SimpleNamespace, tmp_path: Path) -> 
     import numpy as np
 
     epochs = 4
-    peers = _Peers(pl.name, tmp_path, "lightning_three_peers", num_peers=3)
+    peers = _Peers(pl_processes.name, tmp_path, "lightning_three_peers", num_peers=3)
     try:
         for index in range(3):
             peers.start(index, epochs)
@@ -762,14 +778,14 @@ def test_three_processes_train_together(pl: SimpleNamespace, tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_late_peer_catches_up_and_a_killed_one_leaves_the_others_training(
-    pl: SimpleNamespace, tmp_path: Path
+    pl_processes: SimpleNamespace, tmp_path: Path
 ) -> None:
     """Two processes train; a third joins at epoch >= 2 and starts from the swarm's state (its
     first batch at the swarm's epoch, the state downloaded); then one of the first two is
     SIGKILLed mid-fit, and the other two train on to 4 more epochs, equal after the last."""
     import numpy as np
 
-    peers = _Peers(pl.name, tmp_path, "lightning_churn", num_peers=3)
+    peers = _Peers(pl_processes.name, tmp_path, "lightning_churn", num_peers=3)
     try:
         for index in (0, 1):
             peers.start(index, epochs=1 << 30)
