@@ -212,6 +212,7 @@ async def test_bandwidth_sizes_the_spans_and_alpha_moves_part_way() -> None:
             np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 8)
 
 
+@pytest.mark.realtime
 async def test_over_tcp() -> None:
     rng = np.random.default_rng(5)
     async with _nodes(3, "tcp") as nodes:

@@ -274,6 +274,7 @@ async def test_bootstrap_names_every_peer_it_could_not_reach() -> None:
             assert str(ghost) in str(info.value)
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("scheme", ["tcp", "quic"])
 async def test_store_and_get_over_real_transports(scheme: str) -> None:
     async with AsyncExitStack() as stack:

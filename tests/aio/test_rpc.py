@@ -63,7 +63,12 @@ def abandon_watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 #: The transport ``_peers`` builds nodes on; tests marked ``@over_transports`` run on each.
 _KIND = "memory"
-TRANSPORT_KINDS = ["memory", "tcp", "quic"]
+#: (real loopback sockets: on the wall clock, see tests/aio/conftest.py)
+TRANSPORT_KINDS = [
+    "memory",
+    pytest.param("tcp", marks=pytest.mark.realtime),
+    pytest.param("quic", marks=pytest.mark.realtime),
+]
 
 
 @pytest.fixture(params=TRANSPORT_KINDS)
@@ -1207,6 +1212,7 @@ async def test_inline_handlers_answer_from_the_reader_where_the_transport_allows
     assert _handler_failures(caplog) == {"ValueError": logging.DEBUG, "TypeError": logging.ERROR}
 
 
+@pytest.mark.realtime  # (TCP's inline path)
 async def test_inline_answers_that_cannot_go_out_at_once_go_out_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1258,6 +1264,7 @@ async def test_an_inline_handler_that_returns_a_coroutine_fails_its_call() -> No
         assert info.value.code == "handler_error"
 
 
+@pytest.mark.realtime  # (TCP's inline path)
 async def test_a_stream_handler_gets_one_message_streams_not_the_inline_path() -> None:
     """With a stream handler set, the node serves streams with it, even a stream that looks
     like an inline call."""
