@@ -38,7 +38,7 @@ from swarmavg.metrics import (
     OptimizerCounter,
     OptimizerMetrics,
 )
-from swarmavg.testing import MemoryNetwork, run_on_virtual_time
+from swarmavg.testing import MemoryNetwork, VirtualClockLoop, run_on_virtual_time
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -301,10 +301,18 @@ def test_a_failed_all_reduce_is_counted_as_a_failed_round_and_step() -> None:
         assert (m.last_group_size, m.bytes_sent) == (2, 0)
 
 
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    """This module's anyio tests run on virtual time, as tests/aio's (the clock also waits for
+    the donor's state copy in a worker thread)."""
+    return (
+        "asyncio",
+        {"loop_factory": partial(VirtualClockLoop, watch_default_thread_limiter=True)},
+    )
+
+
 @pytest.mark.anyio
 async def test_state_downloads_are_counted_on_both_sides() -> None:
-    # (in real time: the donor copies its state in a worker thread, which a virtual clock
-    # would not wait for)
     tensors = [[torch.arange(256.0)], [torch.zeros(256)]]
     async with _peers(tensors) as (donor, taker):
         taker.allow_state_sharing = False

@@ -248,3 +248,42 @@ def test_peers_alone_under_different_keys_meet_within_one_step() -> None:
     assert sizes == [2, 2]
     assert values == [[0.5] * 3] * 2
     assert took < 10  # two attempts of 2 s, and a request timeout at most
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_loop_made_to_watch_the_default_thread_limiter_holds_the_clock_by_itself(
+    watch: bool,
+) -> None:
+    """``VirtualClockLoop(watch_default_thread_limiter=True)`` run by someone else (here
+    asyncio's runner, as anyio's pytest plugin does) holds the clock for ``anyio.to_thread``
+    work without being told the limiter from inside; without it the clock runs on meanwhile."""
+
+    async def main() -> tuple[float, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.sleep(1)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.sleep(0.5)
+            started = anyio.current_time()
+            await anyio.to_thread.run_sync(time.sleep, 0.2)
+            in_thread = anyio.current_time() - started
+            tg.cancel_scope.cancel()
+        return in_thread, ticks
+
+    def make_loop() -> VirtualClockLoop:
+        return VirtualClockLoop(watch_default_thread_limiter=watch)
+
+    with asyncio.Runner(loop_factory=make_loop) as runner:
+        in_thread, ticks = runner.run(main())
+    if watch:
+        assert in_thread < 0.01
+        assert ticks == 0
+    else:
+        assert in_thread >= 1
+        assert ticks >= 1

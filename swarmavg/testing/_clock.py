@@ -9,7 +9,8 @@ process takes to run them all, and a ``sleep(60)`` costs nothing. DHT time
 loop was made.
 
 Work that the loop hands to a worker thread (``anyio.to_thread.run_sync`` with the default
-limiter, under :func:`run_on_virtual_time`; ``loop.run_in_executor``) is computation too, so
+limiter, on a loop made with ``watch_default_thread_limiter=True`` as :func:`run_on_virtual_time`
+and the tests' ``anyio_backend`` make it; ``loop.run_in_executor``) is computation too, so
 it takes no virtual time either: while such a thread runs and nothing else is ready, the clock
 stands still and the loop waits (in real time) for the thread's result, up to
 5 real seconds per move of the clock (a thread that waits for the clock
@@ -112,10 +113,17 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     timeout and sleep) moves only when all its tasks wait, straight to the next timer.
 
     :param start: the clock's first reading (seconds).
+    :param watch_default_thread_limiter: also hold the clock while anyio's default thread
+        limiter of this loop has tokens borrowed (``anyio.to_thread.run_sync`` work), as
+        :meth:`watch_thread_limiter` would with it; for a loop that something else runs (anyio's
+        pytest plugin: ``anyio_backend = ("asyncio", {"loop_factory": ...})``), where no code
+        of ours gets to run on it first.
     """
 
-    def __init__(self, start: float = 0.0) -> None:
+    def __init__(self, start: float = 0.0, *, watch_default_thread_limiter: bool = False) -> None:
         super().__init__()
+        #: the default thread limiter is still to be watched (at the loop's first run)
+        self._watch_default_pending = watch_default_thread_limiter
         self._now = float(start)
         #: DHT time at ``loop.time() == 0``
         self.epoch = time.time() - self._now
@@ -132,6 +140,18 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         limiter."""
         if limiter not in self._thread_limiters:
             self._thread_limiters.append(limiter)
+
+    def run_forever(self) -> None:
+        if self._watch_default_pending:
+            self._watch_default_pending = False
+            # anyio's default limiter is a run variable of the loop, to look up from a task on
+            # it: this one is ready before any timer fires, so the clock cannot move (jump
+            # over a worker thread's work) before it has run
+            self.create_task(self._watch_default_limiter())
+        super().run_forever()
+
+    async def _watch_default_limiter(self) -> None:
+        self.watch_thread_limiter(anyio.to_thread.current_default_thread_limiter())
 
     def run_in_executor(  # type: ignore[override]
         self, executor: concurrent.futures.Executor | None, func: Callable[..., T], *args: Any
@@ -187,15 +207,11 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 def run_on_virtual_time(fn: Callable[..., Awaitable[T]], *args: Any, start: float = 0.0) -> T:
     """``anyio.run(fn, *args)`` on a :class:`VirtualClockLoop` (whose clock also waits for
     ``anyio.to_thread`` work under the default limiter)."""
-
-    async def main() -> T:
-        loop = asyncio.get_running_loop()
-        if isinstance(loop, VirtualClockLoop):
-            loop.watch_thread_limiter(anyio.to_thread.current_default_thread_limiter())
-        return await fn(*args)
-
     return anyio.run(
-        main,
+        fn,
+        *args,
         backend="asyncio",
-        backend_options={"loop_factory": lambda: VirtualClockLoop(start)},
+        backend_options={
+            "loop_factory": lambda: VirtualClockLoop(start, watch_default_thread_limiter=True)
+        },
     )

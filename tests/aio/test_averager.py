@@ -91,7 +91,7 @@ async def test_too_few_peers_raise_matchmaking_failed_in_time() -> None:
         started = anyio.current_time()
         with pytest.raises(MatchmakingFailed):
             await avg.step(timeout=0.5, allow_retries=False)
-        assert anyio.current_time() - started < 6
+        assert anyio.current_time() - started == pytest.approx(0.5, abs=1e-3)  # its timeout
 
 
 async def test_bad_arguments_are_named() -> None:
@@ -292,7 +292,7 @@ async def test_cancelling_a_step_in_a_group_tells_the_groupmates_who_go_on() -> 
         assert controls[2].cancel()
         with anyio.fail_after(10):
             results = [await control for control in controls[:2]]
-        assert anyio.current_time() - started < 5  # told, not timed out (30 s)
+        assert anyio.current_time() - started < 0.01  # told, not timed out (30 s)
         assert all(r.group_size == 3 for r in results)
         with pytest.raises(concurrent.futures.CancelledError):
             await controls[2]
@@ -470,7 +470,8 @@ async def test_a_groupmate_that_goes_silent_is_done_without_and_reported(
         controls[1].allow_allreduce()  # member 2 never comes (and never says so)
         with anyio.fail_after(10):
             results = [await control for control in controls[:2]]
-        assert anyio.current_time() - started < 5  # the timeouts, not allreduce_timeout
+        # reducer_timeout (virtual time), not allreduce_timeout
+        assert anyio.current_time() - started == pytest.approx(1.0, abs=1e-3)
         silent = averagers[2].dht.peer_id
         for result in results:
             assert result.incomplete
@@ -778,6 +779,9 @@ async def test_views_of_one_flat_tensor_are_averaged_without_copies() -> None:
                     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
 
 
+# (a worker thread blocks until the loop lets go of the tensors: a virtual clock would wait 5 real
+# seconds for it before moving on, see swarmavg/testing/_clock.py)
+@pytest.mark.realtime
 async def test_an_in_place_round_holds_the_tensors_until_its_results_are_written() -> None:
     """While a round averages the tensors in place, a training thread that wants them waits
     and then sees the averaged values; on the event loop itself, where waiting would never

@@ -288,6 +288,7 @@ async def test_one_unreachable_initial_peer_among_live_ones_is_skipped() -> None
                 assert live.peer_id in dht.dht_node.protocol.routing
 
 
+@pytest.mark.realtime
 async def test_wildcard_host_over_tcp_shows_dialable_addresses() -> None:
     with anyio.fail_after(STEP):
         async with DHT(host="0.0.0.0") as first:
@@ -307,6 +308,7 @@ async def test_wildcard_host_over_tcp_shows_dialable_addresses() -> None:
                 assert (await first.get("over tcp")).value == 1.5  # type: ignore[union-attr]
 
 
+@pytest.mark.realtime  # (TCP through a relay on loopback)
 async def test_announce_maddrs_is_what_others_dial_a_port_forward() -> None:
     """A peer behind a port forward (here: a TCP relay on 127.0.0.2 to the peer's port on
     127.0.0.1) announces the forward's address with ``announce_maddrs``: its visible maddrs

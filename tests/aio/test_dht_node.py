@@ -274,6 +274,7 @@ async def test_bootstrap_names_every_peer_it_could_not_reach() -> None:
             assert str(ghost) in str(info.value)
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("scheme", ["tcp", "quic"])
 async def test_store_and_get_over_real_transports(scheme: str) -> None:
     async with AsyncExitStack() as stack:
@@ -653,7 +654,7 @@ async def test_a_peer_that_never_answers_costs_a_lookup_one_timeout() -> None:
         elapsed = anyio.current_time() - start
         assert got == ValueWithExpiration("value", expiration)
         assert hang.started == 1
-        assert 0.4 <= elapsed < 2.5, elapsed
+        assert elapsed == pytest.approx(0.5, abs=1e-3)  # the request timeout (virtual time)
         assert hung.peer_id not in getter.protocol.routing
         with anyio.fail_after(5):
             await hang.cancelled.wait()
@@ -671,7 +672,7 @@ async def test_a_lookup_that_found_its_value_leaves_the_queries_in_flight() -> N
         with anyio.fail_after(3):
             got = await getter.get("found")
         assert got == ValueWithExpiration(7, expiration)
-        assert anyio.current_time() - start < 2  # (not the 5 s request timeout)
+        assert anyio.current_time() - start < 0.01  # (not the 5 s request timeout)
         assert hang.started == 1
         with anyio.fail_after(5):
             await hang.cancelled.wait()  # the unanswered call was reset when the lookup ended

@@ -25,6 +25,9 @@ from swarmavg.aio.rpc import CallContext
 from swarmavg.identity import PeerID
 from swarmavg.proto import Ping, Pong
 
+#: (real TCP and QUIC sockets, under asyncio's own loop)
+pytestmark = pytest.mark.realtime
+
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

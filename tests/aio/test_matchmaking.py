@@ -334,7 +334,7 @@ async def test_an_undecided_peer_turns_away_requests_for_another_key_at_once() -
                     ) as replies:
                         reply = await anext(replies)
                     assert reply.code == "rejected"
-                    assert anyio.current_time() - asked < 0.4  # not held (the bound is 0.5 s)
+                    assert anyio.current_time() - asked < 0.01  # not held (the bound is 0.5 s)
                 tg.cancel_scope.cancel()
 
 

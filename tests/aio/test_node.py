@@ -243,6 +243,7 @@ async def test_errors_in_the_body_come_out_unwrapped() -> None:
             raise KeyError("mine")
 
 
+@pytest.mark.realtime
 async def test_a_mixed_swarm_over_tcp_and_quic() -> None:
     """A node listening on TCP and QUIC at once serves peers that speak only one of them, and
     calls each back over the connection that peer opened (by PeerID)."""

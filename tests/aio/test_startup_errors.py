@@ -44,6 +44,7 @@ def _assert_address_in_use(exc: BaseException, port: int) -> None:
     assert exc.__cause__.errno == errno.EADDRINUSE
 
 
+@pytest.mark.realtime  # (real ports)
 @pytest.mark.parametrize("busy_port", ["tcp", "quic"], indirect=True)
 async def test_a_port_in_use_raises_address_in_use(busy_port: tuple[str, int]) -> None:
     scheme, port = busy_port
@@ -172,6 +173,7 @@ async def test_a_failure_beside_the_callers_is_noted_on_it() -> None:
     assert isinstance(sole_error(nested), TypeError)
 
 
+@pytest.mark.realtime  # (a real port)
 async def test_swarm_error_catches_every_start_failure() -> None:
     """What a new user writes: ``except swarmavg.SwarmError``."""
     with socket.socket() as held:
