@@ -1156,6 +1156,8 @@ class Optimizer(torch.optim.Optimizer):
                     self.tracker.global_epoch,
                 )
                 self.state_averager.local_epoch = self.tracker.global_epoch
+                with self.state_averager.lock_optimizer:  # (lr(epoch) during the epoch)
+                    self.state_averager._update_scheduler()
             self.tracker.report_local_progress(self.local_epoch, 0)
             # The donor may have ended its epoch while we downloaded: the next read of the
             # swarm's progress tells, and then we download again (at most a few times in a row)

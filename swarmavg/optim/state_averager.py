@@ -1008,10 +1008,18 @@ class TrainingStateAverager(DecentralizedAverager):
                     for name in self.average_opt_statistics
                     for index, param in enumerate(params)
                 }
+                # The donor's param groups carry its learning rate, lr(its epoch); the scheduler
+                # below steps ours from our epoch to that one, and schedulers that multiply the
+                # current rate (ExponentialLR, StepLR, ...) would step the donor's rate again
+                # (lr(2E - e) for good). So the rate stays ours, for our scheduler to move.
+                rates = [group["lr"] for group in self.optimizer.param_groups]
                 try:
                     self.optimizer.load_state_dict(state)
                 except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
                     raise _Refused(f"the optimizer does not take its state: {exc!r:.200}") from None
+                if self.scheduler is not None:
+                    for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                        group["lr"] = rate
                 for (index, name), tensor in kept.items():
                     tensor.copy_(self.optimizer.state[params[index]][name])
                     self.optimizer.state[params[index]][name] = tensor

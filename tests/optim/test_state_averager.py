@@ -221,6 +221,55 @@ def test_load_state_from_peers() -> None:
             time.sleep(0.05)
 
 
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.9),
+        partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
+    ],
+    ids=["ExponentialLR", "StepLR"],
+)
+def test_a_loaded_state_leaves_the_learning_rate_of_its_epoch(scheduler: Any) -> None:
+    """A peer at epoch 1 loads a donor's state at epoch 3: its rate is lr(3), as the donor's,
+    also with a scheduler that multiplies the current rate (the donor's rate stepped again
+    from epoch 1 would be lr(5))."""
+    common: dict[str, Any] = {
+        "optimizer": partial(torch.optim.SGD, lr=0.1),
+        "scheduler": scheduler,
+        "prefix": "rates",
+    }
+    with ExitStack() as stack:
+        dht1, dht2 = _dhts(stack, 2)
+        receiver = stack.enter_context(
+            TrainingStateAverager(
+                dht=dht1, params=nn.Linear(2, 3).parameters(), allow_state_sharing=False, **common
+            )
+        )
+        donor = stack.enter_context(
+            TrainingStateAverager(dht=dht2, params=nn.Linear(2, 3).parameters(), **common)
+        )
+        for averager, epoch in ((receiver, 1), (donor, 3)):
+            with averager.lock_optimizer:
+                averager.local_epoch = epoch
+                averager._update_scheduler()
+        expected = donor.optimizer.param_groups[0]["lr"]
+        assert expected < receiver.optimizer.param_groups[0]["lr"]
+        _wait_declared(dht1, "rates", dht2.peer_id)
+
+        assert receiver.load_state_from_peers(timeout=20) is True
+        assert receiver.local_epoch == 3
+        assert receiver.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+        with receiver.lock_optimizer:  # and one step per epoch from there
+            receiver.local_epoch = 4
+            receiver._update_scheduler()
+        with donor.lock_optimizer:
+            donor.local_epoch = 4
+            donor._update_scheduler()
+        assert receiver.optimizer.param_groups[0]["lr"] == pytest.approx(
+            donor.optimizer.param_groups[0]["lr"]
+        )
+
+
 def test_loading_with_offloading_writes_the_offloaded_parameters_too() -> None:
     """hivemind PR #417's regression: the old offloaded parameters must not overwrite the loaded
     ones at the next optimizer step."""
