@@ -10,7 +10,6 @@ from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
-
 from tiers import TierGuard
 
 settings.register_profile(

@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 WANTED = {"looking": "LOOKING_FOR_GROUP", "allreduce": "RUNNING_ALLREDUCE"}
 
 

@@ -10,6 +10,7 @@ from types import ModuleType
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_small_swarm_on_virtual_time_converges(
     capsys: pytest.CaptureFixture[str], load_benchmark: Callable[[str], ModuleType]

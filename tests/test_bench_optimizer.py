@@ -18,6 +18,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 PEER = Path(__file__).parents[1] / "benchmarks" / "_optimizer_peer.py"
 
 

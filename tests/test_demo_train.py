@@ -44,6 +44,7 @@ def _demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=100, cwd=cwd)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_two_peers_train_and_plot(tmp_path: Path) -> None:
     out = _demo("--peers", "2", "--epochs", "3", "--out", str(tmp_path), cwd=tmp_path)
@@ -68,6 +69,7 @@ def test_two_peers_train_and_plot(tmp_path: Path) -> None:
     assert len(data) > 10_000
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_kill_one_the_survivors_finish(tmp_path: Path) -> None:
     out = _demo("--peers", "3", "--epochs", "6", "--kill-one", "--no-plot", cwd=tmp_path)
@@ -91,6 +93,7 @@ def _children(demo: subprocess.Popen[str]) -> list[psutil.Process]:
     return children
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     with subprocess.Popen(

@@ -235,6 +235,7 @@ def test_make_model_rejects_bad_sizes() -> None:
         workload.make_model(layers=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_training_lowers_the_validation_loss(corpus: workload.Corpus) -> None:
     """150 Adam steps at batch 16: from ln 256 = 5.55 to 2.47 when measured (2 shared CPUs,

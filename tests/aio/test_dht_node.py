@@ -298,6 +298,7 @@ async def test_store_and_get_over_real_transports(scheme: str) -> None:
             assert {k: v.value for k, v in merged.value.items()} == {"a": 1, "b": 2}
 
 
+@pytest.mark.slow
 async def test_a_hundred_node_swarm_with_a_tenth_killed() -> None:
     """Every get finds every stored value in a 100-node swarm; with 10 nodes killed at random
     afterwards (and their records gone with them), at least 99% of gets still succeed."""

@@ -740,6 +740,7 @@ def _metric_means(index: int, peers: int) -> set[float]:
     }
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_three_processes_train_together(pl_processes: SimpleNamespace, tmp_path: Path) -> None:
@@ -775,6 +776,7 @@ def test_three_processes_train_together(pl_processes: SimpleNamespace, tmp_path:
         np.testing.assert_allclose(result["params"], results[0]["params"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_late_peer_catches_up_and_a_killed_one_leaves_the_others_training(
