@@ -138,6 +138,7 @@ def test_a_worker_thread_that_waits_for_the_clock_holds_it_only_for_a_while(
     assert took == pytest.approx(5, abs=0.01)
 
 
+@pytest.mark.slow
 def test_averagers_wait_out_long_timeouts_on_virtual_time() -> None:
     """Three peers want groups of four (averaging_expiration 60 s): nobody else looks under
     their key, so they average as a group of three at once instead of waiting out the

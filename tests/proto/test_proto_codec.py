@@ -136,6 +136,7 @@ def test_registry_holds_the_core_and_sample_messages() -> None:
     assert round_trip(sample())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda cls: cls.TAG)
 @given(data=st.data())
 def test_round_trip_every_registered_message(cls: type[Message], data: st.DataObject) -> None:
@@ -713,6 +714,7 @@ def test_random_bytes_behind_a_valid_prefix(data: bytes) -> None:
     decodes_or_refuses(b"\0\0\0\x10\x84\xa1v\x01\xa1t\xa4ping\xa1f" + data)
 
 
+@pytest.mark.slow
 @given(mutated_encodings())
 def test_mutated_valid_encodings(data: bytes) -> None:
     decodes_or_refuses(data)
