@@ -108,3 +108,23 @@ def fresh_loop() -> Iterator[None]:
         thread.join(timeout=2)  # end when their loop closes, a moment after anyio.run returns)
     leftover = [t for t in leftover if t.is_alive()]
     assert leftover == [], f"threads left behind: {leftover}"
+
+
+@pytest.fixture
+def usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[[list[str]], str]:
+    """``usage_error(argv)``: ``swarmavg *argv`` run in this process, in ``tmp_path`` (a usage
+    error exits before anything starts: no interpreter to wait for) must exit with code 2; its
+    standard error."""
+    from swarmavg.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+
+    return run

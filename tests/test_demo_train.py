@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -28,7 +29,6 @@ from swarmavg._train_demo import (
     _view,
     _write_plot,
 )
-from swarmavg.cli import main
 
 CLI = [sys.executable, "-m", "swarmavg.cli", "demo"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -137,18 +137,9 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     ],
 )
 def test_bad_arguments_are_named(
-    tmp_path: Path,
-    args: list[str],
-    name: str,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, args: list[str], name: str, usage_error: Callable[[list[str]], str]
 ) -> None:
-    # (in this process: a usage error exits before any process starts)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exited:
-        main(["demo", *args])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(["demo", *args])
     assert name in err.splitlines()[-1], err
     assert list(tmp_path.iterdir()) == []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 import anyio
@@ -86,6 +87,33 @@ def test_a_cancelled_task_in_a_timed_shielded_clean_up_lets_the_clock_move() -> 
     assert 3 <= took < 10
 
 
+async def _in_a_thread() -> None:
+    await anyio.to_thread.run_sync(time.sleep, 0.2)  # (0.2 s of real time, the GIL let go)
+
+
+async def _ticking_while(*works: Callable[[], Awaitable[None]]) -> tuple[list[float], int]:
+    """Run ``works`` one after the other, half a virtual second in, beside a task that ticks
+    every virtual second: the virtual seconds each took, and the ticks meanwhile."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(1)
+            ticks += 1
+
+    took = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.sleep(0.5)
+        for work in works:
+            started = anyio.current_time()
+            await work()
+            took.append(anyio.current_time() - started)
+        tg.cancel_scope.cancel()
+    return took, ticks
+
+
 def test_work_in_a_worker_thread_takes_no_virtual_time() -> None:
     """A thread that computes for the loop (here it sleeps 0.2 s of real time, freeing the
     GIL as hashing and torch do) holds the clock as the loop's own work would: the task that
@@ -94,25 +122,11 @@ def test_work_in_a_worker_thread_takes_no_virtual_time() -> None:
     dependencies.)"""
 
     async def main() -> tuple[float, float, int]:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.sleep(1)
-                ticks += 1
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            await anyio.sleep(0.5)
-            started = anyio.current_time()
-            await anyio.to_thread.run_sync(time.sleep, 0.2)
-            in_thread = anyio.current_time() - started
-            started = anyio.current_time()
+        async def in_executor() -> None:
             await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.2)
-            in_executor = anyio.current_time() - started
-            tg.cancel_scope.cancel()
-        return in_thread, in_executor, ticks
+
+        (in_thread, executor), ticks = await _ticking_while(_in_a_thread, in_executor)
+        return in_thread, executor, ticks
 
     in_thread, in_executor, ticks = run_on_virtual_time(main)
     assert in_thread < 0.01
@@ -260,21 +274,7 @@ def test_a_loop_made_to_watch_the_default_thread_limiter_holds_the_clock_by_itse
     work without being told the limiter from inside; without it the clock runs on meanwhile."""
 
     async def main() -> tuple[float, int]:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.sleep(1)
-                ticks += 1
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            await anyio.sleep(0.5)
-            started = anyio.current_time()
-            await anyio.to_thread.run_sync(time.sleep, 0.2)
-            in_thread = anyio.current_time() - started
-            tg.cancel_scope.cancel()
+        (in_thread,), ticks = await _ticking_while(_in_a_thread)
         return in_thread, ticks
 
     def make_loop() -> VirtualClockLoop:

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -112,15 +113,9 @@ def test_serve_and_ping() -> None:
     ],
 )
 def test_bad_arguments_are_named(
-    args: list[str], name: str, capsys: pytest.CaptureFixture[str]
+    args: list[str], name: str, usage_error: Callable[[list[str]], str]
 ) -> None:
-    # (in this process: a usage error exits before anything starts, no interpreter to wait for)
-    from swarmavg.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(args)
-    assert exited.value.code == 2
-    assert name in capsys.readouterr().err
+    assert name in usage_error(args)
 
 
 def test_ping_without_a_server_fails_cleanly() -> None:

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
 from swarmavg._demo import STEP_TIMEOUT, group_bits, lonely_peers, reaches_exact_mean
-from swarmavg.cli import main
 
 CLI = [sys.executable, "-m", "swarmavg.cli"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -166,18 +166,9 @@ def test_lonely_peers() -> None:
     ],
 )
 def test_bad_arguments_are_named(
-    tmp_path: Path,
-    args: list[str],
-    name: str,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, args: list[str], name: str, usage_error: Callable[[list[str]], str]
 ) -> None:
-    # (in this process: a usage error exits before any peer starts)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exited:
-        main(["demo", "averaging", *args])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(["demo", "averaging", *args])
     assert name in err.splitlines()[-1], err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
