@@ -7,10 +7,13 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from tiers import TierGuard
+
+from swarmavg.testing import VirtualClockLoop
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -26,9 +29,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(TierGuard(config), "swarmavg-tiers")
 
 
+def _virtual_clock_loop() -> VirtualClockLoop:
+    # (its clock also stands still while anyio.to_thread work runs, as under run_on_virtual_time)
+    return VirtualClockLoop(watch_default_thread_limiter=True)
+
+
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend(request: pytest.FixtureRequest) -> str | tuple[str, dict[str, Any]]:
+    """anyio tests run on virtual time (:class:`swarmavg.testing.VirtualClockLoop`): timeouts
+    and sleeps cost no wall time, and a test sees the exact second a timeout fires
+    (``anyio.current_time()``). Tests of the realtime tier (real sockets, threads that wait on
+    the wall clock; tests/tiers.py) get asyncio's own loop."""
+    if request.node.get_closest_marker("realtime") is not None:
+        return "asyncio"
+    return ("asyncio", {"loop_factory": _virtual_clock_loop})
 
 
 def _load_benchmark(filename: str) -> ModuleType:

@@ -38,7 +38,7 @@ from swarmavg.metrics import (
     OptimizerCounter,
     OptimizerMetrics,
 )
-from swarmavg.testing import MemoryNetwork, VirtualClockLoop, run_on_virtual_time
+from swarmavg.testing import MemoryNetwork, run_on_virtual_time
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -299,16 +299,6 @@ def test_a_failed_all_reduce_is_counted_as_a_failed_round_and_step() -> None:
         assert (m.steps_started, m.steps_failed_allreduce, m.steps_failed) == (1, 1, 1)
         assert (m.rounds_started, m.rounds_failed, m.rounds_completed) == (1, 1, 0)
         assert (m.last_group_size, m.bytes_sent) == (2, 0)
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, Any]]:
-    """This module's anyio tests run on virtual time, as tests/aio's (the clock also waits for
-    the donor's state copy in a worker thread)."""
-    return (
-        "asyncio",
-        {"loop_factory": partial(VirtualClockLoop, watch_default_thread_limiter=True)},
-    )
 
 
 @pytest.mark.anyio

@@ -88,7 +88,7 @@ def test_a_cancelled_task_in_a_timed_shielded_clean_up_lets_the_clock_move() -> 
 
 
 async def _in_a_thread() -> None:
-    await anyio.to_thread.run_sync(time.sleep, 0.2)  # (0.2 s of real time, the GIL let go)
+    await anyio.to_thread.run_sync(time.sleep, 0.05)  # (real time, the GIL let go)
 
 
 async def _ticking_while(*works: Callable[[], Awaitable[None]]) -> tuple[list[float], int]:
@@ -115,7 +115,7 @@ async def _ticking_while(*works: Callable[[], Awaitable[None]]) -> tuple[list[fl
 
 
 def test_work_in_a_worker_thread_takes_no_virtual_time() -> None:
-    """A thread that computes for the loop (here it sleeps 0.2 s of real time, freeing the
+    """A thread that computes for the loop (here it sleeps 50 ms of real time, freeing the
     GIL as hashing and torch do) holds the clock as the loop's own work would: the task that
     ticks every virtual second meanwhile does not tick. (Without it, a state snapshot in a
     thread let the joiners' minute-long timeouts run out: the accumulator's tests under older
@@ -123,7 +123,7 @@ def test_work_in_a_worker_thread_takes_no_virtual_time() -> None:
 
     async def main() -> tuple[float, float, int]:
         async def in_executor() -> None:
-            await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.2)
+            await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.05)
 
         (in_thread, executor), ticks = await _ticking_while(_in_a_thread, in_executor)
         return in_thread, executor, ticks
