@@ -15,6 +15,8 @@ from tiers import TierGuard
 
 from swarmavg.testing import VirtualClockLoop
 
+pytest_plugins = ["pytester"]  # (tests/test_tiers.py runs pytest on cases of its own)
+
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -29,7 +29,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +64,17 @@ def _is_interpreter(argv: Iterable[Any]) -> bool:
 
 
 @dataclass
-class _Timing:
-    """When a test's protocol, and its call, began: (wall clock, process CPU) seconds."""
+class _Running:
+    """The test that runs now."""
 
-    started: tuple[float, float] = (0.0, 0.0)
+    nodeid: str
+    tier: str
+    #: wall-clock second its protocol began (setup)
+    started: float = field(default_factory=time.perf_counter)
+    #: wall-clock and process-CPU seconds its call began
     call: tuple[float, float] = (0.0, 0.0)
+    #: the first interpreter it started (its command)
+    spawned: str | None = None
 
 
 @dataclass(eq=False)  # (pluggy keeps plugins in sets)
@@ -76,15 +82,17 @@ class TierGuard:
     """The plugin (one per pytest run)."""
 
     config: pytest.Config
+    #: seconds of CPU (and of waiting beyond it) a deterministic test's call may take
+    limit_s: float = TEST_LIMIT_S
+    #: seconds per in-process tier a run of the whole suite may take
+    budget_s: dict[str, float] = field(default_factory=lambda: dict(BUDGET_S))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     problems: list[str] = field(default_factory=list)
     #: deterministic tests (not `slow`) whose call took over half the limit: (CPU s, node id)
     near: list[tuple[float, str]] = field(default_factory=list)
-    _current: str | None = None
-    _spawned: dict[str, str] = field(default_factory=dict)
-    _timings: dict[str, _Timing] = field(default_factory=dict)
-    _undo: list[Callable[[], None]] = field(default_factory=list)
+    _running: _Running | None = None
+    _patches: pytest.MonkeyPatch = field(default_factory=pytest.MonkeyPatch)
 
     # -- tiers ---------------------------------------------------------------------------
 
@@ -116,51 +124,42 @@ class TierGuard:
     def pytest_sessionstart(self) -> None:
         popen_init = subprocess.Popen.__init__
         process_start = multiprocessing.process.BaseProcess.start
-        guard = self
 
         def init(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
             argv = [args] if isinstance(args, str | bytes | os.PathLike) else args
             if kwargs.get("shell") and isinstance(args, str):
                 argv = args.split()
             if _is_interpreter(argv):
-                guard._note_spawn(" ".join(map(str, list(argv)[:3]))[:100])
+                self._note_spawn(" ".join(map(str, list(argv)[:3]))[:100])
             popen_init(popen, args, *rest, **kwargs)
 
         def start(process: Any) -> None:
-            guard._note_spawn(f"multiprocessing {type(process).__name__}")
+            self._note_spawn(f"multiprocessing {type(process).__name__}")
             process_start(process)
 
-        subprocess.Popen.__init__ = init  # type: ignore[method-assign]
-        multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
-
-        def undo() -> None:
-            subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
-            multiprocessing.process.BaseProcess.start = process_start  # type: ignore[method-assign]
-
-        self._undo.append(undo)
+        self._patches.setattr(subprocess.Popen, "__init__", init)
+        self._patches.setattr(multiprocessing.process.BaseProcess, "start", start)
 
     def _note_spawn(self, what: str) -> None:
-        if self._current is not None:
-            self._spawned.setdefault(self._current, what)
+        if self._running is not None and self._running.spawned is None:
+            self._running.spawned = what
 
     # -- time ------------------------------------------------------------------------------
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, object, object]:
-        self._current = item.nodeid
-        self._timings[item.nodeid] = _Timing(started=(time.perf_counter(), time.process_time()))
+        self._running = running = _Running(item.nodeid, item.stash.get(_TIER, "deterministic"))
         try:
             return (yield)
         finally:
-            self._current = None
-            self._spawned.pop(item.nodeid, None)
-            self._timings.pop(item.nodeid, None)
+            self._running = None
+            self.seconds[running.tier] += time.perf_counter() - running.started
+            self.counts[running.tier] += 1
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
-        timing = self._timings.get(item.nodeid)
-        if timing is not None:  # (the limit is on the test's own run: shared fixtures are set
-            timing.call = (time.perf_counter(), time.process_time())  # up once, for all)
+        if self._running is not None:  # (the limit is on the test's own run: shared fixtures
+            self._running.call = (time.perf_counter(), time.process_time())  # are set up once)
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -168,29 +167,24 @@ class TierGuard:
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
-        timing = self._timings.get(item.nodeid)
-        tier = item.stash.get(_TIER, "deterministic")
-        if timing is None or report.when != "call":
-            if report.when == "teardown" and timing is not None:
-                self.seconds[tier] += time.perf_counter() - timing.started[0]
-                self.counts[tier] += 1
+        running = self._running
+        if running is None or report.when != "call":
             return report
-        wall = time.perf_counter() - timing.call[0]
-        cpu = time.process_time() - timing.call[1]
-        exempt = tier != "deterministic" or item.get_closest_marker("slow") is not None
-        if not exempt and max(cpu, wall - cpu) > TEST_LIMIT_S / 2:
+        wall = time.perf_counter() - running.call[0]
+        cpu = time.process_time() - running.call[1]
+        exempt = running.tier != "deterministic" or item.get_closest_marker("slow") is not None
+        if not exempt and max(cpu, wall - cpu) > self.limit_s / 2:
             self.near.append((max(cpu, wall - cpu), item.nodeid))
         complaint = None
-        spawned = self._spawned.get(item.nodeid)
-        if spawned is not None and tier not in ("process", "lab"):
+        if running.spawned is not None and running.tier not in ("process", "lab"):
             complaint = (
-                f"it started an interpreter ({spawned}) but is in the {tier} tier: mark it "
-                "`@pytest.mark.process` (tests/tiers.py)"
+                f"it started an interpreter ({running.spawned}) but is in the {running.tier} "
+                "tier: mark it `@pytest.mark.process` (tests/tiers.py)"
             )
-        elif not exempt and (cpu > TEST_LIMIT_S or wall - cpu > TEST_LIMIT_S):
+        elif not exempt and (cpu > self.limit_s or wall - cpu > self.limit_s):
             complaint = (
-                f"an unmarked (deterministic) test may take {TEST_LIMIT_S:g} s of CPU and wait "
-                f"{TEST_LIMIT_S:g} s beyond it; this one took {cpu:.2f} s of CPU in "
+                f"an unmarked (deterministic) test may take {self.limit_s:g} s of CPU and wait "
+                f"{self.limit_s:g} s beyond it; this one took {cpu:.2f} s of CPU in "
                 f"{wall:.2f} s: make it cheaper, move it to virtual time, or mark its tier "
                 "(realtime, process, lab) or `slow` (tests/tiers.py)"
             )
@@ -207,12 +201,10 @@ class TierGuard:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        for undo in self._undo:
-            undo()
-        self._undo.clear()
+        self._patches.undo()
         if not self._whole_suite():
             return
-        for tier, budget in BUDGET_S.items():
+        for tier, budget in self.budget_s.items():
             if self.seconds[tier] > budget:
                 self.problems.append(
                     f"the {tier} tier took {self.seconds[tier]:.0f} s, over its budget of "
@@ -225,13 +217,13 @@ class TierGuard:
         write = terminalreporter.write_line
         terminalreporter.section("time per tier (tests/tiers.py)")
         for tier in TIERS:
-            budget = BUDGET_S.get(tier)
+            budget = self.budget_s.get(tier)
             limit = f"  (budget {budget:.0f} s)" if budget is not None else ""
             write(f"{tier:14s} {self.counts[tier]:5d} tests {self.seconds[tier]:8.1f} s{limit}")
         total = sum(self.seconds.values())
         write(f"{'all':14s} {sum(self.counts.values()):5d} tests {total:8.1f} s")
         if self.near:
-            write(f"deterministic tests nearest the {TEST_LIMIT_S:g} s limit (CPU or waiting):")
+            write(f"deterministic tests nearest the {self.limit_s:g} s limit (CPU or waiting):")
             for seconds, nodeid in sorted(self.near, reverse=True)[:8]:
                 write(f"  {seconds:5.2f} s  {nodeid}")
         for problem in self.problems:
