@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 import time
 import warnings
@@ -1318,6 +1319,10 @@ def _check_optimizer_state(
                     f"its param group {index} has a {_kind(group[key])} {key!r}, ours a "
                     f"{_kind(value)}"
                 )
+            numbers = group[key] if isinstance(group[key], list | tuple) else [group[key]]
+            if not all(math.isfinite(x) for x in numbers if type(x) in (int, float)):
+                # (a NaN or infinite lr, momentum or beta makes every step non-finite)
+                raise _Refused(f"its param group {index} has a non-finite {key!r}")
     if len(set(ids)) != len(ids):
         raise _Refused("its param groups name a parameter twice")
     params = dict(zip(ids, (p for group in ours for p in group["params"]), strict=True))
