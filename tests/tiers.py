@@ -40,7 +40,7 @@ TIERS = ("deterministic", "realtime", "process", "lab")
 #: the tier of a test without a tier marker of its own, by its folder under tests/
 FOLDER_TIERS = {
     "netlab": "lab",
-    "e2e": "process",
+    "e2e": "realtime",  # (its tests that start interpreters are marked `process`)
     "sync": "realtime",
     "optim": "realtime",
     "transports": "realtime",

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "accumulator.py"
 ROUNDS = 12
 FINAL = re.compile(

@@ -34,6 +34,8 @@ import pytest
 
 from tests.e2e._jsonl import JsonLinesPeer
 
+pytestmark = pytest.mark.process
+
 PEER = Path(__file__).with_name("_accumulator_peer.py")
 VALUES = (1.0, 2.0, 3.0, 4.0)
 APIS = ("sync", "sync", "async", "sync")

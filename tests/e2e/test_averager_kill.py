@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.process
+
 PEER = Path(__file__).with_name("_kill_peer.py")
 PEERS = 4
 SIZE = 8 << 20  # float32 elements: a round of ~0.5 s or more on loopback

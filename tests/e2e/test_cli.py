@@ -18,6 +18,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("encryption", [True, False])
 def test_link_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
     args = ["link-demo", "--calls", "50", "--megabytes", "32"]
@@ -35,6 +36,7 @@ def test_link_demo_runs_two_processes_over_tcp(encryption: bool) -> None:
     assert out.stderr == ""
 
 
+@pytest.mark.process
 def test_link_demo_runs_two_processes_over_quic() -> None:
     out = _run("link-demo", "--transport", "quic", "--calls", "50", "--megabytes", "32")
     assert out.returncode == 0, out.stderr
@@ -46,6 +48,7 @@ def test_link_demo_runs_two_processes_over_quic() -> None:
     assert out.stderr == ""
 
 
+@pytest.mark.process
 def test_one_server_on_tcp_and_quic_at_once() -> None:
     """A node listens on both transports; callers dial whichever scheme their address names."""
     with subprocess.Popen(
@@ -70,6 +73,7 @@ def test_one_server_on_tcp_and_quic_at_once() -> None:
                 server.kill()
 
 
+@pytest.mark.process
 def test_serve_and_ping() -> None:
     """What the README tells two machines to do, on one: serve prints an address, ping uses it."""
     with subprocess.Popen(
@@ -118,6 +122,7 @@ def test_bad_arguments_are_named(
     assert name in usage_error(args)
 
 
+@pytest.mark.process
 def test_ping_without_a_server_fails_cleanly() -> None:
     out = _run(
         "ping",

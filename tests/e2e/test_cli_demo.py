@@ -35,6 +35,7 @@ def _demo(*args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_four_peers_reach_the_exact_mean(tmp_path: Path) -> None:
     out = _demo("--size", "100000", "--rounds", "3", cwd=tmp_path)
@@ -64,6 +65,7 @@ def test_four_peers_reach_the_exact_mean(tmp_path: Path) -> None:
     assert plot.read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_without_matplotlib_the_distances_go_to_a_csv_file(tmp_path: Path) -> None:
     """The plot is optional: without matplotlib one line says how to get it, and the demo
@@ -105,6 +107,7 @@ def test_without_matplotlib_the_distances_go_to_a_csv_file(tmp_path: Path) -> No
     assert float(rows[3][1]) < 1e-5
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_a_peer_without_a_group_sits_the_round_out_at_once(tmp_path: Path) -> None:
     """Three peers in groups of two: each round one is left over, and the demo tells it to stop
@@ -207,6 +210,7 @@ def _children(demo: subprocess.Popen[str]) -> list[psutil.Process]:
     return children
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("when", ["while the peers start", "between rounds"])
 def test_ctrl_c_stops_every_peer(tmp_path: Path, when: str) -> None:
@@ -231,6 +235,7 @@ def test_ctrl_c_stops_every_peer(tmp_path: Path, when: str) -> None:
             _kill(demo)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_a_failing_peer_fails_the_demo_with_its_error(tmp_path: Path) -> None:
     with _start(tmp_path) as demo:
@@ -254,6 +259,7 @@ def _pythonpath() -> list[str]:
     return [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_a_peer_error_is_the_demo_error(tmp_path: Path) -> None:
     """A peer that fails to start (here: torch does not import in the peer processes; the demo
@@ -278,6 +284,7 @@ def test_a_peer_error_is_the_demo_error(tmp_path: Path) -> None:
     assert not (tmp_path / "swarmavg-demo.png").exists()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_the_progress_bar_stands_at_zero_until_the_first_round(tmp_path: Path) -> None:
     """On a terminal the bar counts the rounds' reports: the peers' startup shows in its label,

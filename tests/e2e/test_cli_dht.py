@@ -110,6 +110,7 @@ def _dht_process(key: Path, *args: str) -> Iterator[_DHTProcess]:
                 pipe.close()
 
 
+@pytest.mark.process
 def test_peers_bootstrap_from_it_and_its_peer_id_survives_a_restart(tmp_path: Path) -> None:
     key = tmp_path / "k.key"
     with _dht_process(key) as peer:
@@ -146,6 +147,7 @@ def test_peers_bootstrap_from_it_and_its_peer_id_survives_a_restart(tmp_path: Pa
         assert restarted.stop() == 0
 
 
+@pytest.mark.process
 def test_the_status_line_appears_every_log_interval(tmp_path: Path) -> None:
     with _dht_process(tmp_path / "k.key") as peer:
         peer.banner()
@@ -157,6 +159,7 @@ def test_the_status_line_appears_every_log_interval(tmp_path: Path) -> None:
         assert peer.stop() == 0
 
 
+@pytest.mark.process
 def test_a_second_cli_peer_joins_the_first(tmp_path: Path) -> None:
     with _dht_process(tmp_path / "a.key") as first:
         first_id, maddrs = first.banner()
@@ -172,6 +175,7 @@ def test_a_second_cli_peer_joins_the_first(tmp_path: Path) -> None:
         assert first.stop() == 0
 
 
+@pytest.mark.process
 def test_unreachable_initial_peer_fails_cleanly(tmp_path: Path) -> None:
     ghost = Address("tcp", "127.0.0.1", 9, Identity.generate().peer_id).to_multiaddr()
     key = str(tmp_path / "k.key")

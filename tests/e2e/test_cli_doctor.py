@@ -104,6 +104,7 @@ def test_a_dead_address_line_names_the_cause(capsys: pytest.CaptureFixture[str])
     assert "check that the peer runs, the host and port, and that no firewall drops TCP" in line
 
 
+@pytest.mark.process
 def test_a_serve_node_answers_but_tells_no_time(capsys: pytest.CaptureFixture[str]) -> None:
     command = [sys.executable, "-m", "swarmavg", "serve", "--listen", "tcp://127.0.0.1:0"]
     with subprocess.Popen(

@@ -202,6 +202,7 @@ def test_the_interval_must_be_positive(capsys: pytest.CaptureFixture[str]) -> No
     assert "interval must be a positive number of seconds" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_the_live_view_refreshes_until_ctrl_c_and_exits_0(
     swarm: tuple[list[DHT], list[ProgressTracker]],
 ) -> None:
@@ -326,6 +327,7 @@ def test_declarations_show_who_looks_for_a_group_and_when_the_first_round_begins
     assert (empty.looking, empty.withdrawn, empty.next_begin_in_s) == ((), 0, None)
 
 
+@pytest.mark.process
 def test_on_a_terminal_the_live_view_is_a_rich_table_until_ctrl_c(
     swarm: tuple[list[DHT], list[ProgressTracker]],
 ) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _jsonl import JsonLinesPeer
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(150)]
 
 PEER = Path(__file__).resolve().parent / "_diloco_peer.py"
 EPOCHS = 8

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _jsonl import JsonLinesPeer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
 
 PEER = Path(__file__).resolve().parents[2] / "benchmarks" / "_optimizer_peer.py"
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 JOIN = re.compile(r"others join with: (\S+)")
 DONE = re.compile(r"peer (\d): epoch (\d+), validation loss ([0-9.]+)")
