@@ -40,9 +40,9 @@ def _virtual_clock_loop() -> VirtualClockLoop:
 def anyio_backend(request: pytest.FixtureRequest) -> str | tuple[str, dict[str, Any]]:
     """anyio tests run on virtual time (:class:`swarmavg.testing.VirtualClockLoop`): timeouts
     and sleeps cost no wall time, and a test sees the exact second a timeout fires
-    (``anyio.current_time()``). Tests of the realtime tier (real sockets, threads that wait on
-    the wall clock; tests/tiers.py) get asyncio's own loop."""
-    if request.node.get_closest_marker("realtime") is not None:
+    (``anyio.current_time()``). Tests of the other tiers (real sockets, threads that wait on
+    the wall clock, processes, the lab; tests/tiers.py) get asyncio's own loop."""
+    if TierGuard.tier_of(request.node) != "deterministic":
         return "asyncio"
     return ("asyncio", {"loop_factory": _virtual_clock_loop})
 

@@ -1,5 +1,5 @@
 """The suite's ``anyio_backend`` (tests/conftest.py): anyio tests run on virtual time, and
-those marked ``realtime`` on asyncio's own loop."""
+those of the other tiers on asyncio's own loop."""
 
 from __future__ import annotations
 
@@ -44,8 +44,13 @@ async def test_the_clock_stands_still_while_a_worker_thread_runs() -> None:
     assert anyio.current_time() - started == pytest.approx(1, abs=1e-3)
 
 
-@pytest.mark.realtime
-async def test_a_realtime_test_runs_on_the_wall_clock() -> None:
+@pytest.mark.parametrize(
+    "tier",
+    [pytest.param(t, marks=getattr(pytest.mark, t)) for t in ("realtime", "process", "lab")],
+)
+async def test_a_test_of_another_tier_runs_on_the_wall_clock(tier: str) -> None:
+    """(processes and the lab's hosts run on the wall clock: a virtual one would jump past
+    their answers)"""
     assert not isinstance(asyncio.get_running_loop(), VirtualClockLoop)
     # (asyncio's clock is the monotonic clock)
     assert anyio.current_time() == pytest.approx(time.monotonic(), abs=0.5)
