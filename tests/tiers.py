@@ -48,7 +48,7 @@ FOLDER_TIERS = {
 }
 #: seconds (setup, call and teardown, summed over the tier's tests) that a run of the whole
 #: suite may spend in each in-process tier on the CI machine (2 cores) before it fails
-BUDGET_S = {"deterministic": 160.0, "realtime": 260.0}  # (2x what they took, 2026-12-07)
+BUDGET_S = {"deterministic": 160.0, "realtime": 300.0}  # (~2x what they took, 2026-12-07)
 #: seconds of CPU, and seconds of waiting beyond it, one deterministic test may take
 TEST_LIMIT_S = 2.0
 

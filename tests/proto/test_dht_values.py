@@ -84,6 +84,7 @@ def _nested_tuples(count: int) -> bytes:
     return data[1:]  # (the outermost: the extension itself, not an array around it)
 
 
+@pytest.mark.slow
 @given(_values)
 def test_values_round_trip_with_tuples_and_lists_kept_apart(value: Any) -> None:
     assert _same(unpack(pack(value)), value)
