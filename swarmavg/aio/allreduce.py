@@ -87,7 +87,6 @@ from swarmavg.proto.allreduce import (
     FlatLayout,
     NonFiniteValues,
     Part,
-    PartReducer,
     _all_finite,
     plan_parts,
 )
@@ -101,6 +100,36 @@ from swarmavg.proto.averaging_messages import (
     AvgPart,
     AvgRelay,
     AvgWeights,
+)
+from swarmavg.proto.butterfly import (
+    Action,
+    AnswerCame,
+    AnswerDecoded,
+    Apply,
+    Began,
+    ButterflyRound,
+    CallOpened,
+    Decode,
+    Dropped,
+    EndCall,
+    Event,
+    Excluded,
+    Fault,
+    GaveUp,
+    MemberLeft,
+    OutOfOrder,
+    OwnPart,
+    PartCame,
+    PartDecoded,
+    Reason,
+    Reduced,
+    ReducerEnded,
+    ReducerFailed,
+    RoundConfig,
+    SenderBroke,
+    SenderEnded,
+    SenderStage,
+    Tick,
 )
 from swarmavg.proto.codec import Message
 
@@ -290,16 +319,12 @@ class _WireSampler:
 
 @dataclass
 class _Round:
-    """A round in progress on this node, as a reducer of its span."""
+    """A round in progress on this node: its machine (:class:`ButterflyRound`, which decides)
+    and what the driver keeps to carry out its actions."""
 
-    group: Group
-    me: int
-    layout: FlatLayout
-    parts: list[Part]
-    reducers: list[PartReducer] = field(default_factory=list)
+    machine: ButterflyRound
     ready: list[anyio.Event] = field(default_factory=list)
     results: list[npt.NDArray[Any] | None] = field(default_factory=list)
-    weights: dict[int, float] = field(default_factory=dict)
     bytes_received: int = 0
     #: the reduced parts' answers to the senders, counted as each part is reduced
     bytes_sent: int = 0
@@ -307,17 +332,12 @@ class _Round:
     #: the averager measures its throughput from; see ``AllReduceResult.sent_log``)
     received_log: list[tuple[float, int]] = field(default_factory=list)
     sent_log: list[tuple[float, int]] = field(default_factory=list)
-    sender_timeout: float | None = None
-    #: each part's largest contribution norm (``None``: no clipping)
-    max_norms: list[float | None] = field(default_factory=list)
-    #: senders whose contributions were clipped
-    clipped: set[int] = field(default_factory=set)
-    #: senders left out of our parts: sender -> (first part left out, why)
-    dropped: dict[int, tuple[int, str]] = field(default_factory=dict)
-    #: members that left the round (told us with ``avg.leave``): index -> why
-    gone: dict[int, str] = field(default_factory=dict)
-    #: our calls to the other reducers, cancelled if one leaves: reducer -> scope
+    #: our calls to the other reducers, cancelled if we give up on one: reducer -> scope
     exchanges: dict[int, anyio.CancelScope] = field(default_factory=dict)
+    #: the wait of each sender's call for its next message (cancelled to end the call), and
+    #: why calls were ended
+    waits: dict[int, anyio.CancelScope] = field(default_factory=dict)
+    ended: dict[int, Reason] = field(default_factory=dict)
     #: why the round was aborted (this member left it), if it was
     left: str | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
@@ -326,71 +346,133 @@ class _Round:
     feedback: ErrorFeedback | None = None
     #: each part's answer once ready (``None``: the plain mean in ``results``, or keep)
     answers: list[AvgCompressedPart | None] = field(default_factory=list)
-    settling: list[bool] = field(default_factory=list)
     #: where big means are compressed (while the round's tasks run)
     tasks: anyio.abc.TaskGroup | None = None
     applied: _Applied | None = None
-    #: where the accumulators come from (``None``: fresh arrays)
-    pool: AccumulatorPool | None = None
+    #: what this member sends and where answers go (set once the round runs)
+    out: _Outbound | None = None
     #: the pacing cap (bytes/s) of our connection to each member (see ``_pacing_plan``), and
     #: the connections this round capped
     pacing: dict[PeerID, float] = field(default_factory=dict)
     paced: set[Connection] = field(default_factory=set)
-    #: senders whose values for our span held NaN or an infinity
-    nonfinite: set[int] = field(default_factory=set)
     #: each part reduced and answerable (``ready`` is also set for every part when the round
     #: ends here, so that the calls still waiting for answers end too)
     final: list[bool] = field(default_factory=list)
+    #: set when an event moved the machine's deadline (the timer task looks again)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    #: whether the timer task runs (it ends once this is false and ``changed`` set)
+    timing: bool = True
     closed: bool = False
 
     def __post_init__(self) -> None:
-        senders = self.group.senders
-        # one accumulator per buffer for the whole span (its parts are contiguous in it)
-        blocks: dict[int, tuple[int, npt.NDArray[np.floating]]] = {}
-        for part in self.parts:
-            if part.buffer not in blocks:
-                stop = max(p.stop for p in self.parts if p.buffer == part.buffer)
-                dtype = self.layout.buffers[part.buffer][0]
-                accumulate = np.float64 if dtype == "float64" else np.float32
-                size = stop - part.start
-                acc: npt.NDArray[np.floating] = (
-                    np.empty(size, accumulate)
-                    if self.pool is None
-                    else self.pool.take(size, accumulate)
-                )
-                blocks[part.buffer] = (part.start, acc)
-        for part in self.parts:
-            dtype = self.layout.buffers[part.buffer][0]
-            start, block = blocks[part.buffer]
-            out = block[part.start - start : part.stop - start]
-            self.reducers.append(PartReducer(part.size, dtype, senders, out=out))
+        for _ in self.parts:
             self.ready.append(anyio.Event())
             self.results.append(None)
             self.answers.append(None)
-            self.settling.append(False)
             self.final.append(False)
         if not self.codecs:
             self.codecs = [_NO_COMPRESSION] * len(self.parts)
 
-    def _settle(self, index: int) -> None:
-        reducer = self.reducers[index]
-        if reducer.done and not self.settling[index]:
-            self.settling[index] = True
-            mean = reducer.result()
-            part = self.parts[index]
-            dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
-            codec = self.codecs[index]
-            if mean is None or isinstance(codec, NoCompression):
-                self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
-                self.final[index] = True
-                self._count_answers(index)
-                self.ready[index].set()
-                return
-            mean = mean.astype(dtype, copy=False)
-            if self.tasks is not None and mean.nbytes > _THREAD_THRESHOLD:
-                self.tasks.start_soon(self._settle_compressed, index, mean, codec)
-            else:
-                self._answer_with(index, mean, *self._compress_mean(index, mean, codec))
+    @property
+    def group(self) -> Group:
+        return self.machine.group
+
+    @property
+    def me(self) -> int:
+        return self.machine.me
+
+    @property
+    def parts(self) -> list[Part]:
+        return self.machine.parts
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.machine.layout
+
+    def feed(self, event: Event) -> list[Decode]:
+        """Give the machine ``event`` and carry out what it says; the parts or answers to
+        decode are left to the caller (who awaits them).
+
+        :raises RoundProtocolError: the event's sender broke the protocol (its actions were
+            carried out first).
+        """
+        try:
+            self.machine.receive(event, anyio.current_time())
+        finally:
+            decodes = self.act(self.machine.actions())
+            self.changed.set()
+        return decodes
+
+    def act(self, actions: Sequence[Action]) -> list[Decode]:
+        decodes = []
+        for action in actions:
+            match action:
+                case Decode():
+                    decodes.append(action)
+                case Reduced():
+                    self._settle(action.index, action.mean)
+                case Apply():
+                    self._apply_answer(action)
+                case Excluded():
+                    self._excluded(action)
+                case EndCall():
+                    self._end_call(action.sender, action.reason)
+                case GaveUp():
+                    scope = self.exchanges.get(action.reducer)
+                    if scope is not None:
+                        scope.cancel()
+                case Dropped():
+                    if self.out is not None:
+                        self.out.result.dropped.append(
+                            (action.reducer, action.sender, action.first, action.reason)
+                        )
+        return decodes
+
+    def _excluded(self, action: Excluded) -> None:
+        logger.debug(
+            "all-reduce %s: member %d (%s) left out of parts %d.. of our span: %s",
+            self.group.group_id.hex()[:8],
+            action.sender,
+            self.group.members[action.sender].peer_id.short(),
+            action.first,
+            action.reason,
+        )
+        self._end_call(action.sender, action.reason)
+
+    def _end_call(self, sender: int, reason: Reason) -> None:
+        self.ended.setdefault(sender, reason)
+        scope = self.waits.get(sender)
+        if scope is not None:
+            scope.cancel()
+
+    def _apply_answer(self, action: Apply) -> None:
+        out = self.out
+        assert out is not None
+        part = self.machine.plans[action.reducer][action.index]
+        local = out.buffers[part.buffer][part.start : part.stop]
+        if action.mean is not None:
+            if action.nbytes:
+                out.result.bytes_received += action.nbytes
+                out.result.received_log.append((anyio.current_time(), action.nbytes))
+            _apply(local, action.mean, out.alpha)
+        assert self.applied is not None
+        self.applied.applied(action.reducer, keep=action.mean is None)
+
+    def _settle(self, index: int, mean: npt.NDArray[Any] | None) -> None:
+        part = self.parts[index]
+        dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
+        codec = self.codecs[index]
+        if mean is None or isinstance(codec, NoCompression):
+            self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
+            self.final[index] = True
+            self._count_answers(index)
+            self.ready[index].set()
+            return
+        mean = mean.astype(dtype, copy=False)
+        if self.tasks is not None and mean.nbytes > _THREAD_THRESHOLD:
+            self.tasks.start_soon(self._settle_compressed, index, mean, codec)
+        else:
+            self._answer_with(index, mean, *self._compress_mean(index, mean, codec))
 
     def _compress_mean(
         self, index: int, mean: npt.NDArray[Any], codec: CompressionBase
@@ -432,56 +514,18 @@ class _Round:
         compressed = self.answers[index]
         mean = self.results[index]
         size = compressed.nbytes if compressed is not None else 0 if mean is None else mean.nbytes
+        excluded = self.machine.excluded
         recipients = sum(
             1
-            for sender in self.weights
-            if sender != self.me
-            and not (sender in self.dropped and self.dropped[sender][0] <= index)
+            for sender in self.machine.weights
+            if sender != self.me and not (sender in excluded and excluded[sender][0] <= index)
         )
         self.bytes_sent += size * recipients
 
-    def contribute(self, sender: int, index: int, values: npt.NDArray[Any]) -> None:
-        max_norm = self.max_norms[index] if self.max_norms else None
-        if self.reducers[index].add(sender, values, self.weights[sender], max_norm):
-            self.clipped.add(sender)
-        self._settle(index)
-
-    def contribute_nothing(self, sender: int) -> None:
-        for index, reducer in enumerate(self.reducers):
-            reducer.add_nothing(sender)
-            self._settle(index)
-
-    def drop(self, sender: int, first: int, reason: str, *, ours: bool = False) -> None:
-        """Leave ``sender`` out of our parts ``first`` and later (it failed, stalled or sent
-        bad values): they are reduced without it."""
-        if sender in self.dropped or (sender == self.me and not ours):
-            return
-        if all(sender in reducer.received for reducer in self.reducers[first:]):
-            return  # it delivered everything: nobody to leave out (its call ended after)
-        self.dropped[sender] = (first, reason)
-        logger.debug(
-            "all-reduce %s: member %d (%s) left out of parts %d.. of our span: %s",
-            self.group.group_id.hex()[:8],
-            sender,
-            self.group.members[sender].peer_id.short(),
-            first,
-            reason,
-        )
-        for index in range(first, len(self.parts)):
-            if sender not in self.reducers[index].received:
-                self.reducers[index].add_nothing(sender)
-                self._settle(index)
-
-    def leave(self, member: int, reason: str) -> None:
+    def leave(self, member: int, fault: Fault, detail: str) -> None:
         """``member`` left: leave it out of what it had not delivered, stop waiting for its
         span (our values stay local there)."""
-        self.gone[member] = reason
-        undelivered = [j for j, r in enumerate(self.reducers) if member not in r.received]
-        if member in self.group.senders and undelivered:
-            self.drop(member, undelivered[0], reason)
-        scope = self.exchanges.get(member)
-        if scope is not None:
-            scope.cancel()
+        self.feed(MemberLeft(member, fault, detail))
 
     def abort(self, reason: str) -> None:
         if self.left is None:
@@ -493,6 +537,8 @@ class _Round:
         self.closed = True
         for event in self.ready:
             event.set()
+        for scope in self.waits.values():
+            scope.cancel()
 
 
 def _pacing_plan(
@@ -563,21 +609,17 @@ async def _in_thread_if_big(nbytes: int, fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-async def _decode_part(
-    message: AvgCompressedPart, size: int, dtype: np.dtype[Any]
-) -> npt.NDArray[Any]:
-    """The values of a compressed part from the network: its declared shape and dtype must
-    be the part's (checked before anything is decoded), the rest is checked by
-    :meth:`AvgCompressedPart.tensor`. :class:`ValueError` if anything is off."""
-    if message.shape != [size]:
-        raise ValueError(
-            f"part {message.index} is declared as shape {message.shape[:4]}, not [{size}]"
+async def _decode(message: AvgCompressedPart, dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
+    """The values of a compressed part whose declared shape and dtype the round checked
+    (``None``: they do not decode)."""
+    size = message.shape[0] if message.shape else 0
+    try:
+        decoded: npt.NDArray[Any] = await _in_thread_if_big(
+            size * dtype.itemsize, lambda: decompress(message.tensor())
         )
-    if message.dtype != dtype.name:
-        raise ValueError(f"part {message.index} is declared {message.dtype[:16]}, not {dtype}")
-    decoded: npt.NDArray[Any] = await _in_thread_if_big(
-        size * dtype.itemsize, lambda: decompress(message.tensor())
-    )
+    except ValueError as exc:
+        logger.debug("part %d does not decode: %s", message.index, exc)
+        return None
     return decoded
 
 
@@ -648,7 +690,6 @@ class AllReduceService(AllReduceRunner):
         self._finished: OrderedDict[bytes, None] = OrderedDict()
         #: leave notices for rounds not started here: group id -> (who, its index, why)
         self._left: OrderedDict[bytes, tuple[PeerID, int, str]] = OrderedDict()
-        self._reducer_timeouts: dict[bytes, float | None] = {}  # of the rounds running here
         #: finished rounds whose results can still be relayed (see the module docstring)
         self._recent: OrderedDict[bytes, _Applied] = OrderedDict()
         #: the rounds' accumulators, recycled (a fresh one is page-faulted in every round)
@@ -681,8 +722,8 @@ class AllReduceService(AllReduceRunner):
             self._lost.popitem(last=False)
         for round_ in list(self._rounds.values()):
             for index, member in enumerate(round_.group.members):
-                if member.peer_id == peer and index != round_.me and index not in round_.gone:
-                    round_.leave(index, "its connection was lost")
+                if member.peer_id == peer and index != round_.me:
+                    round_.leave(index, Fault.LOST, "its connection was lost")
 
     @classmethod
     def for_node(cls, node: Node) -> AllReduceService:
@@ -764,6 +805,15 @@ class AllReduceService(AllReduceRunner):
         :raises AllReduceFailed: the round took more than ``timeout``, a member left it, or no
             part of the vector was averaged.
         """
+        config = RoundConfig(
+            part_size=part_size,
+            timeout=timeout,
+            sender_timeout=sender_timeout,
+            reducer_timeout=reducer_timeout,
+            averaging_alpha=averaging_alpha,
+            min_vector_size=min_vector_size,
+            clip_norm=clip_norm,
+        )
         me = group.index_of(self.node.peer_id)
         mode = group.members[me].mode
         if group.group_id in self._rounds or group.group_id in self._finished:
@@ -802,18 +852,22 @@ class AllReduceService(AllReduceRunner):
         left = self._left.pop(group.group_id, None)
         started = anyio.current_time()
         self._forget_results(buffers)
-        round_ = _Round(
+        sends_values = mode is not MemberMode.AUX and weight > 0
+        machine = ButterflyRound(
             group,
             me,
+            plans,
             layout,
-            plans[me],
-            codecs=codecs[me],
-            feedback=error_feedback,
+            config,
+            sending=mode is not MemberMode.AUX,
+            now=started,
             pool=self._accumulators,
         )
-        sends_values = mode is not MemberMode.AUX and weight > 0
+        round_ = _Round(machine, codecs=codecs[me], feedback=error_feedback)
         round_.pacing = _pacing_plan(group, me, layout, plans, sends_values, upload_rate)
         result = AllReduceResult([], 0.0, own_nonfinite=own_nonfinite, started=started)
+        machine.report.local_spans = result.local_spans  # (the relay amends them)
+        round_.out = outbound = _Outbound(buffers, weight, averaging_alpha, result, {})
         round_.applied = applied = _Applied(
             group,
             plans,
@@ -822,10 +876,12 @@ class AllReduceService(AllReduceRunner):
             dropped=result.dropped,
             valid=results_valid,
         )
+        if mode is not MemberMode.AUX:
+            machine.own_weight(float(weight))
         if left is not None:
             peer, sender, reason = left
             if 0 <= sender < len(group.members) and group.members[sender].peer_id == peer:
-                round_.leave(sender, f"it left the group: {reason}")
+                round_.leave(sender, Fault.LEFT, f"it left the group: {reason}")
         for index, member in enumerate(group.members):
             lost = self._lost.get(member.peer_id)
             if (
@@ -834,22 +890,12 @@ class AllReduceService(AllReduceRunner):
                 and started - lost < _LOST_RECENTLY
                 and self.node.connection_to(member.peer_id) is None
             ):
-                round_.leave(index, "its connection was lost")
+                round_.leave(index, Fault.LOST, "its connection was lost")
         senders = group.senders
-        if mode is not MemberMode.AUX:
-            round_.weights[me] = float(weight)
         self._rounds[group.group_id] = round_
         waiting = self._waiting.pop(group.group_id, None)
         if waiting is not None:
             waiting.set()
-        weights: dict[int, float] = {}  # each sender's, as the reducers tell them
-        round_.sender_timeout = sender_timeout
-        if clip_norm is not None:
-            if not (clip_norm >= 0 and math.isfinite(clip_norm)):
-                raise ValueError(f"clip_norm must be a finite number >= 0, not {clip_norm!r}")
-            total = max(layout.numel, 1)
-            round_.max_norms = [clip_norm * math.sqrt(p.size / total) for p in round_.parts]
-        self._reducer_timeouts[group.group_id] = reducer_timeout
         deadline = math.inf if timeout is None else anyio.current_time() + timeout
         wire = _WireSampler(
             self.node, [m.peer_id for i, m in enumerate(group.members) if i != me], result
@@ -858,12 +904,19 @@ class AllReduceService(AllReduceRunner):
             for peer in round_.pacing:
                 self._pace(round_, peer)
             with anyio.fail_after(timeout), round_.scope:
-                outbound = _Outbound(buffers, weight, averaging_alpha, result, weights)
-                async with anyio.create_task_group() as sampling:
-                    if wire.tells():
-                        sampling.start_soon(wire.run)
-                    await self._run_tasks(group, round_, plans, codecs, outbound)
-                    sampling.cancel_scope.cancel()
+                # (the timers end by themselves, uncancelled: a cancelled task's frame, which
+                # holds the round and its accumulators, lingers in its exception's traceback)
+                async with anyio.create_task_group() as timers:
+                    timers.start_soon(_run_timers, round_)
+                    try:
+                        async with anyio.create_task_group() as sampling:
+                            if wire.tells():
+                                sampling.start_soon(wire.run)
+                            await self._run_tasks(group, round_, plans, codecs, outbound)
+                            sampling.cancel_scope.cancel()
+                    finally:
+                        round_.timing = False
+                        round_.changed.set()
                 wire.sample()
             applied.close()
             if result.local_spans and round_.left is None:
@@ -882,7 +935,6 @@ class AllReduceService(AllReduceRunner):
         finally:
             self._unpace(round_)
             del self._rounds[group.group_id]
-            del self._reducer_timeouts[group.group_id]
             round_.close()
             applied.close()
             self._finish(group.group_id)
@@ -893,22 +945,23 @@ class AllReduceService(AllReduceRunner):
             self._recent[group.group_id] = applied
             while len(self._recent) > _RELAY_ROUNDS:
                 self._recent.popitem(last=False)
+        report = machine.report
         result.bytes_received += round_.bytes_received
         result.bytes_sent += round_.bytes_sent
         result.received_log += round_.received_log
         result.sent_log += round_.sent_log
         result.seconds = anyio.current_time() - started
         result.reduced = spans[me]
-        result.clipped = sorted(round_.clipped)
-        if round_.clipped:
+        result.clipped = sorted(report.clipped)
+        if report.clipped:
             logger.info(
                 "all-reduce %s: clipped the contributions of members %s to our span",
                 group.group_id.hex()[:8],
                 result.clipped,
             )
-        for sender, (first, reason) in round_.dropped.items():
+        for sender, (first, reason) in machine.excluded.items():
             result.dropped.append((me, sender, first, reason))
-        result.nonfinite = sorted(set(result.nonfinite) | round_.nonfinite)
+        result.nonfinite = sorted(set(result.nonfinite) | report.nonfinite)
         others = [i for i, parts in enumerate(plans) if parts and i != me]
         failed = {reducer for reducer, first, _ in result.local_spans if first == 0}
         if mode is not MemberMode.AUX and not round_.parts and others and set(others) <= failed:
@@ -918,9 +971,11 @@ class AllReduceService(AllReduceRunner):
             )
         # every member agrees on who contributed: each reducer tells every sender all weights
         if round_.parts:
-            weights = dict(round_.weights)
-        elif mode is not MemberMode.AUX:
-            weights.setdefault(me, float(weight))
+            weights = dict(machine.weights)
+        else:
+            weights = dict(machine.told)
+            if mode is not MemberMode.AUX:
+                weights.setdefault(me, float(weight))
         result.contributors = [i for i in senders if weights.get(i, 0.0) > 0]
         result.total_weight = sum(weights.get(i, 0.0) for i in senders)
         return result
@@ -1052,7 +1107,7 @@ class AllReduceService(AllReduceRunner):
                         member != round_.me
                         and info.address is not None
                         and info.mode is not MemberMode.AUX
-                        and member not in round_.gone
+                        and member not in round_.machine.gone
                     ):
                         tg.start_soon(ask, member, info.address, scope)
         got = first
@@ -1208,7 +1263,9 @@ class AllReduceService(AllReduceRunner):
             return
         me = applied.group.index_of(self.node.peer_id)
         if ask.reducer == me and round_ is not None:
-            notices = [(me, s, part, why) for s, (part, why) in round_.dropped.items()]
+            notices: list[tuple[int, int, int, str]] = [
+                (me, s, part, why) for s, (part, why) in round_.machine.excluded.items()
+            ]
         else:
             notices = [d for d in applied.dropped if d[0] == ask.reducer]
         for _, sender, first, why in notices[: len(members)]:
@@ -1237,7 +1294,7 @@ class AllReduceService(AllReduceRunner):
             members = round_.group.members
             if not notice.sender < len(members) or members[notice.sender].peer_id != ctx.peer_id:
                 raise ValueError("the caller is not the member it claims to be")
-            round_.leave(notice.sender, f"it left the group: {reason}")
+            round_.leave(notice.sender, Fault.LEFT, f"it left the group: {reason}")
         elif notice.group_id not in self._finished:
             self._left[notice.group_id] = (ctx.peer_id, notice.sender, reason)
             while len(self._left) > _LEFT_MEMORY:
@@ -1280,39 +1337,19 @@ class AllReduceService(AllReduceRunner):
     ) -> None:
         """Contribute to our own span (unless auxiliary), wait until every part of it is
         reduced, and apply the results."""
-        if sending and weight > 0:
+        if sending:
             for index, part in enumerate(round_.parts):
-                try:
-                    round_.contribute(
-                        round_.me, index, buffers[part.buffer][part.start : part.stop]
-                    )
-                except NonFiniteValues:  # (changed since the check: left out, as anyone)
-                    round_.drop(round_.me, index, "our own values are not finite", ours=True)
-                    break
-        elif sending:
-            round_.contribute_nothing(round_.me)
-        sender_timeout = round_.sender_timeout
-        async with anyio.create_task_group() as tg:
-            if round_.parts and sender_timeout is not None:
-                tg.start_soon(self._drop_absent, round_, sender_timeout)
-            for index, part in enumerate(round_.parts):
-                await round_.ready[index].wait()
-                if sending:
-                    local = buffers[part.buffer][part.start : part.stop]
-                    _apply(local, round_.results[index], alpha)
-                    assert round_.applied is not None
-                    round_.applied.applied(round_.me, keep=round_.results[index] is None)
-            tg.cancel_scope.cancel()
+                values = buffers[part.buffer][part.start : part.stop] if weight > 0 else None
+                round_.feed(OwnPart(index, values))
+        for index, part in enumerate(round_.parts):
+            await round_.ready[index].wait()
+            if sending:
+                local = buffers[part.buffer][part.start : part.stop]
+                _apply(local, round_.results[index], alpha)
+                assert round_.applied is not None
+                round_.applied.applied(round_.me, keep=round_.results[index] is None)
         assert round_.applied is not None
         round_.applied.settled[round_.me].set()
-
-    @staticmethod
-    async def _drop_absent(round_: _Round, sender_timeout: float) -> None:
-        """Leave out the senders that have not begun within ``sender_timeout``."""
-        await anyio.sleep(sender_timeout)
-        for sender in round_.group.senders:
-            if sender not in round_.weights:
-                round_.drop(sender, 0, f"it did not begin within {sender_timeout} s")
 
     async def _send_to(
         self,
@@ -1339,44 +1376,40 @@ class AllReduceService(AllReduceRunner):
         out: _Outbound,
     ) -> None:
         group = round_.group
-        progress = [0]  # parts answered so far
+        machine = round_.machine
         failures: list[BaseException] = []
-        if reducer not in round_.gone:
-            with anyio.CancelScope() as scope:  # (cancelled if the reducer leaves)
+        if machine.link_reason(reducer) is None:
+            with anyio.CancelScope() as scope:  # (cancelled when we give up on it)
                 round_.exchanges[reducer] = scope
                 try:
-                    await self._exchange(round_, reducer, parts, codecs, out, progress)
-                except* (SwarmError, OSError, TimeoutError, ValueError) as caught:
+                    await self._exchange(round_, reducer, parts, codecs, out)
+                except* (SwarmError, OSError, ValueError) as caught:
                     failures.extend(_leaves(caught))
-        if reducer in round_.gone and progress[0] < len(parts):
-            reason = round_.gone[reducer]
-        elif not failures:
-            return
-        else:
+        if failures and machine.link_reason(reducer) is None:
             exc = failures[0]
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if isinstance(exc, NonFiniteValues):
-                out.result.nonfinite.append(reducer)
-            if isinstance(exc, TimeoutError):
-                reason = f"it answered nothing for {self._reducer_timeouts[group.group_id]} s"
-            elif (
+            if (
                 isinstance(exc, ConnectError)
-                and progress[0] == 0
+                and machine.answered(reducer) == 0
                 and self.node.connection_to(group.members[reducer].peer_id) is None
             ):
                 # Not there, and not connected to us: it will not send its values either (a
                 # peer that died after its group formed, before anyone of it called us). Waiting
                 # out sender_timeout for it failed whole steps when that outlasted them.
-                round_.leave(reducer, f"it cannot be reached: {reason}")
-        out.result.local_spans.append((reducer, progress[0], reason))
-        logger.debug(
-            "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local values: %s",
-            group.group_id.hex()[:8],
-            reducer,
-            group.members[reducer].peer_id.short(),
-            progress[0],
-            reason,
-        )
+                round_.leave(reducer, Fault.LOST, f"it cannot be reached: {reason}")
+            else:
+                round_.feed(ReducerFailed(reducer, Fault.BROKE_OFF, reason))
+        why = machine.link_reason(reducer)
+        if why is not None:
+            logger.debug(
+                "all-reduce %s: member %d (%s) failed; its span from part %d on keeps local"
+                " values: %s",
+                group.group_id.hex()[:8],
+                reducer,
+                group.members[reducer].peer_id.short(),
+                machine.answered(reducer),
+                why,
+            )
 
     async def _exchange(
         self,
@@ -1385,29 +1418,18 @@ class AllReduceService(AllReduceRunner):
         parts: list[Part],
         codecs: list[CompressionBase],
         out: _Outbound,
-        progress: list[int],
     ) -> None:
         result = out.result
         group = round_.group
         member = group.members[reducer]
         assert member.address is not None  # client-mode members have no span
         me = group.index_of(self.node.peer_id)
-        reducer_timeout = self._reducer_timeouts[group.group_id]
-
-        async def receive() -> Message:
-            with anyio.fail_after(reducer_timeout):
-                answer = await call.receive()
-            while isinstance(answer, AvgDropped):  # (reported before the parts it concerns)
-                if 0 <= answer.sender < len(group.members):
-                    result.dropped.append((reducer, answer.sender, answer.part, answer.reason))
-                with anyio.fail_after(reducer_timeout):
-                    answer = await call.receive()
-            return answer
-
+        machine = round_.machine
         async with self.node.rpc.open(
             member.address, METHOD, kind="bidi", response_type=Message
         ) as call:
             self._pace(round_, member.peer_id)  # (its connection may be new)
+            round_.feed(CallOpened(reducer))
 
             async def send() -> None:
                 await call.send(AvgBegin(group.group_id, me, float(out.weight)))
@@ -1433,39 +1455,19 @@ class AllReduceService(AllReduceRunner):
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(send)
-                told = await receive()
-                if not isinstance(told, AvgWeights) or len(told.weights) != len(group.members):
-                    raise ValueError(f"member {reducer} did not say the weights first")
-                if not all(w >= 0 and math.isfinite(w) for w in told.weights):
-                    raise ValueError(f"member {reducer} said weights that are not finite >= 0")
-                for index, told_weight in enumerate(told.weights):
-                    if told_weight > 0 or index not in out.weights:
-                        out.weights[index] = told_weight
-                for part in parts:
-                    answer = await receive()
-                    if (
-                        not isinstance(answer, AvgPart | AvgKeep | AvgCompressedPart)
-                        or answer.index != part.index
-                    ):
-                        raise ValueError(f"member {reducer} answered out of order")
-                    local = out.buffers[part.buffer][part.start : part.stop]
-                    if isinstance(answer, AvgCompressedPart):
-                        came = anyio.current_time()
-                        try:
-                            mean = await _decode_part(answer, part.size, local.dtype)
-                        except ValueError as exc:
-                            raise ValueError(f"member {reducer} answered garbage: {exc}") from None
-                        result.bytes_received += answer.nbytes
-                        result.received_log.append((came, answer.nbytes))
-                        _apply(local, mean, out.alpha)
-                    elif isinstance(answer, AvgPart):
-                        _check_mean(answer.values, local, f"member {reducer} answered")
-                        result.bytes_received += answer.values.nbytes
-                        result.received_log.append((anyio.current_time(), answer.values.nbytes))
-                        _apply(local, answer.values, out.alpha)
-                    progress[0] += 1
-                    assert round_.applied is not None
-                    round_.applied.applied(reducer, keep=isinstance(answer, AvgKeep))
+                while machine.answered(reducer) < len(parts):
+                    try:
+                        answer = await call.receive()
+                    except StopAsyncIteration:
+                        round_.feed(ReducerEnded(reducer))  # (raises EndedEarly)
+                        raise
+                    came = anyio.current_time()
+                    for decode in round_.feed(AnswerCame(reducer, answer)):
+                        local = out.buffers[parts[decode.index].buffer]
+                        mean = await _decode(decode.message, local.dtype)  # (None: garbage)
+                        result.bytes_received += decode.message.nbytes
+                        result.received_log.append((came, decode.message.nbytes))
+                        round_.feed(AnswerDecoded(reducer, decode.index, mean))
 
     # -- serving a round -------------------------------------------------------------------------
 
@@ -1498,79 +1500,52 @@ class AllReduceService(AllReduceRunner):
         """One sender's call: take its parts of our span, answer each part's mean."""
         begin = await anext(requests, None)
         if not isinstance(begin, AvgBegin):
-            raise ValueError("an all-reduce call starts with AvgBegin")
+            raise OutOfOrder("an all-reduce call starts with AvgBegin")
         round_ = await self._round_for(begin.group_id)
-        members = round_.group.members
+        machine = round_.machine
         sender = begin.sender
-        if not (0 <= sender < len(members)) or sender == round_.me:
-            raise ValueError(f"no sender {sender} in this group")
-        if members[sender].peer_id != ctx.peer_id:
-            raise ValueError("the caller is not the member it claims to be")
-        if members[sender].mode is MemberMode.AUX:
-            raise ValueError("an auxiliary member sends nothing")
+        round_.feed(Began(sender, ctx.peer_id, begin.weight))  # (raises what it refuses)
         self._pace(round_, ctx.peer_id)  # (a connection the sender opened mid-round)
-        if sender in round_.weights:
-            raise ValueError(f"member {sender} already called")
-        if not (begin.weight >= 0 and math.isfinite(begin.weight)):
-            raise ValueError(f"bad weight {begin.weight!r}")
-        if sender in round_.dropped:
-            raise ValueError(f"member {sender} was left out of this round: too late")
-        round_.weights[sender] = begin.weight
         count = len(round_.parts)
         answered = 0
         told: set[int] = set()  # dropped senders this caller was told about
-        if begin.weight == 0:
-            round_.contribute_nothing(sender)
-        else:
-            received = 0
-            sender_timeout = round_.sender_timeout
-            try:
-                while True:
-                    with anyio.fail_after(sender_timeout):
-                        message = await anext(requests, None)
-                    if message is None:
-                        break
-                    if (
-                        not isinstance(message, AvgPart | AvgCompressedPart)
-                        or message.index != received
-                    ):
-                        raise ValueError(f"expected part {received} of {count}")
-                    if received >= count:
-                        raise ValueError("more parts than the span has")
-                    part = round_.parts[received]
+        try:
+            while machine.sender_stage(sender) in (SenderStage.SENDING, SenderStage.DELIVERED):
+                if sender in round_.ended or round_.closed:
+                    break
+                with anyio.CancelScope() as wait:
+                    round_.waits[sender] = wait
+                    message = await anext(requests, None)
+                round_.waits.pop(sender, None)
+                if wait.cancelled_caught:
+                    break
+                if message is None:
+                    round_.feed(SenderEnded(sender))  # (raises EndedEarly before the last part)
+                    break
+                came = anyio.current_time()
+                nbytes = message.nbytes if isinstance(message, AvgCompressedPart) else 0
+                if isinstance(message, AvgPart):
+                    nbytes = message.values.nbytes
+                for decode in round_.feed(PartCame(sender, message)):
+                    part = round_.parts[decode.index]
                     dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
-                    if isinstance(message, AvgCompressedPart):
-                        nbytes = message.nbytes
-                        round_.received_log.append((anyio.current_time(), nbytes))
-                        values = await _decode_part(message, part.size, dtype)
-                        round_.bytes_received += nbytes
-                    else:
-                        values = message.values
-                        if values.dtype != dtype:
-                            raise ValueError(f"part {received} is {values.dtype}, not {dtype}")
-                        round_.bytes_received += values.nbytes
-                        round_.received_log.append((anyio.current_time(), values.nbytes))
-                    round_.contribute(sender, received, values)
-                    received += 1
-                    while answered < count and round_.ready[answered].is_set():
-                        _check_open(round_, answered)
-                        for reply in _replies(round_, answered, told, sender):
-                            yield reply
-                            _log_sent(round_, reply)
-                        answered += 1
-                if received != count:
-                    raise ValueError(f"{received} parts of {count} came")
-            except TimeoutError:
-                round_.drop(sender, received, f"it sent nothing for {sender_timeout} s")
-                raise ValueError(f"nothing came for {sender_timeout} s") from None
-            except ValueError as exc:
-                if isinstance(exc, NonFiniteValues):
-                    round_.nonfinite.add(sender)
-                round_.drop(sender, received, str(exc))
-                raise
-            except BaseException:  # the caller went away (the handler is cancelled), ...
-                round_.drop(sender, received, "its call broke off")
-                raise
+                    values = await _decode(decode.message, dtype)
+                    round_.feed(PartDecoded(sender, decode.index, values))
+                round_.bytes_received += nbytes
+                round_.received_log.append((came, nbytes))
+                while answered < count and round_.ready[answered].is_set():
+                    _check_open(round_, answered)
+                    for reply in _replies(round_, answered, told, sender):
+                        yield reply
+                        _log_sent(round_, reply)
+                    answered += 1
+        except BaseException:  # (the caller went away: the handler is cancelled, ...)
+            with contextlib.suppress(Exception):
+                round_.feed(SenderBroke(sender))
+            raise
+        excluded = machine.excluded.get(sender)
+        if excluded is not None:  # (ends the call: it gets no answers)
+            raise AllReduceFailed(f"member {sender} was left out of the round: {excluded[1]}")
         while answered < count:
             await round_.ready[answered].wait()
             _check_open(round_, answered)
@@ -1578,6 +1553,21 @@ class AllReduceService(AllReduceRunner):
                 yield reply
                 _log_sent(round_, reply)
             answered += 1
+
+
+async def _run_timers(round_: _Round) -> None:
+    """Send the round's machine :class:`Tick` whenever its deadline comes (looking again
+    after every event, which may move it)."""
+    while round_.timing:
+        round_.changed = anyio.Event()
+        deadline = round_.machine.deadline()
+        if deadline is None:
+            await round_.changed.wait()
+            continue
+        with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)):
+            await round_.changed.wait()
+        if round_.timing and anyio.current_time() >= deadline:
+            round_.feed(Tick())
 
 
 def _log_sent(round_: _Round, reply: Message) -> None:
@@ -1617,7 +1607,7 @@ def _drops(round_: _Round, index: int, told: set[int], caller: int) -> list[AvgD
     """Notices of the senders left out of part ``index`` (or earlier) that ``caller`` was not
     told about yet."""
     notices = []
-    for sender, (first, reason) in round_.dropped.items():
+    for sender, (first, reason) in round_.machine.excluded.items():
         if first <= index and sender not in told and sender != caller:
             told.add(sender)
             notices.append(AvgDropped(sender, first, reason[:200]))
@@ -1627,7 +1617,8 @@ def _drops(round_: _Round, index: int, told: set[int], caller: int) -> list[AvgD
 def _weights(round_: _Round) -> AvgWeights:
     """Every sender's weight (all have begun once a part is reduced)."""
     members = round_.group.members
-    return AvgWeights([round_.weights.get(i, 0.0) for i in range(len(members))])
+    weights = round_.machine.weights
+    return AvgWeights([weights.get(i, 0.0) for i in range(len(members))])
 
 
 def _answer(round_: _Round, index: int) -> Message:

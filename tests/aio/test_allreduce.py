@@ -34,6 +34,7 @@ from swarmavg.proto.averaging_messages import (
     AvgRelay,
     AvgWeights,
 )
+from swarmavg.proto.butterfly import Fault
 from swarmavg.proto.codec import Message
 from swarmavg.testing import MemoryNetwork
 
@@ -966,3 +967,58 @@ async def test_later_rounds_reduce_into_recycled_accumulators() -> None:
     # every node reduces a span (all dtypes: one accumulator per dtype buffer it covers)
     assert all(pool.made > 0 for pool in pools)
     assert all(pool.reused >= 2 * pool.made for pool in pools), [(p.made, p.reused) for p in pools]
+
+
+async def test_a_silent_sender_and_a_silent_reducer_are_given_up_on_at_the_exact_second() -> None:
+    """On virtual time. Member 1 begins its call to member 0's span, sends part 0 and goes
+    silent; its node runs no round, so member 0's call to member 1's span waits unanswered.
+    Member 0 leaves member 1 out of its parts 1.. exactly ``sender_timeout`` after part 0 came
+    (the call ends then, with the reason), and keeps its values on member 1's span exactly
+    ``reducer_timeout`` after its call opened; the round ends then, with both in its result."""
+    layout = FlatLayout((TensorSpec((40,), "float32"),))
+    async with _nodes(2) as nodes:
+        group = _group(nodes)
+        for node in nodes:
+            AllReduceService.for_node(node)
+        values = [np.arange(40, dtype=np.float32) + 100 * i for i in range(2)]
+        plans = plan_parts(layout, group.span_sizes(layout.numel), 4)
+        outcome: list[AllReduceResult] = []
+        begun = anyio.current_time()
+
+        async def reducer() -> None:
+            service = AllReduceService.for_node(nodes[0])
+            outcome.append(
+                await service.run(
+                    group,
+                    [values[0]],
+                    layout,
+                    part_size=4,
+                    timeout=60,
+                    sender_timeout=3,
+                    reducer_timeout=5,
+                )
+            )
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reducer)
+                async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
+                    await call.send(AvgBegin(group.group_id, 1, 1.0))
+                    first = plans[0][0]
+                    await call.send(AvgPart(0, values[1][first.start : first.stop].copy()))
+                    with pytest.raises(RemoteError, match="sent nothing for 3 s"):
+                        async for _ in call:
+                            pass
+                    assert anyio.current_time() - begun == pytest.approx(
+                        3.0, abs=1e-3
+                    )  # (+ the memory links' delays)
+    [result] = outcome
+    assert result.seconds == pytest.approx(5.0, abs=1e-3)
+    assert result.dropped == [(0, 1, 1, "it sent nothing for 3 s")]
+    assert result.dropped[0][3].fault is Fault.SILENT  # type: ignore[attr-defined]
+    assert result.local_spans == [(1, 0, "it answered nothing for 5 s")]
+    # member 0's span: part 0 holds the mean of both, parts 1.. its own values
+    span = group.span_sizes(layout.numel)[0]
+    want = np.arange(40, dtype=np.float32)
+    want[: first.stop] += 50
+    np.testing.assert_array_equal(values[0][:span], want[:span])
