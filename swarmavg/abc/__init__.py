@@ -24,6 +24,7 @@ from swarmavg.abc._transport import (
     TaskGroupTransport,
     Transport,
 )
+from swarmavg.proto.butterfly import RoundConfig
 
 __all__ = [
     "AbandonCallbacks",
@@ -40,6 +41,7 @@ __all__ = [
     "Matchmaker",
     "MemberMode",
     "QueueListener",
+    "RoundConfig",
     "Signal",
     "Stream",
     "StreamAttribute",

@@ -21,6 +21,7 @@ from swarmavg.compression import (
     TensorInfo,
 )
 from swarmavg.proto.allreduce import FlatLayout, load_balance
+from swarmavg.proto.butterfly import RoundConfig
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -158,6 +159,7 @@ class Matchmaker(ABC):
 
 
 _NO_COMPRESSION = NoCompression()
+_DEFAULT_CONFIG = RoundConfig()
 
 
 class AllReduceRunner(ABC):
@@ -185,24 +187,20 @@ class AllReduceRunner(ABC):
         buffers: Sequence[npt.NDArray[Any]],
         layout: FlatLayout,
         *,
+        config: RoundConfig = _DEFAULT_CONFIG,
         weight: float = 1.0,
-        part_size: int = 1 << 16,
-        averaging_alpha: float = 1.0,
-        min_vector_size: int = 0,
-        timeout: float | None = None,
-        sender_timeout: float | None = None,
-        reducer_timeout: float | None = None,
         compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: ErrorFeedback | None = None,
-        clip_norm: float | None = None,
     ) -> AllReduceResult:
         """Average this member's ``buffers`` (one per ``layout`` buffer, updated in place) with
-        the rest of ``group``. With ``clip_norm``, every contribution this member reduces is
-        scaled down to an L2 norm of ``clip_norm`` over the whole vector (enforced part by part,
-        in proportion to the part's length; passed only when set). A sender silent for
-        ``sender_timeout`` or a reducer silent for ``reducer_timeout`` is done without (the
-        result says what stayed local).
+        the rest of ``group``, with this member's ``weight``, as ``config`` (a
+        :class:`~swarmavg.proto.butterfly.RoundConfig`) says: elements per part, the round's
+        ``timeout``, ``averaging_alpha``, ``min_vector_size``, and ``clip_norm`` (every
+        contribution this member reduces is scaled down to an L2 norm of ``clip_norm`` over the
+        whole vector, enforced part by part in proportion to the part's length). A sender silent
+        for ``config.sender_timeout`` or a reducer silent for ``config.reducer_timeout`` is done
+        without (the result says what stayed local).
 
         ``compression`` (a codec, or a chooser given one ``tensor_infos`` entry per tensor of
         ``layout``) compresses what travels; ``error_feedback`` (kept by the caller from round

@@ -55,6 +55,7 @@ from swarmavg.proto.accumulator import (
 )
 from swarmavg.proto.accumulator_state import join_state, split_state
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec
+from swarmavg.proto.butterfly import RoundConfig
 from swarmavg.proto.codec import Message
 from swarmavg.proto.dht_validation import owner_marker
 from swarmavg.proto.state_messages import StateDownloadFailed
@@ -1113,11 +1114,13 @@ class Accumulator:
                 group,
                 copies,
                 self.layout,
+                config=RoundConfig(
+                    part_size=_part_size(self.layout.numel, len(members)),
+                    timeout=self.core.round_timeout,
+                    sender_timeout=stall,
+                    reducer_timeout=stall,
+                ),
                 weight=action.weight,
-                part_size=_part_size(self.layout.numel, len(members)),
-                timeout=self.core.round_timeout,
-                sender_timeout=stall,
-                reducer_timeout=stall,
             )
             expected = (
                 action.stats.num_gradients

@@ -194,6 +194,7 @@ _LOST_MEMORY: Final = 1024
 #: Parts bigger than this (bytes) are compressed and decompressed in a worker thread.
 _THREAD_THRESHOLD: Final = 1 << 20
 _NO_COMPRESSION: Final = NoCompression()
+_DEFAULT_CONFIG: Final = RoundConfig()
 
 
 @dataclass(frozen=True)
@@ -762,22 +763,17 @@ class AllReduceService(AllReduceRunner):
         buffers: Sequence[npt.NDArray[Any]],
         layout: FlatLayout,
         *,
+        config: RoundConfig = _DEFAULT_CONFIG,
         weight: float = 1.0,
-        part_size: int = 1 << 16,
-        averaging_alpha: float = 1.0,
-        min_vector_size: int = 0,
-        timeout: float | None = None,
-        sender_timeout: float | None = None,
-        reducer_timeout: float | None = None,
         compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
         tensor_infos: Sequence[TensorInfo] | None = None,
         error_feedback: ErrorFeedback | None = None,
-        clip_norm: float | None = None,
         results_valid: Callable[[], bool] | None = None,
         upload_rate: float | None = None,
     ) -> AllReduceResult:
         """Average ``buffers`` (this member's flat buffers, one per ``layout`` buffer, updated in
-        place) with the rest of ``group``.
+        place) with the rest of ``group``, as ``config`` says (part size, timeouts, alpha,
+        clipping: :class:`~swarmavg.proto.butterfly.RoundConfig`).
 
         ``upload_rate`` (bytes/s; the averager passes its measured bandwidth): the connections
         this round sends on are paced to share it in proportion to what each carries (see
@@ -787,8 +783,8 @@ class AllReduceService(AllReduceRunner):
         returns; groupmates are relayed results from them only while it says ``True`` (see
         the module docstring).
 
-        With ``clip_norm``, each contribution to a part of our span (ours included) is scaled
-        down to an L2 norm of ``clip_norm · sqrt(part size / vector size)`` if longer: a
+        With ``config.clip_norm``, each contribution to a part of our span (ours included) is
+        scaled down to an L2 norm of ``clip_norm · sqrt(part size / vector size)`` if longer: a
         contribution's norm over the whole vector is then at most ``clip_norm`` (its parts are
         clipped independently, so a long one loses more where it is longest).
 
@@ -801,19 +797,12 @@ class AllReduceService(AllReduceRunner):
         that fails or stalls for ``reducer_timeout`` leaves the rest of its span at our local
         values. Either makes the result :attr:`~AllReduceResult.incomplete` (saying what).
 
-        :param part_size: elements per part.
-        :raises AllReduceFailed: the round took more than ``timeout``, a member left it, or no
-            part of the vector was averaged.
+        :raises AllReduceFailed: the round took more than ``config.timeout``, a member left it,
+            or no part of the vector was averaged.
         """
-        config = RoundConfig(
-            part_size=part_size,
-            timeout=timeout,
-            sender_timeout=sender_timeout,
-            reducer_timeout=reducer_timeout,
-            averaging_alpha=averaging_alpha,
-            min_vector_size=min_vector_size,
-            clip_norm=clip_norm,
-        )
+        if not isinstance(config, RoundConfig):
+            raise TypeError(f"config must be a RoundConfig, not {config!r:.64}")
+        timeout, averaging_alpha = config.timeout, config.averaging_alpha
         me = group.index_of(self.node.peer_id)
         mode = group.members[me].mode
         if group.group_id in self._rounds or group.group_id in self._finished:
@@ -827,8 +816,8 @@ class AllReduceService(AllReduceRunner):
         if not isinstance(compression, CompressionBase | AdaptiveCompression):
             raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
         _tensor_infos(layout, tensor_infos)
-        spans = group.span_sizes(layout.numel, min_vector_size)
-        plans = plan_parts(layout, spans, part_size)
+        spans = group.span_sizes(layout.numel, config.min_vector_size)
+        plans = plan_parts(layout, spans, config.part_size)
         codecs = [part_codecs(layout, parts, compression, tensor_infos) for parts in plans]
         if error_feedback is not None:
             error_feedback.retain(
@@ -920,7 +909,7 @@ class AllReduceService(AllReduceRunner):
                 wire.sample()
             applied.close()
             if result.local_spans and round_.left is None:
-                budget = min(reducer_timeout or _RELAY_TIMEOUT, _RELAY_TIMEOUT)
+                budget = min(config.reducer_timeout or _RELAY_TIMEOUT, _RELAY_TIMEOUT)
                 round_.scope = anyio.CancelScope()  # (a member that leaves cancels this too)
                 with (
                     round_.scope,

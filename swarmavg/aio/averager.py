@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
@@ -76,6 +77,7 @@ from swarmavg.proto.allreduce import (
     schema_text,
 )
 from swarmavg.proto.bandwidth import BandwidthEstimator
+from swarmavg.proto.butterfly import RoundConfig
 from swarmavg.proto.group_search import Admission
 from swarmavg.proto.matchmaking import next_group_bits, validate_bits
 
@@ -495,18 +497,22 @@ class DecentralizedAverager:
         self.min_group_size = min_group_size
         self.averaging_expiration = averaging_expiration
         self.request_timeout = request_timeout
-        self.averaging_alpha = averaging_alpha
         self.part_size_bytes = part_size_bytes
-        self.allreduce_timeout = allreduce_timeout
-        self.clip_norm = clip_norm
         quarter = None if allreduce_timeout is None else allreduce_timeout / 4
-        self.sender_timeout = quarter if sender_timeout is None else sender_timeout
-        self.reducer_timeout = (
-            (None if quarter is None else 2 * quarter)
-            if reducer_timeout is None
-            else reducer_timeout
+        #: what every round of this averager runs with (its part size and timeout are set per
+        #: round: see ``_part_size`` and the step's deadline)
+        self.round_config = RoundConfig(
+            timeout=allreduce_timeout,
+            sender_timeout=quarter if sender_timeout is None else sender_timeout,
+            reducer_timeout=(
+                (None if quarter is None else 2 * quarter)
+                if reducer_timeout is None
+                else reducer_timeout
+            ),
+            averaging_alpha=averaging_alpha,
+            min_vector_size=min_vector_size,
+            clip_norm=clip_norm,
         )
-        self.min_vector_size = min_vector_size
         #: measures our throughput when no ``bandwidth`` was given (see measured_bandwidth)
         self._throughput = BandwidthEstimator() if bandwidth is None else None
         self._measured_bandwidth: float | None = None
@@ -1294,7 +1300,7 @@ class DecentralizedAverager:
                 # (the wait for the caller's trigger does not count against the step's timeout)
                 control._deadline += anyio.current_time() - waiting
             begun = anyio.current_time()
-            timeout = self.allreduce_timeout
+            timeout = self.round_config.timeout
             if control.bounds_all:
                 left = max(control._deadline - anyio.current_time(), 1e-3)
                 timeout = left if timeout is None else min(timeout, left)
@@ -1307,8 +1313,6 @@ class DecentralizedAverager:
                     "tensor_infos": self.tensor_infos,
                     "error_feedback": self.error_feedback,
                 }
-            if self.clip_norm is not None:
-                compressing["clip_norm"] = self.clip_norm
             if in_place is not None:
                 compressing["results_valid"] = in_place.results_valid
             upload_rate = self._upload_rate()
@@ -1319,13 +1323,10 @@ class DecentralizedAverager:
                 group,
                 buffers,
                 self.layout,
+                config=dataclasses.replace(
+                    self.round_config, part_size=self._part_size(group), timeout=timeout
+                ),
                 weight=weight,
-                part_size=self._part_size(group),
-                averaging_alpha=self.averaging_alpha,
-                min_vector_size=self.min_vector_size,
-                timeout=timeout,
-                sender_timeout=self.sender_timeout,
-                reducer_timeout=self.reducer_timeout,
                 **compressing,
             )
             if in_place is not None and self.mode is not MemberMode.AUX and outcome.contributors:

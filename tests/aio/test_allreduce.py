@@ -13,7 +13,9 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 import pytest
+from round_options import run_options
 
+from swarmavg.abc import RoundConfig
 from swarmavg.aio.allreduce import (
     AllReduceFailed,
     AllReduceResult,
@@ -102,7 +104,9 @@ async def _run_all(
 
     async def one(i: int) -> None:
         service = AllReduceService.for_node(nodes[i])
-        results[i] = await service.run(group, buffers[i], LAYOUT, weight=weights[i], **options)
+        results[i] = await service.run(
+            group, buffers[i], LAYOUT, weight=weights[i], **run_options(options)
+        )
 
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
@@ -233,7 +237,12 @@ async def test_a_member_that_never_comes_fails_the_round_within_the_timeout() ->
         services = [AllReduceService.for_node(node) for node in nodes]  # serving, not joining
         service = services[0]
         with anyio.fail_after(10), pytest.raises(AllReduceFailed, match=r"within 0\.5 s"):
-            await service.run(group, buffers[0], LAYOUT, timeout=0.5)
+            await service.run(
+                group,
+                buffers[0],
+                LAYOUT,
+                config=RoundConfig(timeout=0.5),
+            )
 
 
 async def _intrude(
@@ -250,7 +259,12 @@ async def _intrude(
 
         async def honest() -> None:
             with pytest.raises(AllReduceFailed):
-                await AllReduceService.for_node(nodes[0]).run(group, buffers[0], LAYOUT, timeout=1)
+                await AllReduceService.for_node(nodes[0]).run(
+                    group,
+                    buffers[0],
+                    LAYOUT,
+                    config=RoundConfig(timeout=1),
+                )
 
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
@@ -311,7 +325,10 @@ async def test_a_call_that_breaks_off_after_every_part_came_blames_nobody() -> N
         async def reducer() -> None:
             outcome.append(
                 await service.run(
-                    group, [values[0]], layout, part_size=1 << 16, timeout=10, reducer_timeout=1
+                    group,
+                    [values[0]],
+                    layout,
+                    config=RoundConfig(part_size=1 << 16, timeout=10, reducer_timeout=1),
                 )
             )
 
@@ -348,7 +365,12 @@ async def test_the_others_finish_at_once_without_a_member_that_leaves() -> None:
 
         async def run(i: int) -> None:
             service = AllReduceService.for_node(nodes[i])
-            outcomes[i] = await service.run(group, buffers[i], LAYOUT, timeout=20)
+            outcomes[i] = await service.run(
+                group,
+                buffers[i],
+                LAYOUT,
+                config=RoundConfig(timeout=20),
+            )
 
         started = anyio.current_time()
         async with anyio.create_task_group() as tg:
@@ -381,7 +403,12 @@ async def test_a_leave_notice_before_the_round_starts_is_taken_into_account() ->
         buffers = _buffers(np.random.default_rng(0))
         before = [b.copy() for b in buffers]
         with anyio.fail_after(5):
-            result = await services[0].run(group, buffers, LAYOUT, timeout=20)
+            result = await services[0].run(
+                group,
+                buffers,
+                LAYOUT,
+                config=RoundConfig(timeout=20),
+            )
         assert [(r, why) for r, _, why in result.local_spans] == [(1, "it left the group: gone")]
         for got, was in zip(buffers, before, strict=True):  # alone: nothing changes
             np.testing.assert_array_equal(got, was)
@@ -420,7 +447,7 @@ async def _run_some(
     async def one(i: int) -> None:
         try:
             outcomes[i] = await AllReduceService.for_node(nodes[i]).run(
-                group, buffers[i], LAYOUT, **options
+                group, buffers[i], LAYOUT, **run_options(options)
             )
         except AllReduceFailed as exc:
             outcomes[i] = exc
@@ -445,14 +472,24 @@ async def test_a_poisoned_sender_is_left_out_and_the_honest_mean_is_exact(bad: s
         services = [AllReduceService.for_node(node) for node in nodes]
 
         async def honest(i: int) -> None:
-            outcomes[i] = await services[i].run(group, buffers[i], LAYOUT, timeout=20)
+            outcomes[i] = await services[i].run(
+                group,
+                buffers[i],
+                LAYOUT,
+                config=RoundConfig(timeout=20),
+            )
 
         async def poisoned_through_the_runner() -> None:
             for buffer in buffers[3]:
                 buffer[::7] = np.nan if bad == "nan" else np.inf
             # our runner sees its own values are not finite: it sends nothing (weight 0) and
             # takes the honest mean
-            outcomes[3] = await services[3].run(group, buffers[3], LAYOUT, timeout=20)
+            outcomes[3] = await services[3].run(
+                group,
+                buffers[3],
+                LAYOUT,
+                config=RoundConfig(timeout=20),
+            )
 
         async def poisoned_by_hand(reducer: int) -> None:
             # what a modified peer could send: the wrong dtype or size, or NaN, in its first part
@@ -601,18 +638,20 @@ async def test_random_faults_never_hang_and_never_pass_a_wrong_average_for_right
 
         async def run(i: int) -> None:
             try:
-                outcomes[i] = await services[i].run(group, buffers[i], LAYOUT, **options)
+                outcomes[i] = await services[i].run(
+                    group, buffers[i], LAYOUT, **run_options(options)
+                )
             except AllReduceFailed as exc:
                 outcomes[i] = exc
 
         async def leave(i: int, after: float) -> None:
             with anyio.move_on_after(after):
-                await services[i].run(group, buffers[i], LAYOUT, **options)
+                await services[i].run(group, buffers[i], LAYOUT, **run_options(options))
             await services[i].leave(group, "chaos")
 
         async def kill(i: int, after: float) -> None:
             with anyio.move_on_after(after):
-                await services[i].run(group, buffers[i], LAYOUT, **options)
+                await services[i].run(group, buffers[i], LAYOUT, **run_options(options))
             await nodes[i].aclose()
 
         started = anyio.current_time()
@@ -696,7 +735,7 @@ async def _reducer_cut_short(
     async def one(i: int) -> None:
         try:
             outcomes[i] = await AllReduceService.for_node(nodes[i]).run(
-                group, buffers[i], LAYOUT, **options
+                group, buffers[i], LAYOUT, **run_options(options)
             )
         except AllReduceFailed as exc:
             outcomes[i] = exc
@@ -992,10 +1031,9 @@ async def test_a_silent_sender_and_a_silent_reducer_are_given_up_on_at_the_exact
                     group,
                     [values[0]],
                     layout,
-                    part_size=4,
-                    timeout=60,
-                    sender_timeout=3,
-                    reducer_timeout=5,
+                    config=RoundConfig(
+                        part_size=4, timeout=60, sender_timeout=3, reducer_timeout=5
+                    ),
                 )
             )
 

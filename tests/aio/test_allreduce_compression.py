@@ -11,7 +11,9 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 import pytest
+from round_options import run_options
 
+from swarmavg.abc import RoundConfig
 from swarmavg.aio.allreduce import (
     AllReduceResult,
     AllReduceService,
@@ -88,7 +90,7 @@ async def _run_all(
 
     async def one(i: int) -> None:
         service = AllReduceService.for_node(nodes[i])
-        results[i] = await service.run(group, buffers[i], layout, **options)
+        results[i] = await service.run(group, buffers[i], layout, **run_options(options))
 
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
@@ -225,7 +227,7 @@ async def test_a_forged_compressed_part_leaves_its_sender_out(bad: str) -> None:
 
         async def honest(i: int) -> None:
             outcomes[i] = await services[i].run(
-                group, buffers[i], LAYOUT, timeout=20, compression=codec
+                group, buffers[i], LAYOUT, config=RoundConfig(timeout=20), compression=codec
             )
 
         async def forged(reducer: int) -> None:
@@ -327,7 +329,7 @@ async def _run_one(
         group,
         buffers,
         layout,
-        part_size=500,
+        config=RoundConfig(part_size=500),
         compression=Uniform8BitQuantization(),
         error_feedback=feedback,
     )

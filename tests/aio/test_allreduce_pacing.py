@@ -13,6 +13,7 @@ import anyio
 import numpy as np
 import pytest
 
+from swarmavg.abc import RoundConfig
 from swarmavg.aio import allreduce as allreduce_module
 from swarmavg.aio.allreduce import AllReduceService, Group, GroupMember, MemberMode
 from swarmavg.aio.node import Node
@@ -136,7 +137,13 @@ def test_a_round_caps_its_connections_and_takes_the_caps_off() -> None:
 
             async def one(i: int) -> None:
                 service = AllReduceService.for_node(nodes[i])
-                await service.run(group, buffers[i], layout, part_size=1 << 18, upload_rate=40e6)
+                await service.run(
+                    group,
+                    buffers[i],
+                    layout,
+                    config=RoundConfig(part_size=1 << 18),
+                    upload_rate=40e6,
+                )
 
             try:
                 with anyio.fail_after(60):

@@ -46,7 +46,7 @@ class _Recording(AllReduceRunner):
     ) -> AllReduceResult:
         self.groups.append(group)
         self.upload_rates.append(options.get("upload_rate"))
-        self.part_sizes.append(options["part_size"])
+        self.part_sizes.append(options["config"].part_size)
         return await self.inner.run(group, buffers, layout, **options)
 
     def expect(self, group: Group) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from swarmavg import Address, get_dht_time
+from swarmavg.abc import RoundConfig
 from swarmavg.aio.allreduce import AllReduceService, MemberMode
 from swarmavg.aio.dht import DHTNode
 from swarmavg.aio.matchmaking import DHTMatchmaker, GroupInfo, MatchmakingFailed
@@ -164,7 +165,13 @@ async def test_a_round_end_to_end_matchmaking_then_all_reduce() -> None:
         async def member(i: int) -> Any:
             info = await matchmakers[i].look_for_group("", gather=b"", begin_at=begin_at)
             service = services[i]
-            return await service.run(info.group, buffers[i], layout, weight=weights[i], timeout=10)
+            return await service.run(
+                info.group,
+                buffers[i],
+                layout,
+                weight=weights[i],
+                config=RoundConfig(timeout=10),
+            )
 
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
