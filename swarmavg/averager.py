@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 import anyio.to_thread
 
-from swarmavg.aio.averager import AveragingStage, StepControl, StepResult
+from swarmavg._step import AveragingStage, StepResult
 from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
+from swarmavg.aio.averager import StepControl
 from swarmavg.metrics import AveragerMetrics
 from swarmavg.sync import TaskHandle, call, run_sync
 from swarmavg.sync._loop import _start_handle
