@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from swarmavg._step import AveragingStage, StepResult
 from swarmavg._time import get_dht_time
 from swarmavg.accumulator import Accumulator, Group
 from swarmavg.address import Address
-from swarmavg.aio.averager import AveragingStage, StepResult
 from swarmavg.aio.node import Node
 from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.dht import DHT

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 import anyio.to_thread
 
-from swarmavg.aio.averager import AveragingStage, StepControl, StepResult
+from swarmavg._step import AveragingStage, StepResult
+from swarmavg.aio.averager import _NO_COMPRESSION, StepControl
 from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
+from swarmavg.aio.state import DEFAULT_MAX_DONORS, DEFAULT_MAX_STATE_SIZE
 from swarmavg.metrics import AveragerMetrics
 from swarmavg.sync import TaskHandle, call, run_sync
 from swarmavg.sync._loop import _start_handle
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     import torch
 
     from swarmavg._prometheus import MetricsServer
+    from swarmavg.abc import AllReduceRunner, Matchmaker
+    from swarmavg.compression import AdaptiveCompression, CompressionBase, TensorInfo
     from swarmavg.dht import DHT
 
 __all__ = ["AveragingStage", "DecentralizedAverager", "StepHandle"]
@@ -43,15 +47,18 @@ logger = logging.getLogger(__name__)
 class DecentralizedAverager:
     """Averages ``averaged_tensors`` with other peers (hivemind's ``DecentralizedAverager``).
 
-    Takes the arguments of :class:`swarmavg.aio.DecentralizedAverager` (``prefix``,
-    ``target_group_size``, ``min_group_size``, ``initial_group_bits``, ``averaging_expiration``
-    or ``min_matchmaking_time``, ``request_timeout``, ``averaging_alpha``, ``part_size_bytes``,
-    ``allreduce_timeout``, ``sender_timeout``, ``reducer_timeout``, ``clip_norm``,
-    ``bandwidth``, ``min_vector_size``, ``auxiliary``, ``client_mode``, ``compression``,
-    ``tensor_infos``, ``error_feedback``, ``matchmaker``, ``allreduce``,
-    ``allow_state_sharing``, ``state_sharing_priority``, ``declare_state_period``,
-    ``next_chunk_timeout``, ``max_state_size``, ``state_compression``, ``state_max_donors``)
-    and:
+    The keyword arguments from ``prefix`` to ``min_matchmaking_time`` are those of
+    :class:`swarmavg.aio.DecentralizedAverager`, with the same names, defaults and meaning (its
+    docstring says what each one does), and go to it unchanged: the group (``prefix``,
+    ``target_group_size``, ``min_group_size``, ``initial_group_bits``,
+    ``averaging_expiration`` or hivemind 1.1's ``min_matchmaking_time``, ``auxiliary``,
+    ``client_mode``, ``matchmaker``), the all-reduce (``request_timeout``, ``averaging_alpha``,
+    ``part_size_bytes``, ``allreduce_timeout``, ``sender_timeout``, ``reducer_timeout``,
+    ``clip_norm``, ``bandwidth``, ``min_vector_size``, ``allreduce``), compression
+    (``compression``, ``tensor_infos``, ``error_feedback``) and state sharing
+    (``allow_state_sharing``, ``state_sharing_priority``, ``declare_state_period``,
+    ``next_chunk_timeout``, ``max_state_size``, ``state_compression``, ``state_max_donors``).
+    The others are the facade's own:
 
     :param averaged_tensors: any iterable of floating-point tensors (a list, or
         ``model.parameters()``).
@@ -80,12 +87,40 @@ class DecentralizedAverager:
         averaged_tensors: Iterable[torch.Tensor],
         dht: DHT,
         *,
+        prefix: str,
+        target_group_size: int,
+        min_group_size: int | None = None,
+        initial_group_bits: str = "",
+        averaging_expiration: float = 15.0,
+        request_timeout: float = 3.0,
+        averaging_alpha: float = 1.0,
+        part_size_bytes: int | None = None,
+        allreduce_timeout: float | None = 60.0,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        clip_norm: float | None = None,
+        bandwidth: float | None = None,
+        min_vector_size: int = 0,
+        auxiliary: bool = False,
+        client_mode: bool | None = None,
+        matchmaker: Matchmaker | None = None,
+        allreduce: AllReduceRunner | None = None,
+        allow_state_sharing: bool | None = None,
+        state_sharing_priority: float = 0.0,
+        declare_state_period: float = 30.0,
+        next_chunk_timeout: float | None = None,
+        max_state_size: int = DEFAULT_MAX_STATE_SIZE,
+        state_compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
+        state_max_donors: int = DEFAULT_MAX_DONORS,
+        compression: CompressionBase | AdaptiveCompression = _NO_COMPRESSION,
+        tensor_infos: Sequence[TensorInfo] | None = None,
+        error_feedback: bool = False,
+        min_matchmaking_time: float | None = None,
         start: bool = True,
         daemon: bool = True,
         shutdown_timeout: float = 5.0,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
-        **options: Any,
     ) -> None:
         from swarmavg._prometheus import check_metrics_options
         from swarmavg.dht import DHT
@@ -109,7 +144,41 @@ class DecentralizedAverager:
         self._metrics_server: MetricsServer | None = None
 
         async def create() -> AsyncAverager:
-            return _FacadeAverager(self, averaged_tensors, dht._dht, **options)
+            averager = _FacadeAverager(
+                averaged_tensors,
+                dht._dht,
+                prefix=prefix,
+                target_group_size=target_group_size,
+                min_group_size=min_group_size,
+                initial_group_bits=initial_group_bits,
+                averaging_expiration=averaging_expiration,
+                request_timeout=request_timeout,
+                averaging_alpha=averaging_alpha,
+                part_size_bytes=part_size_bytes,
+                allreduce_timeout=allreduce_timeout,
+                sender_timeout=sender_timeout,
+                reducer_timeout=reducer_timeout,
+                clip_norm=clip_norm,
+                bandwidth=bandwidth,
+                min_vector_size=min_vector_size,
+                auxiliary=auxiliary,
+                client_mode=client_mode,
+                matchmaker=matchmaker,
+                allreduce=allreduce,
+                allow_state_sharing=allow_state_sharing,
+                state_sharing_priority=state_sharing_priority,
+                declare_state_period=declare_state_period,
+                next_chunk_timeout=next_chunk_timeout,
+                max_state_size=max_state_size,
+                state_compression=state_compression,
+                state_max_donors=state_max_donors,
+                compression=compression,
+                tensor_infos=tensor_infos,
+                error_feedback=error_feedback,
+                min_matchmaking_time=min_matchmaking_time,
+            )
+            averager._facade = self
+            return averager
 
         self._averager = run_sync(create)
         self._started = False
@@ -397,9 +466,8 @@ class _FacadeAverager(AsyncAverager):
     """The facade's async averager: serves the facade's :meth:`get_current_state` (run in a
     worker thread) when a subclass of the facade overrides it."""
 
-    def __init__(self, facade: DecentralizedAverager, *args: Any, **options: Any) -> None:
-        self._facade = facade
-        super().__init__(*args, **options)
+    #: the facade that made it (set right after it is made, before it starts)
+    _facade: DecentralizedAverager
 
     async def get_current_state(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import swarmavg
@@ -103,6 +104,56 @@ def test_the_plugin_boundary() -> None:
     for name, other in (("tcp", "swarmavg_quic"), ("quic", "swarmavg_tcp")):
         for path in (ROOT / "transports" / name).rglob("*.py"):
             assert other not in _imports(path), path
+
+
+def _imported_modules(path: Path, package: str) -> Iterator[tuple[int, str]]:
+    """``(line, module)`` for every module that ``path`` (a module of ``package``) imports,
+    anywhere in it (functions and ``if TYPE_CHECKING:`` blocks too): relative imports are
+    resolved, ``from a import b`` gives ``a.b`` as well as ``a``, and ``importlib.import_module``
+    or ``__import__`` with a literal name counts."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            yield node.lineno, base
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}"
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            first = node.args[0]
+            if name in ("import_module", "__import__") and isinstance(first, ast.Constant):
+                yield node.lineno, str(first.value)
+
+
+def test_the_optimizers_use_only_the_sync_facades() -> None:
+    """``swarmavg.optim`` reaches the async layer only through the sync facades
+    (:mod:`swarmavg.averager`, :mod:`swarmavg.dht`, :mod:`swarmavg.progress`) and takes the
+    values it needs from modules outside ``aio/`` (:mod:`swarmavg._step`, ``proto/``)."""
+    paths = sorted((ROOT / "swarmavg" / "optim").rglob("*.py"))
+    assert len(paths) > 5
+    found = []
+    for path in paths:
+        for line, module in _imported_modules(path, "swarmavg.optim"):
+            if module == "swarmavg.aio" or module.startswith("swarmavg.aio."):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert not found, "\n".join(found)
+
+
+def test_the_step_values_need_no_event_loop_or_torch() -> None:
+    """:mod:`swarmavg._step` (``StepResult``, ``AveragingStage``) sits below ``aio/`` and the
+    facades: it imports neither anyio, numpy, torch nor any of swarmavg's I/O layers."""
+    path = ROOT / "swarmavg" / "_step.py"
+    modules = {module for _, module in _imported_modules(path, "swarmavg")}
+    heavy = {m for m in modules if m.partition(".")[0] in ("anyio", "numpy", "torch", "msgpack")}
+    assert not heavy
+    assert not {m for m in modules if m.startswith(("swarmavg.aio", "swarmavg.sync"))}
 
 
 def test_the_oldest_session_installs_the_declared_lower_bounds() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 
@@ -60,3 +61,23 @@ def test_missing_transport_says_what_to_install(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(TypeError, match="transport name"):
         swarmavg.resolve_transport(3)  # type: ignore[arg-type]
     assert issubclass(TransportNotFound, SwarmError)
+
+
+def test_the_sync_averager_takes_the_async_averagers_keywords() -> None:
+    """``swarmavg.DecentralizedAverager`` spells out the keyword arguments of
+    ``swarmavg.aio.DecentralizedAverager`` (``help()`` shows them): the same names, defaults
+    and annotations, plus its own, so the two cannot drift apart."""
+    from swarmavg.aio import DecentralizedAverager as AsyncAverager
+
+    def keywords(cls: type) -> dict[str, tuple[object, object]]:
+        parameters = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
+        assert not [p for p in parameters if p.kind is p.VAR_KEYWORD], cls
+        return {
+            p.name: (p.default, str(p.annotation)) for p in parameters if p.kind is p.KEYWORD_ONLY
+        }
+
+    sync_only = {"start", "daemon", "shutdown_timeout", "metrics_port", "metrics_host"}
+    sync = keywords(swarmavg.DecentralizedAverager)
+    async_ = keywords(AsyncAverager)
+    assert sync_only <= set(sync)
+    assert {name: value for name, value in sync.items() if name not in sync_only} == async_

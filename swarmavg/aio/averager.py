@@ -24,14 +24,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import math
 import secrets
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 import anyio
@@ -42,6 +40,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from swarmavg._step import AveragingStage, StepResult, _check_weight  # (re-exported here)
 from swarmavg._time import get_dht_time
 from swarmavg.abc._averaging import (
     AllReduceResult,
@@ -121,49 +120,6 @@ _PART_TAIL = 0.4
 _MIN_RATE = 1e5
 
 _TORCH_DTYPES = {"float16", "bfloat16", "float32", "float64"}
-
-
-@dataclass
-class StepResult(Mapping["PeerID", Any]):
-    """The outcome of one averaging step: a mapping PeerID -> the metadata each member gathered
-    (as hivemind's ``step`` returns), plus what the round did."""
-
-    gathered: dict[PeerID, Any]
-    group_id: bytes
-    #: the members whose tensors went into the mean (with a positive weight)
-    contributors: list[PeerID] = field(default_factory=list)
-    total_weight: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    matchmaking_seconds: float = 0.0
-    allreduce_seconds: float = 0.0
-    #: members whose span kept our local values (from some part on), and why: they failed,
-    #: stalled or left
-    local_spans: list[tuple[PeerID, str]] = field(default_factory=list)
-    #: senders left out of (part of) a member's span, and why: ``(reducer, sender, why)``
-    dropped: list[tuple[PeerID, PeerID, str]] = field(default_factory=list)
-    #: members whose answers stopped partway (they died or stalled) and the groupmate that
-    #: relayed us the rest of their span: ``(reducer, relayed by)``
-    relayed: list[tuple[PeerID, PeerID]] = field(default_factory=list)
-
-    @property
-    def incomplete(self) -> bool:
-        """Whether some of the tensors were not averaged over every member (see
-        :attr:`local_spans` and :attr:`dropped`)."""
-        return bool(self.local_spans or self.dropped)
-
-    def __getitem__(self, peer: PeerID) -> Any:
-        return self.gathered[peer]
-
-    def __iter__(self) -> Iterator[PeerID]:
-        return iter(self.gathered)
-
-    def __len__(self) -> int:
-        return len(self.gathered)
-
-    @property
-    def group_size(self) -> int:
-        return len(self.gathered)
 
 
 def _averaged_tensors(tensors: object) -> list[torch.Tensor]:
@@ -1410,24 +1366,6 @@ def _faults_in_words(
     for reducer, why in local_spans:
         clauses.append(f"peer {reducer.short()}'s share kept our own values ({why})")
     return "; ".join(clauses) or "peers that sent non-finite values were left out"
-
-
-def _check_weight(weight: object) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, int | float):
-        raise TypeError(f"weight must be a number, not {weight!r}")
-    if not (weight >= 0 and math.isfinite(weight)):
-        raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
-    return float(weight)
-
-
-class AveragingStage(enum.Enum):
-    """Where a step is (:attr:`StepControl.stage`)."""
-
-    IDLE = "idle"
-    LOOKING_FOR_GROUP = "looking_for_group"
-    AWAITING_TRIGGER = "awaiting_trigger"
-    RUNNING_ALLREDUCE = "running_allreduce"
-    FINISHED = "finished"
 
 
 class StepControl:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from swarmavg.aio.averager import AveragingStage, StepResult
+from swarmavg._step import AveragingStage, StepResult
 from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.compression import CompressionBase, NoCompression, TensorInfo
 from swarmavg.metrics import DiLoCoMetrics

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, cast, overload
 
 import torch
 
-from swarmavg.aio.averager import AveragingStage, StepResult, _check_weight
+from swarmavg._step import AveragingStage, StepResult, _check_weight
 from swarmavg.averager import DecentralizedAverager, StepHandle
 
 if TYPE_CHECKING:
@@ -459,7 +459,7 @@ class GradientAverager(DecentralizedAverager):
         :param timeout: without ``control``: the new step's timeout (it returns or raises
             within it); with one: seconds to wait for its result (``wait=True``).
         :param wait: ``False`` returns the :class:`~swarmavg.averager.StepHandle` at once.
-        :returns: the step's :class:`~swarmavg.aio.averager.StepResult` (``wait=True``), or
+        :returns: the step's :class:`~swarmavg.StepResult` (``wait=True``), or
             its handle.
         :raises RuntimeError: ``kwargs`` given with a ``control`` (they would have no effect),
             or the averager is not running.

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from swarmavg.aio.averager import AveragingStage
+from swarmavg._step import AveragingStage
 from swarmavg.compression import AdaptiveCompression, CompressionBase, NoCompression
 from swarmavg.errors import LoadStateFailed, MatchmakingFailed
 from swarmavg.metrics import OptimizerCounter, OptimizerMetrics

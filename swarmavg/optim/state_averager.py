@@ -51,7 +51,7 @@ from swarmavg.averager import DecentralizedAverager, StepHandle
 from swarmavg.compression import TensorInfo
 
 if TYPE_CHECKING:
-    from swarmavg.aio.averager import StepResult
+    from swarmavg._step import StepResult
     from swarmavg.dht import DHT
 
 __all__ = ["TrainingStateAverager"]

@@ -62,7 +62,7 @@ from swarmavg.optim.state_averager import (
 )
 
 if TYPE_CHECKING:
-    from swarmavg.aio.averager import StepResult
+    from swarmavg._step import StepResult
     from swarmavg.dht import DHT
 
 __all__ = ["RoundOutcome", "TrainingAverager", "TrainingStepHandle"]
