@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -1008,12 +1009,26 @@ async def test_later_rounds_reduce_into_recycled_accumulators() -> None:
     assert all(pool.reused >= 2 * pool.made for pool in pools), [(p.made, p.reused) for p in pools]
 
 
-async def test_a_silent_sender_and_a_silent_reducer_are_given_up_on_at_the_exact_second() -> None:
-    """On virtual time. Member 1 begins its call to member 0's span, sends part 0 and goes
-    silent; its node runs no round, so member 0's call to member 1's span waits unanswered.
-    Member 0 leaves member 1 out of its parts 1.. exactly ``sender_timeout`` after part 0 came
-    (the call ends then, with the reason), and keeps its values on member 1's span exactly
-    ``reducer_timeout`` after its call opened; the round ends then, with both in its result."""
+@pytest.mark.parametrize(
+    ("behaviour", "fault", "at", "why"),
+    [
+        ("silent", Fault.SILENT, 4.0, "it sent nothing for 3 s"),
+        ("ends early", Fault.ENDED_EARLY, 2.0, "1 parts of 5 came"),
+        ("garbage", Fault.BAD_DATA, 2.0, "part 1 has shape (4,) and dtype int64, not (4,) float32"),
+        # (a dead peer's stream ends before its connection is known lost)
+        ("dies", Fault.ENDED_EARLY, 2.0, "1 parts of 5 came"),
+    ],
+)
+async def test_a_faulty_sender_and_a_silent_reducer_are_given_up_on_at_the_exact_second(
+    behaviour: str, fault: Fault, at: float, why: str
+) -> None:
+    """On virtual time. Member 1 begins its call to member 0's span and sends part 0 at 1 s;
+    then it goes silent, or at 2 s ends its stream, sends garbage or dies (its node closes).
+    Its node runs no round, so member 0's call to member 1's span waits unanswered. Member 0
+    leaves member 1 out of its parts 1.. at ``at`` (``sender_timeout`` = 3 s after part 0, or
+    at once) and ends its call with the reason then, and keeps its values on member 1's span
+    exactly ``reducer_timeout`` = 5 s after its call opened (or at once when it died); the
+    round ends then."""
     layout = FlatLayout((TensorSpec((40,), "float32"),))
     async with _nodes(2) as nodes:
         group = _group(nodes)
@@ -1026,37 +1041,49 @@ async def test_a_silent_sender_and_a_silent_reducer_are_given_up_on_at_the_exact
 
         async def reducer() -> None:
             service = AllReduceService.for_node(nodes[0])
-            outcome.append(
-                await service.run(
-                    group,
-                    [values[0]],
-                    layout,
-                    config=RoundConfig(
-                        part_size=4, timeout=60, sender_timeout=3, reducer_timeout=5
-                    ),
-                )
-            )
+            config = RoundConfig(part_size=4, timeout=60, sender_timeout=3, reducer_timeout=5)
+            outcome.append(await service.run(group, [values[0]], layout, config=config))
+
+        async def faulty() -> None:
+            async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
+                await call.send(AvgBegin(group.group_id, 1, 1.0))
+                await anyio.sleep(1)
+                first = plans[0][0]
+                await call.send(AvgPart(0, values[1][first.start : first.stop].copy()))
+                if behaviour != "silent":
+                    await anyio.sleep(1)
+                if behaviour == "ends early":
+                    await call.done_sending()
+                elif behaviour == "garbage":
+                    await call.send(AvgPart(1, np.zeros(4, np.int64)))
+                elif behaviour == "dies":
+                    await nodes[1].aclose()
+                    return
+                with pytest.raises(RemoteError, match=re.escape(why)):
+                    async for _ in call:
+                        pass
+                # (plus the memory links' delays)
+                assert anyio.current_time() - begun == pytest.approx(at, abs=1e-3)
 
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(reducer)
-                async with nodes[1].rpc.open(nodes[0].addresses[0], "avg.allreduce") as call:
-                    await call.send(AvgBegin(group.group_id, 1, 1.0))
-                    first = plans[0][0]
-                    await call.send(AvgPart(0, values[1][first.start : first.stop].copy()))
-                    with pytest.raises(RemoteError, match="sent nothing for 3 s"):
-                        async for _ in call:
-                            pass
-                    assert anyio.current_time() - begun == pytest.approx(
-                        3.0, abs=1e-3
-                    )  # (+ the memory links' delays)
+                await faulty()
     [result] = outcome
-    assert result.seconds == pytest.approx(5.0, abs=1e-3)
-    assert result.dropped == [(0, 1, 1, "it sent nothing for 3 s")]
-    assert result.dropped[0][3].fault is Fault.SILENT  # type: ignore[attr-defined]
-    assert result.local_spans == [(1, 0, "it answered nothing for 5 s")]
+    assert result.seconds == pytest.approx(at if behaviour == "dies" else 5.0, abs=1e-3)
+    [(reducer_, sender, part, reason)] = result.dropped
+    assert (reducer_, sender, part) == (0, 1, 1)
+    assert why in reason
+    assert reason.fault is fault  # type: ignore[attr-defined]
+    if behaviour == "dies":  # (our call to it broke when its node closed)
+        [(reducer_, part, reason)] = result.local_spans
+        assert (reducer_, part) == (1, 0)
+        assert "interrupted" in reason
+        assert reason.fault is Fault.BROKE_OFF  # type: ignore[attr-defined]
+    else:
+        assert result.local_spans == [(1, 0, "it answered nothing for 5 s")]
     # member 0's span: part 0 holds the mean of both, parts 1.. its own values
     span = group.span_sizes(layout.numel)[0]
     want = np.arange(40, dtype=np.float32)
-    want[: first.stop] += 50
+    want[:4] += 50
     np.testing.assert_array_equal(values[0][:span], want[:span])
