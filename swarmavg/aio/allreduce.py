@@ -85,7 +85,6 @@ from swarmavg.errors import AllReduceFailed, ConnectError, SwarmError
 from swarmavg.proto.allreduce import (
     AccumulatorPool,
     FlatLayout,
-    NonFiniteValues,
     Part,
     _all_finite,
     plan_parts,
@@ -116,7 +115,9 @@ from swarmavg.proto.butterfly import (
     Excluded,
     Fault,
     GaveUp,
+    Malformed,
     MemberLeft,
+    NonFiniteData,
     OutOfOrder,
     OwnPart,
     PartCame,
@@ -125,11 +126,16 @@ from swarmavg.proto.butterfly import (
     Reduced,
     ReducerEnded,
     ReducerFailed,
+    RelayReader,
     RoundConfig,
     SenderBroke,
     SenderEnded,
     SenderStage,
     Tick,
+    TooLate,
+    UnknownRound,
+    check_leave,
+    check_relay_request,
 )
 from swarmavg.proto.codec import Message
 
@@ -1113,7 +1119,7 @@ class AllReduceService(AllReduceRunner):
                 source = member
             except (SwarmError, OSError, TimeoutError, ValueError) as exc:
                 logger.debug("relay: member %d failed: %s", member, exc)
-                if isinstance(exc, NonFiniteValues):
+                if isinstance(exc, NonFiniteData):
                     result.nonfinite.append(member)
                 got = applied.got.get(reducer, 0)
             if got >= counts[member]:
@@ -1148,37 +1154,26 @@ class AllReduceService(AllReduceRunner):
         applied = round_.applied
         assert applied is not None
         parts = applied.plans[reducer]
-        members = len(round_.group.members)
-        got = first
+        dtypes = [dtype for dtype, _ in round_.layout.buffers]
+        reader = RelayReader(member, reducer, first, parts, dtypes, len(round_.group.members))
         request = AvgRelay(round_.group.group_id, reducer, first, True)
         async with self.node.rpc.server_stream(
             address, RELAY_METHOD, request, response_type=Message
         ) as answers:
-            have = await anext(answers, None)
-            if not isinstance(have, AvgHave):
-                raise ValueError(f"member {member} did not say what it has")
-            stop = min(have.count, len(parts))
-            notices = 0
+            reader.have(await anext(answers, None))
             async for answer in answers:
-                if isinstance(answer, AvgDropped):
-                    notices += 1
-                    entry = (reducer, answer.sender, answer.part, answer.reason[:200])
-                    if notices > members or not 0 <= answer.sender < members:
-                        raise ValueError(f"member {member} relayed bad notices")
-                    if all(d[:2] != entry[:2] for d in result.dropped):
-                        result.dropped.append(entry)
-                    continue
-                if got >= stop or not isinstance(answer, AvgPart | AvgKeep) or answer.index != got:
-                    raise ValueError(f"member {member} relayed out of order")
-                part = parts[got]
-                local = buffers[part.buffer][part.start : part.stop]
-                if isinstance(answer, AvgPart):
-                    _check_mean(answer.values, local, f"member {member} relayed")
-                    result.bytes_received += answer.values.nbytes
-                    _apply(local, answer.values, alpha)
-                applied.applied(reducer, keep=isinstance(answer, AvgKeep))
-                got += 1
-        return got
+                match reader.receive(answer):
+                    case Dropped() as notice:
+                        entry = (reducer, notice.sender, notice.first, notice.reason)
+                        if all(d[:2] != entry[:2] for d in result.dropped):
+                            result.dropped.append(entry)
+                    case Apply() as relayed:
+                        part = parts[relayed.index]
+                        local = buffers[part.buffer][part.start : part.stop]
+                        result.bytes_received += relayed.nbytes
+                        _apply(local, relayed.mean, alpha)
+                        applied.applied(reducer, keep=relayed.mean is None)
+        return reader.next
 
     def expect(self, group: Group) -> None:
         """Hold the other members' calls for ``group``'s round (up to ``_EXPECT_WAIT``) until
@@ -1232,17 +1227,14 @@ class AllReduceService(AllReduceRunner):
     async def _serve_relay(self, ask: AvgRelay, ctx: CallContext) -> AsyncIterator[Message]:
         """A groupmate asks what we applied of a reducer's span (and for those parts)."""
         if not 0 < len(ask.group_id) <= 64 or ask.reducer < 0 or ask.first < 0:
-            raise ValueError("a malformed relay request")
+            raise Malformed("a malformed relay request")
         round_ = self._rounds.get(ask.group_id)
         applied = round_.applied if round_ is not None else self._recent.get(ask.group_id)
         if applied is None or not applied.holds_results(round_ is not None):
             yield AvgHave(0)
             return
         members = applied.group.members
-        if not any(m.peer_id == ctx.peer_id for m in members):
-            raise ValueError("the caller is not a member of that round")
-        if ask.reducer >= len(applied.plans):
-            raise ValueError(f"no member {ask.reducer} in that round")
+        check_relay_request(ask, applied.group, ctx.peer_id)
         settled = applied.settled[ask.reducer]
         with anyio.move_on_after(_RELAY_TIMEOUT):
             await settled.wait()  # (what a round in progress will have applied)
@@ -1269,20 +1261,16 @@ class AllReduceService(AllReduceRunner):
             # (the buffers were reused, or given back and changed, meanwhile)
             in_progress = round_ is not None and self._rounds.get(ask.group_id) is round_
             if not applied.holds_results(in_progress):
-                raise ValueError("those results are gone")
+                raise AllReduceFailed("those results are gone")
             yield AvgPart(index, values)
 
     async def _serve_leave(self, notice: AvgLeave, ctx: CallContext) -> Message:
         """A member tells us it left a round: the round goes on without it here (now, or when
         it starts)."""
-        if not 0 < len(notice.group_id) <= 64 or notice.sender < 0:
-            raise ValueError("a malformed leave notice")
-        reason = notice.reason[:200]
         round_ = self._rounds.get(notice.group_id)
+        check_leave(notice, None if round_ is None else round_.group, ctx.peer_id)
+        reason = notice.reason[:200]
         if round_ is not None:
-            members = round_.group.members
-            if not notice.sender < len(members) or members[notice.sender].peer_id != ctx.peer_id:
-                raise ValueError("the caller is not the member it claims to be")
             round_.leave(notice.sender, Fault.LEFT, f"it left the group: {reason}")
         elif notice.group_id not in self._finished:
             self._left[notice.group_id] = (ctx.peer_id, notice.sender, reason)
@@ -1465,11 +1453,11 @@ class AllReduceService(AllReduceRunner):
         if round_ is not None:
             return round_
         if group_id in self._finished:
-            raise ValueError("that round is over here")
+            raise TooLate("that round is over here")
         event = self._waiting.get(group_id)
         if event is None:
             if len(self._waiting) >= _MAX_PENDING_ROUNDS and group_id not in self._expected:
-                raise ValueError("too many rounds not started here")
+                raise UnknownRound("too many rounds not started here")
             event = self._waiting[group_id] = anyio.Event()
         with anyio.move_on_after(self.join_wait):
             await event.wait()
@@ -1480,7 +1468,7 @@ class AllReduceService(AllReduceRunner):
         if round_ is None:
             if self._waiting.get(group_id) is event:
                 del self._waiting[group_id]
-            raise ValueError("no such round here")
+            raise UnknownRound("no such round here")
         return round_
 
     async def _serve(
@@ -1616,15 +1604,6 @@ def _answer(round_: _Round, index: int) -> Message:
         return compressed
     mean = round_.results[index]
     return AvgKeep(index) if mean is None else AvgPart(index, mean)
-
-
-def _check_mean(values: npt.NDArray[Any], local: npt.NDArray[Any], who: str) -> None:
-    """A mean from a groupmate (answered or relayed) fits ``local`` and is finite (one NaN
-    would spread through every member's tensors); ``ValueError`` naming ``who`` if not."""
-    if values.shape != local.shape or values.dtype != local.dtype:
-        raise ValueError(f"{who} a wrong shape or dtype")
-    if not _all_finite(values):
-        raise NonFiniteValues(f"{who} non-finite values")
 
 
 def _apply(local: npt.NDArray[Any], mean: npt.NDArray[Any] | None, alpha: float) -> None:

@@ -99,8 +99,11 @@ from swarmavg.proto.allreduce import (
 from swarmavg.proto.averaging_messages import (
     AvgCompressedPart,
     AvgDropped,
+    AvgHave,
     AvgKeep,
+    AvgLeave,
     AvgPart,
+    AvgRelay,
     AvgWeights,
 )
 
@@ -129,6 +132,7 @@ __all__ = [
     "Fault",
     "GaveUp",
     "LinkStage",
+    "Malformed",
     "MemberLeft",
     "NonFiniteData",
     "NotAMember",
@@ -141,6 +145,7 @@ __all__ = [
     "Reduced",
     "ReducerEnded",
     "ReducerFailed",
+    "RelayReader",
     "RoundConfig",
     "RoundProtocolError",
     "SenderBroke",
@@ -150,6 +155,9 @@ __all__ = [
     "TooLate",
     "TooManyNotices",
     "Undecodable",
+    "UnknownRound",
+    "check_leave",
+    "check_relay_request",
 ]
 
 #: Reason strings kept in a round's result are cut to this many characters.
@@ -279,6 +287,14 @@ class OutOfOrder(RoundProtocolError):
 
 class PartMismatch(RoundProtocolError):
     """A part (or a mean) is not the part's size or dtype."""
+
+
+class UnknownRound(RoundProtocolError):
+    """A call for a round that did not start here in time (or one too many waiting)."""
+
+
+class Malformed(RoundProtocolError):
+    """A request's fields are out of range (no group id, a negative index)."""
 
 
 class Undecodable(RoundProtocolError):
@@ -1148,3 +1164,104 @@ def _check_declared(message: AvgCompressedPart, size: int, dtype: np.dtype[Any])
         )
     if message.dtype != dtype.name:
         raise PartMismatch(f"part {message.index} is declared {message.dtype[:16]}, not {dtype}")
+
+
+# -- relays and leave notices ---------------------------------------------------------------------
+
+
+def check_relay_request(ask: AvgRelay, group: Group, peer: PeerID) -> None:
+    """A relay request (``avg.relay``) for ``group``'s round, from ``peer``.
+
+    :raises Malformed: no group id, or a negative index.
+    :raises NotAMember: ``peer`` is not a member, or there is no such reducer.
+    """
+    if not 0 < len(ask.group_id) <= 64 or ask.reducer < 0 or ask.first < 0:
+        raise Malformed("a malformed relay request")
+    if not any(m.peer_id == peer for m in group.members):
+        raise NotAMember("the caller is not a member of that round")
+    if ask.reducer >= len(group.members):
+        raise NotAMember(f"no member {ask.reducer} in that round")
+
+
+def check_leave(notice: AvgLeave, group: Group | None, peer: PeerID) -> None:
+    """A leave notice (``avg.leave``) from ``peer``, for ``group``'s round (``None``: not
+    started here; only its form is checked then).
+
+    :raises Malformed: no group id, or a negative index.
+    :raises NotAMember: ``peer`` is not the member it names.
+    """
+    if not 0 < len(notice.group_id) <= 64 or notice.sender < 0:
+        raise Malformed("a malformed leave notice")
+    if group is not None:
+        members = group.members
+        if notice.sender >= len(members) or members[notice.sender].peer_id != peer:
+            raise NotAMember("the caller is not the member it claims to be")
+
+
+class RelayReader:
+    """What a groupmate (``source``) relays us of ``reducer``'s span (``avg.relay`` with
+    ``fetch``): first how many parts it applied (``AvgHave``: :meth:`have`), then
+    (:meth:`receive`) at most one left-out notice per member and the parts from ``first`` on,
+    in order, each checked as an answered mean is.
+
+    :param plan: ``reducer``'s parts; ``dtypes``: each flat buffer's dtype name.
+    """
+
+    def __init__(
+        self,
+        source: int,
+        reducer: int,
+        first: int,
+        plan: Sequence[Part],
+        dtypes: Sequence[str],
+        members: int,
+    ) -> None:
+        self.source = source
+        self.reducer = reducer
+        self.plan = plan
+        self.dtypes = dtypes
+        self.members = members
+        #: the next part expected, and where the relayed parts stop
+        self.next = first
+        self.stop = first
+        self._notices = 0
+
+    def have(self, message: Message | None) -> int:
+        """The relay's first message: where its parts stop.
+
+        :raises OutOfOrder: it is not an ``AvgHave``.
+        """
+        if not isinstance(message, AvgHave):
+            raise OutOfOrder(f"member {self.source} did not say what it has")
+        self.stop = min(max(message.count, 0), len(self.plan))
+        return self.stop
+
+    def receive(self, message: Message) -> Apply | Dropped:
+        """What to do with the relay's next message.
+
+        :raises RoundProtocolError: it broke the protocol (nothing more is taken from it).
+        """
+        source = self.source
+        if isinstance(message, AvgDropped):
+            self._notices += 1
+            if self._notices > self.members or not 0 <= message.sender < self.members:
+                raise TooManyNotices(f"member {source} relayed bad notices")
+            reason = message.reason[:_REASON_CHARS]
+            return Dropped(self.reducer, message.sender, message.part, reason)
+        index = self.next
+        if (
+            index >= self.stop
+            or not isinstance(message, AvgPart | AvgKeep)
+            or message.index != index
+        ):
+            raise OutOfOrder(f"member {source} relayed out of order")
+        self.next += 1
+        if isinstance(message, AvgKeep):
+            return Apply(self.reducer, index, None, 0)
+        part = self.plan[index]
+        values = message.values
+        if values.shape != (part.size,) or values.dtype != _numpy_dtype(self.dtypes[part.buffer]):
+            raise PartMismatch(f"member {source} relayed a wrong shape or dtype")
+        if not _all_finite(values):
+            raise NonFiniteData(f"member {source} relayed non-finite values")
+        return Apply(self.reducer, index, values, values.nbytes)

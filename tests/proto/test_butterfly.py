@@ -18,8 +18,11 @@ from swarmavg.proto.allreduce import FlatLayout, TensorSpec, plan_parts
 from swarmavg.proto.averaging_messages import (
     AvgBegin,
     AvgDropped,
+    AvgHave,
     AvgKeep,
+    AvgLeave,
     AvgPart,
+    AvgRelay,
     AvgWeights,
 )
 from swarmavg.proto.butterfly import (
@@ -31,12 +34,14 @@ from swarmavg.proto.butterfly import (
     Began,
     ButterflyRound,
     CallOpened,
+    Dropped,
     EndCall,
     EndedEarly,
     Excluded,
     Fault,
     GaveUp,
     LinkStage,
+    Malformed,
     MemberLeft,
     NonFiniteData,
     NotAMember,
@@ -47,6 +52,7 @@ from swarmavg.proto.butterfly import (
     Reason,
     Reduced,
     ReducerEnded,
+    RelayReader,
     RoundConfig,
     SenderBroke,
     SenderEnded,
@@ -54,6 +60,8 @@ from swarmavg.proto.butterfly import (
     Tick,
     TooLate,
     TooManyNotices,
+    check_leave,
+    check_relay_request,
 )
 
 #: 3 members, 1 float32 tensor of 30: each reduces 10 elements in 3 parts (4, 4, 2)
@@ -331,3 +339,54 @@ def test_an_auxiliary_member_sends_nothing_and_a_claim_to_send_is_refused() -> N
     machine = ButterflyRound(group, 0, plans, LAYOUT, CONFIG, sending=True, now=0.0)
     with pytest.raises(NotAMember, match="sends nothing"):
         machine.receive(Began(2, PEERS[2], 1.0), 0.0)
+
+
+def test_a_relay_is_read_in_order_and_each_breach_is_typed() -> None:
+    plan = plan_parts(LAYOUT, _group().span_sizes(LAYOUT.numel), PART)[1]
+    reader = RelayReader(2, 1, 1, plan, ["float32"], members=3)
+    assert reader.have(AvgHave(2)) == 2
+    assert reader.receive(AvgDropped(0, 1, "x")) == Dropped(1, 0, 1, "x")
+    applied = reader.receive(AvgPart(1, np.ones(PART, np.float32)))
+    assert (applied, reader.next) == (Apply(1, 1, applied.mean, 4 * PART), 2)  # type: ignore[union-attr]
+    with pytest.raises(OutOfOrder):  # (it said it has 2 parts: part 2 is one too many)
+        reader.receive(AvgKeep(2))
+    cases: list[tuple[list[Any], type[Exception]]] = [
+        ([AvgPart(1, np.ones(PART, np.float32))], OutOfOrder),  # (no AvgHave first)
+        ([AvgHave(3), AvgPart(2, np.ones(PART, np.float32))], OutOfOrder),
+        ([AvgHave(3), AvgPart(1, np.ones(PART, np.float64))], PartMismatch),
+        ([AvgHave(3), AvgPart(1, np.full(PART, np.nan, np.float32))], NonFiniteData),
+        ([AvgHave(3), *[AvgDropped(0, 1, "x")] * 4], TooManyNotices),
+        ([AvgHave(3), AvgDropped(7, 1, "x")], TooManyNotices),
+    ]
+    for messages, error in cases:
+        reader = RelayReader(2, 1, 1, plan, ["float32"], members=3)
+        with pytest.raises(error):
+            _read_relay(reader, messages)
+
+
+def _read_relay(reader: RelayReader, messages: list[Any]) -> None:
+    reader.have(messages[0])
+    for message in messages[1:]:
+        reader.receive(message)
+
+
+def test_relay_requests_and_leave_notices_are_checked_against_the_group() -> None:
+    group = _group()
+    check_relay_request(AvgRelay(group.group_id, 1, 0, True), group, PEERS[2])
+    stranger = Identity.generate().peer_id
+    for ask, peer, error in [
+        (AvgRelay(b"", 1, 0, True), PEERS[2], Malformed),
+        (AvgRelay(group.group_id, -1, 0, True), PEERS[2], Malformed),
+        (AvgRelay(group.group_id, 1, 0, True), stranger, NotAMember),
+        (AvgRelay(group.group_id, 3, 0, True), PEERS[2], NotAMember),
+    ]:
+        with pytest.raises(error):
+            check_relay_request(ask, group, peer)
+    check_leave(AvgLeave(group.group_id, 1, "x"), group, PEERS[1])
+    check_leave(
+        AvgLeave(group.group_id, 1, "x"), None, stranger
+    )  # (not started: kept, checked later)
+    with pytest.raises(NotAMember):
+        check_leave(AvgLeave(group.group_id, 1, "x"), group, PEERS[2])
+    with pytest.raises(Malformed):
+        check_leave(AvgLeave(group.group_id, -1, "x"), None, PEERS[1])
