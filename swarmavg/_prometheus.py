@@ -186,6 +186,15 @@ def _averager_families(snapshots: list[AveragerMetrics]) -> Iterator[Any]:
     )
     yield counter("rounds_failed", "rounds whose all-reduce failed as a whole", "rounds_failed")
     yield counter("peers_excluded", "groupmates left out for non-finite values", "peers_excluded")
+    faults = core.CounterMetricFamily(
+        "swarmavg_averager_round_faults",
+        "members left out of completed rounds (or whose span kept local values), by why",
+        labels=["prefix", "fault"],
+    )
+    for m in snapshots:
+        for fault, count in m.fault_counts().items():
+            faults.add_metric([m.prefix, fault], count)
+    yield faults
     yield counter("sent_bytes", "bytes sent in completed all-reduces", "bytes_sent")
     yield counter("received_bytes", "bytes received in completed all-reduces", "bytes_received")
     yield counter("matchmaking_seconds", "seconds spent looking for groups", "matchmaking_seconds")

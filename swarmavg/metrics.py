@@ -22,15 +22,17 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed, NonFiniteTensors
+from swarmavg.proto.butterfly import Fault, Reason
 
 __all__ = [
     "GROUP_SIZE_BUCKETS",
     "LOCAL_EPOCH_REASONS",
+    "ROUND_FAULTS",
     "STEP_FAILURE_CAUSES",
     "AveragerCounter",
     "AveragerMetrics",
@@ -49,6 +51,9 @@ GROUP_SIZE_BUCKETS: Final = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 #: NaN or an infinity (:class:`~swarmavg.NonFiniteTensors`), the step was cancelled (its
 #: control or handle, or the averager closing), or any other exception.
 STEP_FAILURE_CAUSES: Final = ("matchmaking", "allreduce", "nonfinite", "cancelled", "other")
+#: Why a member was left out of (part of) a completed round: the values of
+#: :class:`swarmavg.proto.butterfly.Fault`, and ``other`` for a reason a runner gave untyped.
+ROUND_FAULTS: Final = (*(fault.value for fault in Fault), "other")
 
 #: Optimizer epochs that stepped on this peer's own gradients, by why (see OptimizerMetrics).
 LOCAL_EPOCH_REASONS: Final = ("alone", "not_started", "failed")
@@ -98,6 +103,10 @@ class AveragerMetrics:
     rounds_failed: int = 0
     #: groupmates left out of completed rounds for sending NaN or infinite values
     peers_excluded: int = 0
+    #: ``(fault, count)`` for each of :data:`ROUND_FAULTS`: the members left out of a
+    #: completed round's span (``StepResult.dropped``) or whose span kept our values
+    #: (``StepResult.local_spans``), by why (see :meth:`fault_counts`)
+    faults: tuple[tuple[str, int], ...] = ()
     #: members (this peer included) of the last round's group; 0 before the first round
     last_group_size: int = 0
     #: members of every round's group, summed (divide by ``rounds_started`` for the mean)
@@ -160,11 +169,20 @@ class AveragerMetrics:
             )
         )
 
+    def fault_counts(self) -> dict[str, int]:
+        """Members left out of completed rounds (or whose span kept our values), by why:
+        ``{fault: count}`` over :data:`ROUND_FAULTS` (``silent``, ``bad_data``, ...)."""
+        counts = dict.fromkeys(ROUND_FAULTS, 0)
+        counts.update(self.faults)
+        return counts
+
     def as_dict(self) -> dict[str, Any]:
-        """Every field by name, as plain values: ``group_size_histogram`` becomes a dict
-        ``{bound: rounds}``; the rest are str, int and float."""
+        """Every field by name, as plain values: ``group_size_histogram`` and ``faults``
+        become dicts (``{bound: rounds}``, ``{fault: count}``); the rest are str, int and
+        float."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["group_size_histogram"] = dict(self.group_size_histogram)
+        out["faults"] = self.fault_counts()
         return out
 
 
@@ -231,6 +249,7 @@ class AveragerCounter:
         #: rounds by group size: index ``i`` counts sizes in ``(bound[i-1], bound[i]]``, the
         #: last index the sizes above every bound
         self._group_sizes = [0] * (len(GROUP_SIZE_BUCKETS) + 1)
+        self._faults = dict.fromkeys(ROUND_FAULTS, 0)
 
     # (each event updates its fields between two increments of _seq)
 
@@ -281,8 +300,15 @@ class AveragerCounter:
         bytes_received: int,
         incomplete: bool,
         peers_excluded: int,
+        faults: Sequence[str] = (),
     ) -> None:
+        """A round's all-reduce completed; ``faults``: why each member left out of it (or
+        whose span kept our values) was (a :class:`~swarmavg.proto.butterfly.Reason` says its
+        fault; another string counts as ``other``)."""
+        kinds = [reason.fault.value if isinstance(reason, Reason) else "other" for reason in faults]
         self._seq += 1
+        for kind in kinds:
+            self._faults[kind] += 1
         self.rounds_completed += 1
         self.allreduce_seconds += seconds
         self.bytes_sent += bytes_sent
@@ -321,11 +347,13 @@ class AveragerCounter:
         no update ran while it copied; an update takes a few bytecodes)."""
         values: dict[str, Any] = {}
         sizes: list[int] = []
+        faults: tuple[tuple[str, int], ...] = ()
         for _ in range(10_000):  # (bounded; a retry is rare, several in a row rarer still)
             before = self._seq
             if before % 2 == 0:
                 values = {name: getattr(self, name) for name in self._FIELDS}
                 sizes = list(self._group_sizes)
+                faults = tuple(self._faults.items())
                 if self._seq == before:
                     break
             time.sleep(0)  # (let the writer finish its update)
@@ -336,6 +364,7 @@ class AveragerCounter:
         return AveragerMetrics(
             prefix=self.prefix,
             group_size_histogram=tuple(cumulative),
+            faults=faults,
             state_requests_served=state_requests_served,
             state_bytes_served=state_bytes_served,
             **values,

@@ -32,12 +32,14 @@ from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
 from swarmavg.aio.averager import StepResult
 from swarmavg.metrics import (
     GROUP_SIZE_BUCKETS,
+    ROUND_FAULTS,
     STEP_FAILURE_CAUSES,
     AveragerCounter,
     AveragerMetrics,
     OptimizerCounter,
     OptimizerMetrics,
 )
+from swarmavg.proto.butterfly import Fault, Reason
 from swarmavg.testing import MemoryNetwork, run_on_virtual_time
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,14 +51,25 @@ pytestmark = pytest.mark.timeout(60)
 def test_the_counter_counts_each_event_into_its_fields() -> None:
     counter = AveragerCounter("run")
     assert counter.snapshot() == AveragerMetrics(
-        prefix="run", group_size_histogram=tuple((b, 0) for b in GROUP_SIZE_BUCKETS)
+        prefix="run",
+        group_size_histogram=tuple((b, 0) for b in GROUP_SIZE_BUCKETS),
+        faults=tuple((fault, 0) for fault in ROUND_FAULTS),
     )
     counter.step_started()
     counter.group_search_ended(0.5, failed=True)
     counter.group_search_ended(1.5, failed=False)
     counter.round_started(3)
     counter.round_completed(
-        2.0, bytes_sent=100, bytes_received=90, incomplete=True, peers_excluded=1
+        2.0,
+        bytes_sent=100,
+        bytes_received=90,
+        incomplete=True,
+        peers_excluded=1,
+        faults=[
+            Reason(Fault.SILENT, "it sent nothing for 3 s"),
+            "untyped",
+            Reason(Fault.SILENT, ""),
+        ],
     )
     counter.step_succeeded()
     for cause in STEP_FAILURE_CAUSES:
@@ -96,11 +109,17 @@ def test_the_counter_counts_each_event_into_its_fields() -> None:
     assert (m.state_downloads_failed, m.state_bytes_downloaded) == (1, 4096)
     assert (m.state_requests_served, m.state_bytes_served) == (2, 512)
 
+    assert m.fault_counts() == {**dict.fromkeys(ROUND_FAULTS, 0), "silent": 2, "other": 1}
+
     plain = m.as_dict()
     assert plain["group_size_histogram"] == histogram
+    assert plain["faults"] == m.fault_counts()
     assert plain["steps_cancelled"] == 1
     assert plain["prefix"] == "run"
-    assert {type(v) for k, v in plain.items() if k != "group_size_histogram"} <= {str, int, float}
+    plain_values = {
+        type(v) for k, v in plain.items() if k not in ("group_size_histogram", "faults")
+    }
+    assert plain_values <= {str, int, float}
     with pytest.raises(AttributeError):
         m.steps_started = 0  # type: ignore[misc]  # (a frozen snapshot)
 

@@ -1321,6 +1321,7 @@ class DecentralizedAverager:
             bytes_received=outcome.bytes_received,
             incomplete=bool(local_spans or dropped),
             peers_excluded=len(excluded),
+            faults=[why for *_, why in outcome.local_spans] + [why for *_, why in outcome.dropped],
         )
         if local_spans or dropped:
             logger.warning(

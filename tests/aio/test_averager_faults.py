@@ -226,20 +226,24 @@ def test_a_peer_that_sends_nan_anyway_is_left_out_of_its_groupmates_next_groups(
     which are complete; its own steps fail saying it was excluded."""
 
     async def main() -> tuple[
-        list[StepResult | BaseException], list[StepResult | BaseException], bool
+        list[StepResult | BaseException], list[StepResult | BaseException], bool, list[int]
     ]:
         async with _swarm(4) as swarm:
             _poison(swarm.averagers[3], every=3)
             first, _ = await _steps(swarm.averagers, timeout=30)
             second, _ = await _steps(swarm.averagers, timeout=5)
-            return first, second, _agree(swarm.averagers[:3])
+            counted = [a.metrics.fault_counts()["non_finite"] for a in swarm.averagers[:3]]
+            return first, second, _agree(swarm.averagers[:3]), counted
 
     with caplog.at_level(logging.WARNING):
-        first, second, agree = run_on_virtual_time(main)
+        first, second, agree, counted = run_on_virtual_time(main)
     for outcome in first[:3]:
         assert isinstance(outcome, StepResult), outcome
         assert outcome.incomplete  # (its values were left out)
     assert agree
+    # each honest peer's metrics count the poisoned member at least once (it reduces a span
+    # the poisoned one sent to, and the poisoned one's own span answered NaN to it)
+    assert all(count >= 1 for count in counted), counted
     assert any(
         "sent non-finite values; left out of our groups" in r.message for r in caplog.records
     )
