@@ -24,6 +24,11 @@ worker thread. With ``error_feedback=`` (a :class:`~swarmavg.compression.ErrorFe
 from round to round by the caller), what compression lost is added to the values sent next
 time (both a sender's values and a reducer's means; keyed by the part's place in its buffer).
 
+Every decision of a round (what is accepted from whom, when a member is given up on, when a
+part is reduced) is made by its machine, :class:`~swarmavg.proto.butterfly.ButterflyRound`:
+this module turns what happens on the network into its events and carries out its actions
+(``aio/_round.py``), with relays in ``aio/_relay.py``.
+
 Faults: a sender that fails, sends bad values or stalls (``sender_timeout``) is left out of the
 parts it had not delivered, and the other senders are told (:class:`AvgDropped`); a reducer that
 fails or stalls (``reducer_timeout``) leaves the rest of its span at local values; a member that
@@ -48,21 +53,18 @@ cancelled).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import logging
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.abc
 import anyio.to_thread
-import numpy as np
 import numpy.typing as npt
 
 from swarmavg.abc._averaging import (
@@ -72,14 +74,28 @@ from swarmavg.abc._averaging import (
     GroupMember,
     MemberMode,
 )
+from swarmavg.aio._relay import _RELAY_TIMEOUT, RELAY_METHOD, Applied, Relays
+from swarmavg.aio._round import (
+    _NO_COMPRESSION,
+    _apply,
+    _check_open,
+    _compress,
+    _decode,
+    _in_thread_if_big,
+    _log_sent,
+    _numpy_dtype,
+    _Outbound,
+    _replies,
+    _Round,
+    _run_timers,
+)
+from swarmavg.aio._wire import WireSampler
 from swarmavg.compression import (
     AdaptiveCompression,
-    CompressedTensor,
     CompressionBase,
     ErrorFeedback,
     NoCompression,
     TensorInfo,
-    decompress,
 )
 from swarmavg.errors import AllReduceFailed, ConnectError, SwarmError
 from swarmavg.proto.allreduce import (
@@ -87,55 +103,39 @@ from swarmavg.proto.allreduce import (
     FlatLayout,
     Part,
     _all_finite,
+    check_tensor_infos,
+    pacing_plan,
+    part_codecs,
     plan_parts,
 )
 from swarmavg.proto.averaging_messages import (
     AvgBegin,
     AvgCompressedPart,
-    AvgDropped,
-    AvgHave,
     AvgKeep,
     AvgLeave,
     AvgPart,
     AvgRelay,
-    AvgWeights,
 )
 from swarmavg.proto.butterfly import (
-    Action,
     AnswerCame,
     AnswerDecoded,
-    Apply,
     Began,
     ButterflyRound,
     CallOpened,
-    Decode,
-    Dropped,
-    EndCall,
-    Event,
-    Excluded,
     Fault,
-    GaveUp,
-    Malformed,
-    MemberLeft,
-    NonFiniteData,
     OutOfOrder,
     OwnPart,
     PartCame,
     PartDecoded,
-    Reason,
-    Reduced,
     ReducerEnded,
     ReducerFailed,
-    RelayReader,
     RoundConfig,
     SenderBroke,
     SenderEnded,
     SenderStage,
-    Tick,
     TooLate,
     UnknownRound,
     check_leave,
-    check_relay_request,
 )
 from swarmavg.proto.codec import Message
 
@@ -158,26 +158,6 @@ logger = logging.getLogger(__name__)
 
 METHOD: Final = "avg.allreduce"
 LEAVE_METHOD: Final = "avg.leave"
-RELAY_METHOD: Final = "avg.relay"
-#: How long a member asks its groupmates for the parts a reducer did not answer (seconds;
-#: also bounded by the reducer timeout and what is left of the round's timeout).
-_RELAY_TIMEOUT: Final = 10.0
-#: How long a finished round's results can be relayed (seconds), and how many rounds.
-_RELAY_KEEP: Final = 120.0
-_RELAY_ROUNDS: Final = 8
-#: How often a round samples what crossed the network to its members (seconds; see
-#: ``_WireSampler``).
-_WIRE_SAMPLE: Final = 0.05
-#: Pacing (see ``_pacing_plan``): each connection's cap is this times its share of our upload
-#: rate. None above: the rate is a peak measurement, already a little above what the link
-#: sustains, and caps 10% higher let the connections drift apart again (docs/design/averaging.md).
-_PACING_MARGIN: Final = 1.0
-#: ... only in rounds where we send at least this much (bytes) to at least two members...
-_PACING_MIN_BYTES: Final = 16 << 20
-#: ... and to at most this many: with more connections to share an upload, the flows came out
-#: even enough by themselves, and caps cost more at the round's end than they saved (on the
-#: network lab, 8% at 6 peers and 9% at 8; docs/design/averaging.md).
-_PACING_MAX_PEERS: Final = 3
 #: How long a call for a round that has not started here yet waits for it (seconds).
 _JOIN_WAIT: Final = 10.0
 #: ... for a round this node expects to run (its member waits for its trigger); the caller's
@@ -197,484 +177,7 @@ _FINISHED_MEMORY: Final = 256
 #: before a group formed is no false alarm).
 _LOST_RECENTLY: Final = 2.0
 _LOST_MEMORY: Final = 1024
-#: Parts bigger than this (bytes) are compressed and decompressed in a worker thread.
-_THREAD_THRESHOLD: Final = 1 << 20
-_NO_COMPRESSION: Final = NoCompression()
 _DEFAULT_CONFIG: Final = RoundConfig()
-
-
-@dataclass(frozen=True)
-class _Outbound:
-    """What this member sends its reducers in a round, and where their answers go."""
-
-    buffers: Sequence[npt.NDArray[Any]]
-    weight: float
-    alpha: float
-    result: AllReduceResult
-    #: every member's weight, as the reducers tell it
-    weights: dict[int, float]
-
-
-@dataclass
-class _Applied:
-    """What a member applied of each reducer's span in a round (its own span included), for
-    groupmates that missed some of it (``avg.relay``): valid while its buffers hold them."""
-
-    group: Group
-    plans: list[list[Part]]
-    buffers: Sequence[npt.NDArray[Any]]
-    #: whether these buffers hold the means (``averaging_alpha=1``, not auxiliary)
-    relayable: bool
-    #: parts of each reducer's span applied here (from part 0 on)
-    got: dict[int, int] = field(default_factory=dict)
-    #: ... of those, the parts answered with AvgKeep (the local values stayed)
-    kept: dict[int, set[int]] = field(default_factory=dict)
-    #: set once this member is done with each reducer's span
-    settled: dict[int, anyio.Event] = field(default_factory=dict)
-    #: the senders each reducer left out: ``(reducer, sender, part, reason)``
-    dropped: list[tuple[int, int, int, str]] = field(default_factory=list)
-    until: float = math.inf
-    #: once the round is over: whether ``buffers`` still hold its results (``None``: they do,
-    #: until ``until`` or the next round on them)
-    valid: Callable[[], bool] | None = None
-    #: the memory the round ran on, when ``buffers`` became a copy of it (see
-    #: :meth:`AllReduceService.keep_results`)
-    origin: Sequence[npt.NDArray[Any]] = ()
-
-    def __post_init__(self) -> None:
-        for reducer in range(len(self.plans)):
-            self.settled[reducer] = anyio.Event()
-            self.kept[reducer] = set()
-
-    def applied(self, reducer: int, keep: bool) -> None:
-        """One more part of ``reducer``'s span applied here."""
-        count = self.got.get(reducer, 0)
-        if keep:
-            self.kept[reducer].add(count)
-        self.got[reducer] = count + 1
-
-    def close(self) -> None:
-        for event in self.settled.values():
-            event.set()
-
-    def holds_results(self, in_progress: bool) -> bool:
-        """Whether the buffers still hold what this round applied (a round in progress
-        holds the caller's memory; a finished one may have given it back)."""
-        if self.until < anyio.current_time():
-            return False
-        return in_progress or self.valid is None or self.valid()
-
-
-class _WireSampler:
-    """Samples, every ``_WIRE_SAMPLE`` seconds of a round, what crossed the network on the
-    connections to the group's members (:meth:`~swarmavg.abc.Connection.traffic`) into the
-    result's ``wire_sent_log`` / ``wire_received_log``: bytes that reached the members and
-    bytes that arrived from them, per sample. Every open connection to a member counts (two
-    members that dialed each other at once hold two, and each sends on its own pooled one: what
-    this node receives comes over the other); one opened during the round counts from 0; one
-    whose transport does not tell makes the logs say nothing (they are cleared)."""
-
-    def __init__(self, node: Node, peers: Sequence[PeerID], result: AllReduceResult) -> None:
-        self.node = node
-        self.peers = list(peers)
-        self.result = result
-        #: per connection: its last (sent, received)
-        self.last: dict[Connection, tuple[int, int]] = {}
-        self.blind = False
-        for peer in self.peers:
-            for conn in node.connections_to(peer):
-                traffic = conn.traffic()
-                if traffic is None:
-                    self.blind = True
-                else:
-                    self.last[conn] = traffic
-
-    def tells(self) -> bool:
-        """Whether the connections count their traffic (as far as is known: none open yet
-        that does not)."""
-        return not self.blind
-
-    async def run(self) -> None:
-        while not self.blind:
-            await anyio.sleep(_WIRE_SAMPLE)
-            self.sample()
-
-    def sample(self) -> None:
-        if self.blind:
-            return
-        sent = received = 0
-        seen: dict[Connection, tuple[int, int]] = {}
-        for peer in self.peers:
-            for conn in self.node.connections_to(peer):
-                traffic = conn.traffic()
-                if traffic is None:
-                    self.blind = True
-                    self.result.wire_sent_log.clear()
-                    self.result.wire_received_log.clear()
-                    return
-                then_sent, then_received = self.last.get(conn, (0, 0))
-                sent += max(traffic[0] - then_sent, 0)
-                received += max(traffic[1] - then_received, 0)
-                seen[conn] = traffic
-        self.last = seen
-        now = anyio.current_time()
-        if sent:
-            self.result.wire_sent_log.append((now, sent))
-        if received:
-            self.result.wire_received_log.append((now, received))
-
-
-@dataclass
-class _Round:
-    """A round in progress on this node: its machine (:class:`ButterflyRound`, which decides)
-    and what the driver keeps to carry out its actions."""
-
-    machine: ButterflyRound
-    ready: list[anyio.Event] = field(default_factory=list)
-    results: list[npt.NDArray[Any] | None] = field(default_factory=list)
-    bytes_received: int = 0
-    #: the reduced parts' answers to the senders, counted as each part is reduced
-    bytes_sent: int = 0
-    #: ``(time, bytes)`` of each sender's part that came, and of each answer once sent (what
-    #: the averager measures its throughput from; see ``AllReduceResult.sent_log``)
-    received_log: list[tuple[float, int]] = field(default_factory=list)
-    sent_log: list[tuple[float, int]] = field(default_factory=list)
-    #: our calls to the other reducers, cancelled if we give up on one: reducer -> scope
-    exchanges: dict[int, anyio.CancelScope] = field(default_factory=dict)
-    #: the wait of each sender's call for its next message (cancelled to end the call), and
-    #: why calls were ended
-    waits: dict[int, anyio.CancelScope] = field(default_factory=dict)
-    ended: dict[int, Reason] = field(default_factory=dict)
-    #: why the round was aborted (this member left it), if it was
-    left: str | None = None
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    #: the codec of each of our parts (the means we answer are compressed with it)
-    codecs: list[CompressionBase] = field(default_factory=list)
-    feedback: ErrorFeedback | None = None
-    #: each part's answer once ready (``None``: the plain mean in ``results``, or keep)
-    answers: list[AvgCompressedPart | None] = field(default_factory=list)
-    #: where big means are compressed (while the round's tasks run)
-    tasks: anyio.abc.TaskGroup | None = None
-    applied: _Applied | None = None
-    #: what this member sends and where answers go (set once the round runs)
-    out: _Outbound | None = None
-    #: the pacing cap (bytes/s) of our connection to each member (see ``_pacing_plan``), and
-    #: the connections this round capped
-    pacing: dict[PeerID, float] = field(default_factory=dict)
-    paced: set[Connection] = field(default_factory=set)
-    #: each part reduced and answerable (``ready`` is also set for every part when the round
-    #: ends here, so that the calls still waiting for answers end too)
-    final: list[bool] = field(default_factory=list)
-    #: set when an event moved the machine's deadline (the timer task looks again)
-    changed: anyio.Event = field(default_factory=anyio.Event)
-    #: whether the timer task runs (it ends once this is false and ``changed`` set)
-    timing: bool = True
-    closed: bool = False
-
-    def __post_init__(self) -> None:
-        for _ in self.parts:
-            self.ready.append(anyio.Event())
-            self.results.append(None)
-            self.answers.append(None)
-            self.final.append(False)
-        if not self.codecs:
-            self.codecs = [_NO_COMPRESSION] * len(self.parts)
-
-    @property
-    def group(self) -> Group:
-        return self.machine.group
-
-    @property
-    def me(self) -> int:
-        return self.machine.me
-
-    @property
-    def parts(self) -> list[Part]:
-        return self.machine.parts
-
-    @property
-    def layout(self) -> FlatLayout:
-        return self.machine.layout
-
-    def feed(self, event: Event) -> list[Decode]:
-        """Give the machine ``event`` and carry out what it says; the parts or answers to
-        decode are left to the caller (who awaits them).
-
-        :raises RoundProtocolError: the event's sender broke the protocol (its actions were
-            carried out first).
-        """
-        try:
-            self.machine.receive(event, anyio.current_time())
-        finally:
-            decodes = self.act(self.machine.actions())
-            self.changed.set()
-        return decodes
-
-    def act(self, actions: Sequence[Action]) -> list[Decode]:
-        decodes = []
-        for action in actions:
-            match action:
-                case Decode():
-                    decodes.append(action)
-                case Reduced():
-                    self._settle(action.index, action.mean)
-                case Apply():
-                    self._apply_answer(action)
-                case Excluded():
-                    self._excluded(action)
-                case EndCall():
-                    self._end_call(action.sender, action.reason)
-                case GaveUp():
-                    scope = self.exchanges.get(action.reducer)
-                    if scope is not None:
-                        scope.cancel()
-                case Dropped():
-                    if self.out is not None:
-                        self.out.result.dropped.append(
-                            (action.reducer, action.sender, action.first, action.reason)
-                        )
-        return decodes
-
-    def _excluded(self, action: Excluded) -> None:
-        logger.debug(
-            "all-reduce %s: member %d (%s) left out of parts %d.. of our span: %s",
-            self.group.group_id.hex()[:8],
-            action.sender,
-            self.group.members[action.sender].peer_id.short(),
-            action.first,
-            action.reason,
-        )
-        self._end_call(action.sender, action.reason)
-
-    def _end_call(self, sender: int, reason: Reason) -> None:
-        self.ended.setdefault(sender, reason)
-        scope = self.waits.get(sender)
-        if scope is not None:
-            scope.cancel()
-
-    def _apply_answer(self, action: Apply) -> None:
-        out = self.out
-        assert out is not None
-        part = self.machine.plans[action.reducer][action.index]
-        local = out.buffers[part.buffer][part.start : part.stop]
-        if action.mean is not None:
-            if action.nbytes:
-                out.result.bytes_received += action.nbytes
-                out.result.received_log.append((anyio.current_time(), action.nbytes))
-            _apply(local, action.mean, out.alpha)
-        assert self.applied is not None
-        self.applied.applied(action.reducer, keep=action.mean is None)
-
-    def _settle(self, index: int, mean: npt.NDArray[Any] | None) -> None:
-        part = self.parts[index]
-        dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
-        codec = self.codecs[index]
-        if mean is None or isinstance(codec, NoCompression):
-            self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
-            self.final[index] = True
-            self._count_answers(index)
-            self.ready[index].set()
-            return
-        mean = mean.astype(dtype, copy=False)
-        if self.tasks is not None and mean.nbytes > _THREAD_THRESHOLD:
-            self.tasks.start_soon(self._settle_compressed, index, mean, codec)
-        else:
-            self._answer_with(index, mean, *self._compress_mean(index, mean, codec))
-
-    def _compress_mean(
-        self, index: int, mean: npt.NDArray[Any], codec: CompressionBase
-    ) -> tuple[CompressedTensor | None, npt.NDArray[Any] | None]:
-        """The mean compressed and what that decodes to (``None, None``: it cannot be
-        compressed, e.g. float64 magnitudes beyond float32's; it is sent as it is)."""
-        part = self.parts[index]
-        key = ("mean", part.buffer, part.start, part.stop)
-        tensor = _compress(codec, mean, self.feedback, key)
-        if tensor is None:
-            return None, None
-        return tensor, decompress(tensor)
-
-    async def _settle_compressed(
-        self, index: int, mean: npt.NDArray[Any], codec: CompressionBase
-    ) -> None:
-        tensor, decoded = await anyio.to_thread.run_sync(self._compress_mean, index, mean, codec)
-        self._answer_with(index, mean, tensor, decoded)
-
-    def _answer_with(
-        self,
-        index: int,
-        mean: npt.NDArray[Any],
-        tensor: CompressedTensor | None,
-        decoded: npt.NDArray[Any] | None,
-    ) -> None:
-        if tensor is None or decoded is None:
-            self.results[index] = mean
-        else:  # we apply what the senders will decode: every member ends with the same values
-            self.answers[index] = AvgCompressedPart.of(index, tensor)
-            self.results[index] = decoded
-        self.final[index] = True
-        self._count_answers(index)
-        self.ready[index].set()
-
-    def _count_answers(self, index: int) -> None:
-        """Count the bytes of part ``index``'s answer once per sender that gets it (every
-        other sender that called, unless it was left out of this part)."""
-        compressed = self.answers[index]
-        mean = self.results[index]
-        size = compressed.nbytes if compressed is not None else 0 if mean is None else mean.nbytes
-        excluded = self.machine.excluded
-        recipients = sum(
-            1
-            for sender in self.machine.weights
-            if sender != self.me and not (sender in excluded and excluded[sender][0] <= index)
-        )
-        self.bytes_sent += size * recipients
-
-    def leave(self, member: int, fault: Fault, detail: str) -> None:
-        """``member`` left: leave it out of what it had not delivered, stop waiting for its
-        span (our values stay local there)."""
-        self.feed(MemberLeft(member, fault, detail))
-
-    def abort(self, reason: str) -> None:
-        if self.left is None:
-            self.left = reason
-            self.scope.cancel()
-
-    def close(self) -> None:
-        """The round is over here: wake the calls still waiting for answers (they end)."""
-        self.closed = True
-        for event in self.ready:
-            event.set()
-        for scope in self.waits.values():
-            scope.cancel()
-
-
-def _pacing_plan(
-    group: Group,
-    me: int,
-    layout: FlatLayout,
-    plans: Sequence[Sequence[Part]],
-    sends_values: bool,
-    upload_rate: float | None,
-) -> dict[PeerID, float]:
-    """The pacing cap (bytes/s) of our connection to each member this round sends to: our
-    ``upload_rate`` split in proportion to what we send each (our values of its span, and
-    the means of our span it receives), times ``_PACING_MARGIN``; empty (no pacing) without
-    a rate, with fewer than two or more than ``_PACING_MAX_PEERS`` members to send to, or
-    under ``_PACING_MIN_BYTES`` in all.
-
-    Why: the connections of one upload share one queue (at the access link, usually
-    first-in first-out), and TCP's congestion control does not share it evenly: on the
-    network lab one of a host's three connections ran at about twice the rate of the others
-    for whole rounds, and the means of the last parts waited for the slowest one. Capped at
-    their share, they all finish together."""
-    if upload_rate is None or not (upload_rate > 0 and math.isfinite(upload_rate)):
-        return {}
-    itemsizes = [_numpy_dtype(dtype).itemsize for dtype, _ in layout.buffers]
-
-    def nbytes(parts: Sequence[Part]) -> int:
-        return sum(part.size * itemsizes[part.buffer] for part in parts)
-
-    means = nbytes(plans[me])
-    senders = set(group.senders)
-    carried: dict[PeerID, int] = {}
-    for index, member in enumerate(group.members):
-        if index == me:
-            continue
-        amount = (nbytes(plans[index]) if sends_values else 0) + (means if index in senders else 0)
-        if amount > 0:
-            carried[member.peer_id] = amount
-    total = sum(carried.values())
-    if not 2 <= len(carried) <= _PACING_MAX_PEERS or total < _PACING_MIN_BYTES:
-        return {}
-    return {peer: _PACING_MARGIN * upload_rate * amount / total for peer, amount in carried.items()}
-
-
-def _numpy_dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(np.float32 if name == "bfloat16" else name)
-
-
-def _compress(
-    codec: CompressionBase,
-    values: npt.NDArray[Any],
-    feedback: ErrorFeedback | None,
-    key: Hashable,
-) -> CompressedTensor | None:
-    """``values`` compressed (plus the residual under ``key``), or ``None`` where ``codec``
-    cannot compress them (float64 magnitudes beyond float32's: sent as they are)."""
-    try:
-        if feedback is None:
-            return codec.compress(values)
-        return feedback.compress(codec, values, key)
-    except ValueError:
-        return None
-
-
-async def _in_thread_if_big(nbytes: int, fn: Callable[[], Any]) -> Any:
-    """``fn()``, in a worker thread if ``nbytes`` is big (numpy releases the GIL)."""
-    if nbytes > _THREAD_THRESHOLD:
-        return await anyio.to_thread.run_sync(fn)
-    return fn()
-
-
-async def _decode(message: AvgCompressedPart, dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
-    """The values of a compressed part whose declared shape and dtype the round checked
-    (``None``: they do not decode)."""
-    size = message.shape[0] if message.shape else 0
-    try:
-        decoded: npt.NDArray[Any] = await _in_thread_if_big(
-            size * dtype.itemsize, lambda: decompress(message.tensor())
-        )
-    except ValueError as exc:
-        logger.debug("part %d does not decode: %s", message.index, exc)
-        return None
-    return decoded
-
-
-def part_codecs(
-    layout: FlatLayout,
-    parts: Sequence[Part],
-    compression: CompressionBase | AdaptiveCompression,
-    tensor_infos: Sequence[TensorInfo] | None = None,
-) -> list[CompressionBase]:
-    """The codec of each part: ``compression`` itself, or what an adaptive ``compression``
-    chooses for the tensor that holds most of the part's elements (the first one on a tie),
-    described by its ``tensor_infos`` entry (default: role ``unspecified``, its size)."""
-    if isinstance(compression, CompressionBase):
-        return [compression] * len(parts)
-    infos = _tensor_infos(layout, tensor_infos)
-    offsets: dict[int, list[int]] = {}
-    tensors: dict[int, list[int]] = {}
-    for t, (buffer, offset) in enumerate(layout.places):
-        offsets.setdefault(buffer, []).append(offset)
-        tensors.setdefault(buffer, []).append(t)
-    chosen: dict[int, CompressionBase] = {}
-    codecs = []
-    for part in parts:
-        starts, ids = offsets[part.buffer], tensors[part.buffer]
-        i = max(bisect.bisect_right(starts, part.start) - 1, 0)
-        best, most = ids[i], -1
-        while i < len(starts) and starts[i] < part.stop:
-            t = ids[i]
-            overlap = min(part.stop, starts[i] + layout.specs[t].numel) - max(part.start, starts[i])
-            if overlap > most:
-                best, most = t, overlap
-            i += 1
-        if best not in chosen:
-            chosen[best] = compression.choose(infos[best])
-        codecs.append(chosen[best])
-    return codecs
-
-
-def _tensor_infos(
-    layout: FlatLayout, tensor_infos: Sequence[TensorInfo] | None
-) -> Sequence[TensorInfo]:
-    if tensor_infos is None:
-        return [TensorInfo(size=spec.numel) for spec in layout.specs]
-    if len(tensor_infos) != len(layout.specs) or not all(
-        isinstance(info, TensorInfo) for info in tensor_infos
-    ):
-        raise ValueError(f"tensor_infos must hold one TensorInfo per tensor ({len(layout.specs)})")
-    return tensor_infos
 
 
 _services: weakref.WeakKeyDictionary[Node, AllReduceService] = weakref.WeakKeyDictionary()
@@ -698,7 +201,7 @@ class AllReduceService(AllReduceRunner):
         #: leave notices for rounds not started here: group id -> (who, its index, why)
         self._left: OrderedDict[bytes, tuple[PeerID, int, str]] = OrderedDict()
         #: finished rounds whose results can still be relayed (see the module docstring)
-        self._recent: OrderedDict[bytes, _Applied] = OrderedDict()
+        self._relays = Relays(node, self._rounds)
         #: the rounds' accumulators, recycled (a fresh one is page-faulted in every round)
         self._accumulators = AccumulatorPool()
         #: rounds whose other members we told that we are out
@@ -711,7 +214,7 @@ class AllReduceService(AllReduceRunner):
         node.rpc.register(METHOD, self._serve, kind="bidi", request_type=Message)
         node.rpc.register(LEAVE_METHOD, self._serve_leave, request_type=AvgLeave)
         node.rpc.register(
-            RELAY_METHOD, self._serve_relay, kind="server_stream", request_type=AvgRelay
+            RELAY_METHOD, self._relays.serve, kind="server_stream", request_type=AvgRelay
         )
 
     @staticmethod
@@ -821,7 +324,7 @@ class AllReduceService(AllReduceRunner):
                     raise ValueError(f"a buffer of {size} {dtype} expected, got {buffer.dtype}")
         if not isinstance(compression, CompressionBase | AdaptiveCompression):
             raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
-        _tensor_infos(layout, tensor_infos)
+        check_tensor_infos(layout, tensor_infos)
         spans = group.span_sizes(layout.numel, config.min_vector_size)
         plans = plan_parts(layout, spans, config.part_size)
         codecs = [part_codecs(layout, parts, compression, tensor_infos) for parts in plans]
@@ -846,7 +349,7 @@ class AllReduceService(AllReduceRunner):
         self._expected.discard(group.group_id)
         left = self._left.pop(group.group_id, None)
         started = anyio.current_time()
-        self._forget_results(buffers)
+        self._relays.forget(buffers)
         sends_values = mode is not MemberMode.AUX and weight > 0
         machine = ButterflyRound(
             group,
@@ -859,11 +362,11 @@ class AllReduceService(AllReduceRunner):
             pool=self._accumulators,
         )
         round_ = _Round(machine, codecs=codecs[me], feedback=error_feedback)
-        round_.pacing = _pacing_plan(group, me, layout, plans, sends_values, upload_rate)
+        round_.pacing = pacing_plan(group, me, layout, plans, sends_values, upload_rate)
         result = AllReduceResult([], 0.0, own_nonfinite=own_nonfinite, started=started)
         machine.report.local_spans = result.local_spans  # (the relay amends them)
         round_.out = outbound = _Outbound(buffers, weight, averaging_alpha, result, {})
-        round_.applied = applied = _Applied(
+        round_.applied = applied = Applied(
             group,
             plans,
             buffers,
@@ -892,7 +395,7 @@ class AllReduceService(AllReduceRunner):
         if waiting is not None:
             waiting.set()
         deadline = math.inf if timeout is None else anyio.current_time() + timeout
-        wire = _WireSampler(
+        wire = WireSampler(
             self.node, [m.peer_id for i, m in enumerate(group.members) if i != me], result
         )
         try:
@@ -921,7 +424,9 @@ class AllReduceService(AllReduceRunner):
                     round_.scope,
                     anyio.move_on_after(min(budget, deadline - anyio.current_time())),
                 ):
-                    await self._relay(round_, result, buffers, averaging_alpha, budget)
+                    await self._relays.fetch_missing(
+                        round_, result, buffers, averaging_alpha, budget
+                    )
         except TimeoutError:
             raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
         except AllReduceFailed:
@@ -936,10 +441,7 @@ class AllReduceService(AllReduceRunner):
         if round_.left is not None:
             raise AllReduceFailed(round_.left)
         if applied.relayable:
-            applied.until = anyio.current_time() + _RELAY_KEEP
-            self._recent[group.group_id] = applied
-            while len(self._recent) > _RELAY_ROUNDS:
-                self._recent.popitem(last=False)
+            self._relays.remember(group.group_id, applied)
         report = machine.report
         result.bytes_received += round_.bytes_received
         result.bytes_sent += round_.bytes_sent
@@ -1001,6 +503,12 @@ class AllReduceService(AllReduceRunner):
             conn.set_pacing_rate(sum(rates.values()) if rates else None)
         round_.paced.clear()
 
+    def keep_results(self, buffers: Sequence[npt.NDArray[Any]], max_bytes: int) -> None:
+        """``buffers``, the caller's memory that a finished round ran on in place, are about
+        to change: keep a copy of the results groupmates may still fetch (see
+        :meth:`Relays.keep_results <swarmavg.aio._relay.Relays.keep_results>`)."""
+        self._relays.keep_results(buffers, max_bytes)
+
     def _finish(self, group_id: bytes) -> None:
         """Remember the round as over here; calls waiting for it fail."""
         self._finished[group_id] = None
@@ -1010,170 +518,6 @@ class AllReduceService(AllReduceRunner):
         waiting = self._waiting.pop(group_id, None)
         if waiting is not None:
             waiting.set()
-
-    def keep_results(self, buffers: Sequence[npt.NDArray[Any]], max_bytes: int) -> None:
-        """``buffers``, the caller's memory that a finished round ran on in place, are about
-        to change: a round of three or more members whose results they still hold keeps a copy
-        of them (if at most ``max_bytes``), so that a groupmate that a reducer stopped answering
-        can still fetch what it missed (``avg.relay``) until our next round. Callable from any
-        thread (the caller's training thread enters ``get_tensors``)."""
-        for applied in list(self._recent.values()):
-            valid = applied.valid
-            if (
-                valid is None
-                or len(applied.group.members) < 3
-                or not any(np.may_share_memory(a, b) for a in applied.buffers for b in buffers)
-                or sum(b.nbytes for b in applied.buffers) > max_bytes
-                or not valid()
-            ):
-                continue
-            origin = applied.buffers
-            applied.buffers = [np.array(b, copy=True) for b in origin]
-            applied.origin = origin
-            applied.valid = None
-
-    def _forget_results(self, buffers: Sequence[npt.NDArray[Any]]) -> None:
-        """``buffers`` are about to be reused (or rounds are old): stop relaying the results
-        that earlier rounds left in them (or in a copy of them: :meth:`keep_results`)."""
-        now = anyio.current_time()
-        for group_id, applied in list(self._recent.items()):
-            if applied.until < now or any(
-                np.may_share_memory(a, b)
-                for a in (*applied.buffers, *applied.origin)
-                for b in buffers
-            ):
-                applied.until = -math.inf
-                del self._recent[group_id]
-
-    async def _relay(
-        self,
-        round_: _Round,
-        result: AllReduceResult,
-        buffers: Sequence[npt.NDArray[Any]],
-        alpha: float,
-        budget: float,
-    ) -> None:
-        """For each reducer whose span we were left with unanswered parts of, fetch them from
-        the groupmate that applied most of that span (see the module docstring)."""
-        async with anyio.create_task_group() as tg:
-            for reducer, first, reason in list(result.local_spans):
-                tg.start_soon(
-                    self._relay_span, round_, result, buffers, alpha, budget, reducer, first, reason
-                )
-
-    async def _relay_span(
-        self,
-        round_: _Round,
-        result: AllReduceResult,
-        buffers: Sequence[npt.NDArray[Any]],
-        alpha: float,
-        budget: float,
-        reducer: int,
-        first: int,
-        reason: str,
-    ) -> None:
-        applied = round_.applied
-        assert applied is not None
-        group = round_.group
-        parts = applied.plans[reducer]
-        if first >= len(parts) or applied.got.get(reducer, 0) != first:
-            return
-        counts: dict[int, int] = {}
-
-        async def ask(member: int, address: Any, scope: anyio.CancelScope) -> None:
-            request = AvgRelay(group.group_id, reducer, first, False)
-            try:
-                async with self.node.rpc.server_stream(
-                    address, RELAY_METHOD, request, response_type=Message
-                ) as answers:
-                    have = await anext(answers, None)
-            except (SwarmError, OSError, TimeoutError, ValueError) as exc:
-                logger.debug("relay: member %d did not answer: %s", member, exc)
-                return
-            if isinstance(have, AvgHave) and first < have.count <= len(parts):
-                counts[member] = have.count
-                if have.count == len(parts):
-                    scope.cancel()  # (it has all of it)
-
-        with anyio.move_on_after(budget / 2) as scope:
-            async with anyio.create_task_group() as tg:
-                for member, info in enumerate(group.members):
-                    if (
-                        member != round_.me
-                        and info.address is not None
-                        and info.mode is not MemberMode.AUX
-                        and member not in round_.machine.gone
-                    ):
-                        tg.start_soon(ask, member, info.address, scope)
-        got = first
-        source = -1
-        for member in sorted(counts, key=lambda m: -counts[m]):
-            if counts[member] <= got:
-                break
-            address = group.members[member].address
-            assert address is not None
-            try:
-                got = await self._fetch_relayed(
-                    round_, result, buffers, alpha, reducer, got, member, address
-                )
-                source = member
-            except (SwarmError, OSError, TimeoutError, ValueError) as exc:
-                logger.debug("relay: member %d failed: %s", member, exc)
-                if isinstance(exc, NonFiniteData):
-                    result.nonfinite.append(member)
-                got = applied.got.get(reducer, 0)
-            if got >= counts[member]:
-                break
-        if got > first:
-            result.local_spans.remove((reducer, first, reason))
-            if got < len(parts):
-                result.local_spans.append((reducer, got, reason))
-            result.relayed.append((reducer, first, got, source))
-            logger.debug(
-                "all-reduce %s: member %d relayed parts %d..%d of member %d's span",
-                group.group_id.hex()[:8],
-                source,
-                first,
-                got - 1,
-                reducer,
-            )
-
-    async def _fetch_relayed(
-        self,
-        round_: _Round,
-        result: AllReduceResult,
-        buffers: Sequence[npt.NDArray[Any]],
-        alpha: float,
-        reducer: int,
-        first: int,
-        member: int,
-        address: Any,
-    ) -> int:
-        """Apply the parts of ``reducer``'s span from ``first`` on that ``member`` applied;
-        the first part not applied here."""
-        applied = round_.applied
-        assert applied is not None
-        parts = applied.plans[reducer]
-        dtypes = [dtype for dtype, _ in round_.layout.buffers]
-        reader = RelayReader(member, reducer, first, parts, dtypes, len(round_.group.members))
-        request = AvgRelay(round_.group.group_id, reducer, first, True)
-        async with self.node.rpc.server_stream(
-            address, RELAY_METHOD, request, response_type=Message
-        ) as answers:
-            reader.have(await anext(answers, None))
-            async for answer in answers:
-                match reader.receive(answer):
-                    case Dropped() as notice:
-                        entry = (reducer, notice.sender, notice.first, notice.reason)
-                        if all(d[:2] != entry[:2] for d in result.dropped):
-                            result.dropped.append(entry)
-                    case Apply() as relayed:
-                        part = parts[relayed.index]
-                        local = buffers[part.buffer][part.start : part.stop]
-                        result.bytes_received += relayed.nbytes
-                        _apply(local, relayed.mean, alpha)
-                        applied.applied(reducer, keep=relayed.mean is None)
-        return reader.next
 
     def expect(self, group: Group) -> None:
         """Hold the other members' calls for ``group``'s round (up to ``_EXPECT_WAIT``) until
@@ -1223,46 +567,6 @@ class AllReduceService(AllReduceRunner):
 
         with contextlib.suppress(RuntimeError):  # (the node is closing: so are its connections)
             self.node.spawn(tell_all, name="avg.leave")
-
-    async def _serve_relay(self, ask: AvgRelay, ctx: CallContext) -> AsyncIterator[Message]:
-        """A groupmate asks what we applied of a reducer's span (and for those parts)."""
-        if not 0 < len(ask.group_id) <= 64 or ask.reducer < 0 or ask.first < 0:
-            raise Malformed("a malformed relay request")
-        round_ = self._rounds.get(ask.group_id)
-        applied = round_.applied if round_ is not None else self._recent.get(ask.group_id)
-        if applied is None or not applied.holds_results(round_ is not None):
-            yield AvgHave(0)
-            return
-        members = applied.group.members
-        check_relay_request(ask, applied.group, ctx.peer_id)
-        settled = applied.settled[ask.reducer]
-        with anyio.move_on_after(_RELAY_TIMEOUT):
-            await settled.wait()  # (what a round in progress will have applied)
-        count = applied.got.get(ask.reducer, 0) if applied.relayable and settled.is_set() else 0
-        yield AvgHave(count)
-        if not ask.fetch or ask.first >= count:
-            return
-        me = applied.group.index_of(self.node.peer_id)
-        if ask.reducer == me and round_ is not None:
-            notices: list[tuple[int, int, int, str]] = [
-                (me, s, part, why) for s, (part, why) in round_.machine.excluded.items()
-            ]
-        else:
-            notices = [d for d in applied.dropped if d[0] == ask.reducer]
-        for _, sender, first, why in notices[: len(members)]:
-            yield AvgDropped(sender, first, why[:200])
-        parts = applied.plans[ask.reducer]
-        for index in range(ask.first, count):
-            if index in applied.kept[ask.reducer]:
-                yield AvgKeep(index)
-                continue
-            part = parts[index]
-            values = applied.buffers[part.buffer][part.start : part.stop].copy()
-            # (the buffers were reused, or given back and changed, meanwhile)
-            in_progress = round_ is not None and self._rounds.get(ask.group_id) is round_
-            if not applied.holds_results(in_progress):
-                raise AllReduceFailed("those results are gone")
-            yield AvgPart(index, values)
 
     async def _serve_leave(self, notice: AvgLeave, ctx: CallContext) -> Message:
         """A member tells us it left a round: the round goes on without it here (now, or when
@@ -1532,85 +836,9 @@ class AllReduceService(AllReduceRunner):
             answered += 1
 
 
-async def _run_timers(round_: _Round) -> None:
-    """Send the round's machine :class:`Tick` whenever its deadline comes (looking again
-    after every event, which may move it)."""
-    while round_.timing:
-        round_.changed = anyio.Event()
-        deadline = round_.machine.deadline()
-        if deadline is None:
-            await round_.changed.wait()
-            continue
-        with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)):
-            await round_.changed.wait()
-        if round_.timing and anyio.current_time() >= deadline:
-            round_.feed(Tick())
-
-
-def _log_sent(round_: _Round, reply: Message) -> None:
-    """Note an answer's bytes once sent (the RPC layer resumes us after sending it)."""
-    if isinstance(reply, AvgPart):
-        round_.sent_log.append((anyio.current_time(), reply.values.nbytes))
-    elif isinstance(reply, AvgCompressedPart):
-        round_.sent_log.append((anyio.current_time(), reply.nbytes))
-
-
-def _check_open(round_: _Round, index: int) -> None:
-    """Part ``index`` was reduced, unless the round ended here before (then the call ends:
-    the caller keeps its values there, or fetches them from a groupmate that has them)."""
-    if not round_.final[index]:
-        raise AllReduceFailed(f"the round ended here before part {index} was reduced")
-
-
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
     """The exceptions in ``group`` and the groups nested in it."""
     found: list[BaseException] = []
     for exc in group.exceptions:
         found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return found
-
-
-def _replies(round_: _Round, index: int, told: set[int], caller: int) -> list[Message]:
-    """What to send ``caller`` once part ``index`` is reduced: news of senders left out, every
-    sender's weight (before the first part), then the part's answer."""
-    replies: list[Message] = list(_drops(round_, index, told, caller))
-    if index == 0:
-        replies.append(_weights(round_))
-    replies.append(_answer(round_, index))
-    return replies
-
-
-def _drops(round_: _Round, index: int, told: set[int], caller: int) -> list[AvgDropped]:
-    """Notices of the senders left out of part ``index`` (or earlier) that ``caller`` was not
-    told about yet."""
-    notices = []
-    for sender, (first, reason) in round_.machine.excluded.items():
-        if first <= index and sender not in told and sender != caller:
-            told.add(sender)
-            notices.append(AvgDropped(sender, first, reason[:200]))
-    return notices
-
-
-def _weights(round_: _Round) -> AvgWeights:
-    """Every sender's weight (all have begun once a part is reduced)."""
-    members = round_.group.members
-    weights = round_.machine.weights
-    return AvgWeights([weights.get(i, 0.0) for i in range(len(members))])
-
-
-def _answer(round_: _Round, index: int) -> Message:
-    compressed = round_.answers[index]
-    if compressed is not None:
-        return compressed
-    mean = round_.results[index]
-    return AvgKeep(index) if mean is None else AvgPart(index, mean)
-
-
-def _apply(local: npt.NDArray[Any], mean: npt.NDArray[Any] | None, alpha: float) -> None:
-    """Move ``local`` towards ``mean`` by ``alpha`` (1: replace), in place."""
-    if mean is None:
-        return
-    if alpha == 1.0:
-        local[...] = mean
-    else:
-        local += (mean.astype(local.dtype, copy=False) - local) * alpha

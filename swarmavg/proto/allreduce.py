@@ -30,6 +30,7 @@ measurements 12.1-13.9 MB/s made rounds ~6% slower than the even split. Differen
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import statistics
@@ -37,13 +38,22 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from swarmavg.compression import AdaptiveCompression, CompressionBase, TensorInfo
+
+if TYPE_CHECKING:
+    from swarmavg.abc._averaging import Group
+    from swarmavg.identity import PeerID
+
 __all__ = [
+    "PACING_MARGIN",
+    "PACING_MAX_PEERS",
+    "PACING_MIN_BYTES",
     "SAME_BANDWIDTH",
     "AccumulatorPool",
     "FlatLayout",
@@ -51,7 +61,10 @@ __all__ = [
     "Part",
     "PartReducer",
     "TensorSpec",
+    "check_tensor_infos",
     "load_balance",
+    "pacing_plan",
+    "part_codecs",
     "plan_parts",
     "schema_digest",
     "schema_text",
@@ -487,3 +500,113 @@ def _all_finite(values: npt.NDArray[np.floating]) -> bool:
         if math.isfinite(total):
             return True
     return bool(np.isfinite(values).all())
+
+
+# -- pacing ---------------------------------------------------------------------------------------
+
+
+#: Pacing (see ``pacing_plan``): each connection's cap is this times its share of our upload
+#: rate. None above: the rate is a peak measurement, already a little above what the link
+#: sustains, and caps 10% higher let the connections drift apart again (docs/design/averaging.md).
+PACING_MARGIN: Final = 1.0
+#: ... only in rounds where we send at least this much (bytes) to at least two members...
+PACING_MIN_BYTES: Final = 16 << 20
+#: ... and to at most this many: with more connections to share an upload, the flows came out
+#: even enough by themselves, and caps cost more at the round's end than they saved (on the
+#: network lab, 8% at 6 peers and 9% at 8; docs/design/averaging.md).
+PACING_MAX_PEERS: Final = 3
+
+
+def pacing_plan(
+    group: Group,
+    me: int,
+    layout: FlatLayout,
+    plans: Sequence[Sequence[Part]],
+    sends_values: bool,
+    upload_rate: float | None,
+) -> dict[PeerID, float]:
+    """The pacing cap (bytes/s) of our connection to each member this round sends to: our
+    ``upload_rate`` split in proportion to what we send each (our values of its span, and
+    the means of our span it receives), times ``PACING_MARGIN``; empty (no pacing) without
+    a rate, with fewer than two or more than ``PACING_MAX_PEERS`` members to send to, or
+    under ``PACING_MIN_BYTES`` in all.
+
+    Why: the connections of one upload share one queue (at the access link, usually
+    first-in first-out), and TCP's congestion control does not share it evenly: on the
+    network lab one of a host's three connections ran at about twice the rate of the others
+    for whole rounds, and the means of the last parts waited for the slowest one. Capped at
+    their share, they all finish together."""
+    if upload_rate is None or not (upload_rate > 0 and math.isfinite(upload_rate)):
+        return {}
+    itemsizes = [_itemsize(dtype) for dtype, _ in layout.buffers]
+
+    def nbytes(parts: Sequence[Part]) -> int:
+        return sum(part.size * itemsizes[part.buffer] for part in parts)
+
+    means = nbytes(plans[me])
+    senders = set(group.senders)
+    carried: dict[PeerID, int] = {}
+    for index, member in enumerate(group.members):
+        if index == me:
+            continue
+        amount = (nbytes(plans[index]) if sends_values else 0) + (means if index in senders else 0)
+        if amount > 0:
+            carried[member.peer_id] = amount
+    total = sum(carried.values())
+    if not 2 <= len(carried) <= PACING_MAX_PEERS or total < PACING_MIN_BYTES:
+        return {}
+    return {peer: PACING_MARGIN * upload_rate * amount / total for peer, amount in carried.items()}
+
+
+def _itemsize(dtype: str) -> int:
+    return 4 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
+# -- compression: each part's codec ---------------------------------------------------------------
+
+
+def part_codecs(
+    layout: FlatLayout,
+    parts: Sequence[Part],
+    compression: CompressionBase | AdaptiveCompression,
+    tensor_infos: Sequence[TensorInfo] | None = None,
+) -> list[CompressionBase]:
+    """The codec of each part: ``compression`` itself, or what an adaptive ``compression``
+    chooses for the tensor that holds most of the part's elements (the first one on a tie),
+    described by its ``tensor_infos`` entry (default: role ``unspecified``, its size)."""
+    if isinstance(compression, CompressionBase):
+        return [compression] * len(parts)
+    infos = check_tensor_infos(layout, tensor_infos)
+    offsets: dict[int, list[int]] = {}
+    tensors: dict[int, list[int]] = {}
+    for t, (buffer, offset) in enumerate(layout.places):
+        offsets.setdefault(buffer, []).append(offset)
+        tensors.setdefault(buffer, []).append(t)
+    chosen: dict[int, CompressionBase] = {}
+    codecs = []
+    for part in parts:
+        starts, ids = offsets[part.buffer], tensors[part.buffer]
+        i = max(bisect.bisect_right(starts, part.start) - 1, 0)
+        best, most = ids[i], -1
+        while i < len(starts) and starts[i] < part.stop:
+            t = ids[i]
+            overlap = min(part.stop, starts[i] + layout.specs[t].numel) - max(part.start, starts[i])
+            if overlap > most:
+                best, most = t, overlap
+            i += 1
+        if best not in chosen:
+            chosen[best] = compression.choose(infos[best])
+        codecs.append(chosen[best])
+    return codecs
+
+
+def check_tensor_infos(
+    layout: FlatLayout, tensor_infos: Sequence[TensorInfo] | None
+) -> Sequence[TensorInfo]:
+    if tensor_infos is None:
+        return [TensorInfo(size=spec.numel) for spec in layout.specs]
+    if len(tensor_infos) != len(layout.specs) or not all(
+        isinstance(info, TensorInfo) for info in tensor_infos
+    ):
+        raise ValueError(f"tensor_infos must hold one TensorInfo per tensor ({len(layout.specs)})")
+    return tensor_infos

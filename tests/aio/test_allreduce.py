@@ -846,7 +846,7 @@ async def test_non_finite_values_relayed_are_refused() -> None:
         service = AllReduceService.for_node(nodes[0])
 
         async def relay(ask: AvgRelay, ctx: Any) -> AsyncIterator[Message]:
-            async for answer in service._serve_relay(ask, ctx):
+            async for answer in service._relays.serve(ask, ctx):
                 if isinstance(answer, AvgPart):
                     answer.values[0] = np.nan
                 yield answer

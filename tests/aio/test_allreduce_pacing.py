@@ -14,11 +14,17 @@ import numpy as np
 import pytest
 
 from swarmavg.abc import RoundConfig
-from swarmavg.aio import allreduce as allreduce_module
-from swarmavg.aio.allreduce import AllReduceService, Group, GroupMember, MemberMode
+from swarmavg.aio._wire import WireSampler
+from swarmavg.aio.allreduce import (
+    AllReduceResult,
+    AllReduceService,
+    Group,
+    GroupMember,
+    MemberMode,
+)
 from swarmavg.aio.node import Node
 from swarmavg.identity import Identity
-from swarmavg.proto.allreduce import FlatLayout, TensorSpec, plan_parts
+from swarmavg.proto.allreduce import FlatLayout, TensorSpec, pacing_plan, plan_parts
 from swarmavg.testing import MemoryNetwork, run_on_virtual_time
 
 MIB = 1 << 20
@@ -46,7 +52,7 @@ def _plan(
     """Each member's cap in ``group`` (``None``: not paced), as member ``me``."""
     spans = group.span_sizes(layout.numel)
     plans = plan_parts(layout, spans, 1 << 18)
-    caps = allreduce_module._pacing_plan(group, me, layout, plans, sends_values, rate)
+    caps = pacing_plan(group, me, layout, plans, sends_values, rate)
     return [caps.get(m.peer_id) for m in group.members]
 
 
@@ -195,8 +201,8 @@ def test_the_wire_is_counted_on_every_connection_to_a_member() -> None:
                 tg.start_soon(a.connect, b.addresses[0])
                 tg.start_soon(b.connect, a.addresses[0])
             assert len(a.connections_to(b.peer_id)) == len(b.connections_to(a.peer_id)) == 2
-            result = allreduce_module.AllReduceResult(contributors=[], total_weight=0.0)
-            sampler = allreduce_module._WireSampler(a, [b.peer_id], result)
+            result = AllReduceResult(contributors=[], total_weight=0.0)
+            sampler = WireSampler(a, [b.peer_id], result)
             for conn in b.connections_to(a.peer_id):  # 1 MB over each
                 stream = await conn.open_stream()
                 await stream.send_last(bytes(1_000_000))
