@@ -98,3 +98,20 @@ def test_tiers_fail_what_breaks_their_rules_and_the_budget(pytester: pytest.Pyte
     selected = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-k", "quick or slow")
     assert selected.ret == pytest.ExitCode.OK
     assert "BUDGET EXCEEDED" not in selected.stdout.str()
+    # under a tracer (coverage) the time limit and the budget are reported, not enforced; an
+    # interpreter started out of its tier still fails
+    pytester.makeconftest(
+        CONFTEST.replace(
+            'budget_s={"deterministic": 0.4}', 'budget_s={"deterministic": 0.4}, traced=True'
+        )
+    )
+    traced = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    outcomes = {
+        report.nodeid.split("::")[-1]: report.outcome
+        for report in traced.reprec.getreports("pytest_runtest_logreport")
+        if report.when == "call"
+    }
+    assert outcomes["test_unmarked_computes_too_long"] == "passed"
+    assert outcomes["test_unmarked_waits_on_the_wall_clock"] == "passed"
+    assert outcomes["test_unmarked_starts_an_interpreter"] == "failed"
+    assert "BUDGET EXCEEDED" not in traced.stdout.str()
