@@ -1,6 +1,7 @@
 """A fork server for the tests' peer processes: one interpreter per test session that has
 imported numpy, torch and swarmavg, and forks a child for each peer a test starts, instead of
-a fresh ``python`` that imports them again (1.5-3.5 s of CPU each on a 2-core machine).
+a fresh ``python`` that imports them again (1.5-3.5 s of CPU each on a 2-core machine); peers
+that need more (Lightning's) get a second one that has imported that too.
 
 :func:`popen` takes the arguments of :class:`subprocess.Popen` that the tests use and returns
 a :class:`ForkedProcess`, which has the attributes and methods of a ``Popen`` that the tests
@@ -100,7 +101,7 @@ STARTS: Counter[str] = Counter()
 
 _MESSAGE_MAX = 1 << 20
 _READY_TIMEOUT = 120.0  # the server's imports, on a loaded 2-core machine
-_ANSWER_TIMEOUT = 120.0  # a fork, or the imports a request asks for first (lightning)
+_ANSWER_TIMEOUT = 60.0  # a fork (its checks take milliseconds)
 _RESTORE_ENV = "_FORKSERVER_RESTORE"  # (the server's own variables, put back after its imports)
 
 
@@ -240,10 +241,10 @@ def _wrap(fd: int, write: bool, text: bool, encoding: str | None, errors: str | 
 
 
 class ForkServer:
-    """One server process (started here) and the requests to it; :meth:`close` ends it and
-    every child it still has."""
+    """One server process (started here) that has imported :data:`PRELOAD` and ``preload``,
+    and the requests to it; :meth:`close` ends it and every child it still has."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: Sequence[str] = ()) -> None:
         log, self.log_path = tempfile.mkstemp(prefix="swarmavg-forkserver-", suffix=".log")
         self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         restore = {name: os.environ.get(name) for name in ("OPENBLAS_NUM_THREADS",)}
@@ -252,7 +253,7 @@ class ForkServer:
         with theirs:
             try:
                 self.proc = subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
+                    [sys.executable, os.path.abspath(__file__), str(theirs.fileno()), *preload],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=log,
@@ -337,7 +338,6 @@ class ForkServer:
         cwd: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         start_new_session: bool = False,
-        preload: Sequence[str] = (),
     ) -> ForkedProcess | str:
         """A forked child for ``args``, or why not (then start it for real)."""
         argv = [os.fspath(arg) for arg in args]
@@ -355,7 +355,6 @@ class ForkServer:
             "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
             "env": dict(os.environ if env is None else env),
             "new_session": start_new_session,
-            "preload": list(preload),
         }
         text = text or encoding is not None or errors is not None
         ours: list[IO[Any] | None] = []
@@ -401,8 +400,8 @@ class ForkServer:
         return ForkedProcess(argv, pid, pidfd, channel, (ours[0], ours[1], ours[2]))
 
 
-_server: ForkServer | None = None
-_server_lock = threading.Lock()
+_servers: dict[tuple[str, ...], ForkServer] = {}  # (by their extra preloads)
+_servers_lock = threading.Lock()
 
 
 def _unavailable() -> str | None:
@@ -416,25 +415,25 @@ def _unavailable() -> str | None:
     return None
 
 
-def server() -> ForkServer:
-    """This process's fork server (started at the first call, or again if it died)."""
-    global _server
-    with _server_lock:
-        if _server is None or not _server.alive():
-            if _server is not None:
-                _server.close()
-            _server = ForkServer()
-        return _server
+def server(preload: Sequence[str] = ()) -> ForkServer:
+    """This process's fork server that has imported ``preload`` too (started at the first
+    call, or again if it died)."""
+    key = tuple(sorted(preload))
+    with _servers_lock:
+        found = _servers.get(key)
+        if found is None or not found.alive():
+            if found is not None:
+                found.close()
+            found = _servers[key] = ForkServer(key)
+        return found
 
 
 def shutdown() -> None:
     """End this process's fork server and every child it still has (tests/conftest.py calls
     it at the end of the session)."""
-    global _server
-    with _server_lock:
-        if _server is not None:
-            _server.close()
-            _server = None
+    with _servers_lock:
+        while _servers:
+            _servers.popitem()[1].close()
 
 
 def popen(
@@ -453,11 +452,11 @@ def popen(
 ) -> Process:
     """``subprocess.Popen(args, ...)`` for a peer: a child of this session's fork server, or a
     real interpreter where a fork would not do (the module's docstring says when). ``preload``:
-    modules the server imports first (once: later forks have them too), such as
-    ``lightning.pytorch``."""
+    more modules for the server to import (``lightning.pytorch``): such peers get a server of
+    their own, so that the others' stays as it was."""
     why = _unavailable()
     if why is None:
-        forked = server().popen(
+        forked = server(preload).popen(
             args,
             stdin=stdin,
             stdout=stdout,
@@ -468,7 +467,6 @@ def popen(
             cwd=cwd,
             env=env,
             start_new_session=start_new_session,
-            preload=preload,
         )
         if isinstance(forked, ForkedProcess):
             STARTS["forked"] += 1
@@ -591,7 +589,7 @@ def _start_server() -> _State:
             env[name] = value
     pythonpath = {os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p}
     base = [entry for entry in sys.path if entry not in pythonpath]
-    for name in PRELOAD:
+    for name in (*PRELOAD, *sys.argv[2:]):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     os.environ.clear()
@@ -721,11 +719,6 @@ def _fork(
 ) -> _Request | int | None:
     """Fork a child for ``request`` and tell the test its pid: the child's pidfd in the
     server, what it is to become in the child; None if refused (the test was told why)."""
-    import importlib
-
-    for name in request["preload"]:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
     why = _refusal(state, request)
     if why is not None:
         _send(channel, {"refused": why})
