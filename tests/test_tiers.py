@@ -46,10 +46,10 @@ if forkserver._unavailable() is None:
     forkserver.server()  # (started here: the test below only forks)
 
 
-def test_unmarked_forks_a_peer(tmp_path):
-    script = tmp_path / "peer.py"
-    script.write_text("pass")
-    forkserver.run([sys.executable, str(script)], check=True)
+def test_unmarked_forks_a_peer():
+    with open("peer.py", "w") as script:  # (in pytester's folder: a short name to report)
+        script.write("pass")
+    forkserver.run([sys.executable, "peer.py"], check=True)
 
 
 def test_unmarked_computes_too_long():
