@@ -61,7 +61,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,6 +74,9 @@ STAGES = ("idle", "looking", "allreduce", "allreduce-mid")
 KINDS = ("leave", "die")
 SIGNALS = {"leave": "SIGINT", "die": "SIGKILL"}
 MAX_REARM = 5  # (as _fault_peer.py: the victim moves its fault this many steps on at most)
+#: starts a peer process as ``subprocess.Popen`` does (tests/test_bench_averaging_faults.py
+#: puts in the tests' fork server: tests/forkserver.py)
+start_peer: Callable[..., Any] = subprocess.Popen
 SPAWN_TIMEOUT = 240.0  # processes up, torch and the system imported (2 CPUs, 8 imports)
 OP_TIMEOUT = 90.0  # a DHT start, an averager made
 EXIT_TIMEOUT = 60.0  # a leaving victim's shutdown, survivors' teardown
@@ -108,7 +111,7 @@ class _Proc:
         self.version = "?"
         self._seq = 0
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = start_peer(
                 [python, str(PEER_SCRIPT), "--system", system, "--index", str(slot)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -156,6 +156,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -167,6 +168,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEER_SCRIPT = HERE / "_optimizer_peer.py"
 HIVEMIND_PYTHON = Path("/tmp/hm-venv/bin/python")
+#: starts a peer process as ``subprocess.Popen`` does (tests/test_bench_optimizer.py puts in
+#: the tests' fork server: tests/forkserver.py)
+start_peer: Callable[..., Any] = subprocess.Popen
 READY_TIMEOUT = 180.0  # every peer up: imports, DHT, optimizer (2 CPUs, 4 imports at once)
 GO_DELAY = 1.0  # the peers start this long after the driver sends the start time
 #: the peers gone after they were told to stop, before their sessions are killed (a peer in a
@@ -236,7 +240,7 @@ class _Peer:
         self.index = index
         self.log = log
         self._log_file: IO[str] = log.open("w")
-        self.proc = subprocess.Popen(
+        self.proc = start_peer(
             [python, str(PEER_SCRIPT), *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import forkserver
 import pytest
 from hypothesis import HealthCheck, settings
 from tiers import TierGuard
@@ -29,6 +30,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # the tiers (tests/tiers.py): markers from folders, a check that only `process` and `lab`
     # tests start interpreters, and the time budget printed and checked at the end
     config.pluginmanager.register(TierGuard(config), "swarmavg-tiers")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if forkserver.STARTS:  # (a real start's reason says why a fork would not do)
+        starts = ", ".join(f"{count} {how}" for how, count in sorted(forkserver.STARTS.items()))
+        terminalreporter.write_line(f"peer processes (tests/forkserver.py): {starts}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # the peers' fork server (tests/forkserver.py), if a test started it, and its children
+    forkserver.shutdown()
 
 
 def _virtual_clock_loop() -> VirtualClockLoop:

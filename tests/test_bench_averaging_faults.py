@@ -6,10 +6,12 @@ second round after, with bit-identical tensors after the next complete round (is
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import forkserver
 import pytest
 
 pytestmark = pytest.mark.process
@@ -19,9 +21,10 @@ WANTED = {"looking": "LOOKING_FOR_GROUP", "allreduce": "RUNNING_ALLREDUCE"}
 
 @pytest.mark.timeout(150)
 def test_survivors_recover_after_a_peer_leaves_or_dies(
-    tmp_path: Path, load_benchmark: Callable[[str], ModuleType]
+    tmp_path: Path, load_benchmark: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     averaging = load_benchmark("averaging.py")
+    monkeypatch.setattr(sys.modules["_averaging_faults"], "start_peer", forkserver.popen)
     out = tmp_path / "faults.jsonl"
     logs = tmp_path / "logs"
     args = ["--faults", "--fault-quick", "--no-hivemind", "--fault-logs", str(logs)]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import forkserver
 import pytest
 
 pytestmark = pytest.mark.process
@@ -30,7 +30,7 @@ def _records(stdout: str) -> list[dict[str, object]]:
 @pytest.mark.timeout(120)
 def test_local_peer_reports_epochs_and_learns() -> None:
     """``--system local`` accumulates batches of 16 to T=32 samples per epoch."""
-    out = subprocess.run(
+    out = forkserver.run(
         [
             sys.executable,
             str(PEER),
@@ -68,9 +68,10 @@ def test_local_peer_reports_epochs_and_learns() -> None:
 
 @pytest.mark.timeout(240)
 def test_two_swarmavg_peers_finish_their_epochs(
-    load_benchmark: Callable[[str], ModuleType], tmp_path: Path
+    load_benchmark: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bench = load_benchmark("optimizer.py")
+    monkeypatch.setattr(bench, "start_peer", forkserver.popen)
     args = argparse.Namespace(
         batch_size=16,
         lr=2e-3,
@@ -103,11 +104,15 @@ def test_two_swarmavg_peers_finish_their_epochs(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("system", ["dsgd", "dadam", "diloco"])
 def test_two_peers_of_each_parameter_averaging_system(
-    system: str, load_benchmark: Callable[[str], ModuleType], tmp_path: Path
+    system: str,
+    load_benchmark: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Per-step systems: an epoch is T / (batch x peers) = 2 local steps of each peer, so 3
     epochs are exactly 3 x 64 samples; the peers average (bytes sent, rounds) and learn."""
     bench = load_benchmark("optimizer.py")
+    monkeypatch.setattr(bench, "start_peer", forkserver.popen)
     args = argparse.Namespace(
         batch_size=16,
         lr=2e-3,

@@ -40,6 +40,18 @@ def test_marked_starts_an_interpreter():
     _python()
 
 
+import forkserver
+
+if forkserver._unavailable() is None:
+    forkserver.server()  # (started here: the test below only forks)
+
+
+def test_unmarked_forks_a_peer():
+    with open("peer.py", "w") as script:  # (in pytester's folder: a short name to report)
+        script.write("pass")
+    forkserver.run([sys.executable, "peer.py"], check=True)
+
+
 def test_unmarked_computes_too_long():
     _compute(0.3)
 
@@ -63,7 +75,7 @@ def test_quick():
 """
 
 
-@pytest.mark.process  # (its cases start `python -c pass`: that is what is checked)
+@pytest.mark.process  # (its cases start `python -c pass` and fork a peer: what is checked)
 def test_tiers_fail_what_breaks_their_rules_and_the_budget(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_cases=CASES)
@@ -77,6 +89,7 @@ def test_tiers_fail_what_breaks_their_rules_and_the_budget(pytester: pytest.Pyte
     assert outcomes == {
         "test_unmarked_starts_an_interpreter": "failed",
         "test_marked_starts_an_interpreter": "passed",
+        "test_unmarked_forks_a_peer": "failed",
         "test_unmarked_computes_too_long": "failed",
         "test_slow_computes_long": "passed",
         "test_unmarked_waits_on_the_wall_clock": "failed",
@@ -86,9 +99,10 @@ def test_tiers_fail_what_breaks_their_rules_and_the_budget(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(
         [
             "*test_unmarked_starts_an_interpreter: it started an interpreter (*python -c pass)*",
+            "*test_unmarked_forks_a_peer: it started an interpreter (*peer.py)*",
             "*test_unmarked_computes_too_long: an unmarked (deterministic) test may take 0.25 s*",
             "*time per tier*",
-            "deterministic * 5 tests*",
+            "deterministic * 6 tests*",
             "realtime * 1 tests*",
             "process * 1 tests*",
             "BUDGET EXCEEDED: the deterministic tier took *, over its budget of 0 s*",

@@ -9,7 +9,8 @@ Every test is in one tier:
   exempts a test that is deterministic but heavy (a 128-peer swarm), so that every exemption
   is written down.
 - **realtime**: in-process, on the wall clock (real sockets, the sync facades' loop thread).
-- **process**: starts interpreters (``subprocess``, ``multiprocessing``).
+- **process**: starts interpreters (``subprocess``, ``multiprocessing``, or a child of the
+  fork server, tests/forkserver.py).
 - **lab**: the network lab (network namespaces, root).
 
 A test gets its tier from a marker of its own (``pytestmark`` or a decorator), else from its
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 
 TIERS = ("deterministic", "realtime", "process", "lab")
@@ -144,6 +146,9 @@ class TierGuard:
 
         self._patches.setattr(subprocess.Popen, "__init__", init)
         self._patches.setattr(multiprocessing.process.BaseProcess, "start", start)
+        # a peer forked by the fork server is an interpreter started too
+        hooks = [*forkserver.START_HOOKS, self._note_spawn]
+        self._patches.setattr(forkserver, "START_HOOKS", hooks)
 
     def _note_spawn(self, what: str) -> None:
         if self._running is not None and self._running.spawned is None:

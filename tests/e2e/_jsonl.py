@@ -1,5 +1,6 @@
 """A peer process of the end-to-end tests that speaks JSON lines: its events on stdout (one
-object per line, read by a thread into a queue), commands on stdin, stderr in a log file."""
+object per line, read by a thread into a queue), commands on stdin, stderr in a log file; a
+child of the tests' fork server (tests/forkserver.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import forkserver
+
 
 class JsonLinesPeer:
     """``argv`` run as peer ``index``, its stderr in ``log_dir/peer{index}.log``.
@@ -26,7 +29,7 @@ class JsonLinesPeer:
         self.log_path = log_dir / f"peer{index}.log"
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(
+            self.proc = forkserver.popen(
                 list(argv),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -51,7 +52,7 @@ class _Proc:
     def __init__(self, index: int, log: Path) -> None:
         self.index = index
         self._log = log.open("w")
-        self.proc = subprocess.Popen(
+        self.proc = forkserver.popen(
             [sys.executable, str(PEER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 
 pytestmark = pytest.mark.process
@@ -28,7 +29,7 @@ def _script() -> str:
 def test_the_quickstart_script_trains_two_peers_together(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(_script())
-    first = subprocess.Popen(
+    first = forkserver.popen(
         [sys.executable, str(script), "0", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -40,7 +41,7 @@ def test_the_quickstart_script_trains_two_peers_together(tmp_path: Path) -> None
         line = first.stdout.readline()
         found = JOIN.match(line)
         assert found, line + (first.stderr.read() if first.stderr else "")
-        second = subprocess.run(
+        second = forkserver.run(
             [sys.executable, str(script), "1", "2", found.group(1)],
             capture_output=True,
             text=True,

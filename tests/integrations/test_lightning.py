@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import forkserver
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -625,10 +626,11 @@ class _Peers:
         self.bootstrap = swarmavg.DHT()
         self.env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            # (the checkout first, then ours: the transports of a checkout without an install)
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "SWARMAVG_INITIAL_PEERS": ",".join(self.bootstrap.get_visible_maddrs()),
         }
-        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.procs: dict[int, forkserver.Process] = {}
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.threads: list[threading.Thread] = []
 
@@ -642,7 +644,7 @@ class _Peers:
             "run_id": self.run_id,
         }
         with open(self.out / f"peer{index}.err", "w") as stderr:
-            proc = subprocess.Popen(
+            proc = forkserver.popen(
                 [sys.executable, "-m", "tests.integrations.lightning_peer", json.dumps(config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -650,13 +652,14 @@ class _Peers:
                 text=True,
                 cwd=ROOT,
                 env=self.env,
+                preload=[self.ns, "swarmavg.integrations.lightning"],
             )
         self.procs[index] = proc
         thread = threading.Thread(target=self._read, args=(index, proc), daemon=True)
         thread.start()
         self.threads.append(thread)
 
-    def _read(self, index: int, proc: subprocess.Popen[str]) -> None:
+    def _read(self, index: int, proc: forkserver.Process) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("{"):

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -30,12 +31,18 @@ VICTIM = PEERS - 1
 DEADLINE = 100.0
 
 
+def _pythonpath() -> str:
+    """The checkout first, then this process's PYTHONPATH (the transports of a checkout
+    without an install, as this process has them)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 class _Peers:
     """The peer processes, their events in one queue (a reader thread per process)."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[forkserver.Process] = []
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.deadline = time.monotonic() + DEADLINE
         self.done: set[int] = set()  # (these may exit)
@@ -43,14 +50,14 @@ class _Peers:
     def start(self, index: int, **config: Any) -> None:
         config = {"index": index, "out": str(self.tmp_path), **config}
         stderr = open(self.tmp_path / f"peer{index}.err", "w")  # noqa: SIM115 (closed by Popen's owner)
-        proc = subprocess.Popen(
+        proc = forkserver.popen(
             [sys.executable, "-m", "tests.optim.decentralized_peer", json.dumps(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": _pythonpath()},
         )
         stderr.close()
         self.procs.append(proc)
