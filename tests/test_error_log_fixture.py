@@ -48,8 +48,8 @@ def test_expects_an_error():
 def test_a_test_that_logs_an_error_fails_at_teardown(tmp_path: Path) -> None:
     conftest = Path(__file__).with_name("conftest.py").read_text()
     (tmp_path / "conftest.py").write_text(conftest)
-    tiers = Path(__file__).with_name("tiers.py")  # (the conftest's plugin)
-    (tmp_path / "tiers.py").write_text(tiers.read_text())
+    for helper in ("tiers.py", "forkserver.py"):  # (the conftest's plugin and what it closes)
+        (tmp_path / helper).write_text(Path(__file__).with_name(helper).read_text())
     (tmp_path / "test_cases.py").write_text(CASES)
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\naddopts = --strict-markers\nmarkers =\n    allow_error_log: expected\n"
