@@ -740,8 +740,9 @@ class AllReduceService(AllReduceRunner):
                     try:
                         answer = await call.receive()
                     except StopAsyncIteration:
-                        round_.feed(ReducerEnded(reducer))  # (raises EndedEarly)
-                        raise
+                        # (raises EndedEarly, unless we gave up on it meanwhile)
+                        round_.feed(ReducerEnded(reducer))
+                        return
                     came = anyio.current_time()
                     for decode in round_.feed(AnswerCame(reducer, answer)):
                         local = out.buffers[parts[decode.index].buffer]

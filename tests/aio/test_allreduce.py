@@ -1087,3 +1087,31 @@ async def test_a_faulty_sender_and_a_silent_reducer_are_given_up_on_at_the_exact
     want = np.arange(40, dtype=np.float32)
     want[:4] += 50
     np.testing.assert_array_equal(values[0][:span], want[:span])
+
+
+async def test_a_reducer_that_ends_its_answers_early_leaves_its_span_local() -> None:
+    """Member 1's node answers member 0's call with the weights and then ends the stream (it
+    runs no round of its own, so member 0 leaves it out of its span after ``sender_timeout``):
+    member 0's round completes with member 1's span at its own values, the fault typed, not an
+    ExceptionGroup (Trust I's F12)."""
+    layout = FlatLayout((TensorSpec((40,), "float32"),))
+    async with _nodes(2) as nodes:
+        group = _group(nodes)
+        AllReduceService.for_node(nodes[0])
+
+        async def ends_early(requests: AsyncIterator[Message], ctx: Any) -> AsyncIterator[Message]:
+            await anext(requests)
+            yield AvgWeights([1.0, 1.0])
+
+        nodes[1].rpc.register("avg.allreduce", ends_early, kind="bidi", request_type=Message)
+        values = np.arange(40, dtype=np.float32)
+        config = RoundConfig(part_size=4, timeout=60, sender_timeout=3, reducer_timeout=5)
+        with anyio.fail_after(30):
+            result = await AllReduceService.for_node(nodes[0]).run(
+                group, [values], layout, config=config
+            )
+    [(reducer, part, reason)] = result.local_spans
+    assert (reducer, part, reason.fault) == (1, 0, Fault.ENDED_EARLY)  # type: ignore[attr-defined]
+    assert "ended its answers after 0 of 5" in reason
+    assert result.seconds == pytest.approx(3.0, abs=1e-3)  # (member 1 never began: left out)
+    np.testing.assert_array_equal(values, np.arange(40, dtype=np.float32))
