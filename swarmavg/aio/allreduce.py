@@ -389,7 +389,6 @@ class AllReduceService(AllReduceRunner):
                 and self.node.connection_to(member.peer_id) is None
             ):
                 round_.leave(index, Fault.LOST, "its connection was lost")
-        senders = group.senders
         self._rounds[group.group_id] = round_
         waiting = self._waiting.pop(group.group_id, None)
         if waiting is not None:
@@ -442,39 +441,26 @@ class AllReduceService(AllReduceRunner):
             raise AllReduceFailed(round_.left)
         if applied.relayable:
             self._relays.remember(group.group_id, applied)
-        report = machine.report
+        report = machine.finish()
         result.bytes_received += round_.bytes_received
         result.bytes_sent += round_.bytes_sent
         result.received_log += round_.received_log
         result.sent_log += round_.sent_log
         result.seconds = anyio.current_time() - started
         result.reduced = spans[me]
-        result.clipped = sorted(report.clipped)
+        result.clipped = list(report.clipped)
         if report.clipped:
             logger.info(
                 "all-reduce %s: clipped the contributions of members %s to our span",
                 group.group_id.hex()[:8],
                 result.clipped,
             )
-        for sender, (first, reason) in machine.excluded.items():
-            result.dropped.append((me, sender, first, reason))
-        result.nonfinite = sorted(set(result.nonfinite) | report.nonfinite)
-        others = [i for i, parts in enumerate(plans) if parts and i != me]
-        failed = {reducer for reducer, first, _ in result.local_spans if first == 0}
-        if mode is not MemberMode.AUX and not round_.parts and others and set(others) <= failed:
-            raise AllReduceFailed(
-                "nothing was averaged: "
-                + "; ".join(f"member {r}: {why}" for r, _, why in result.local_spans)
-            )
-        # every member agrees on who contributed: each reducer tells every sender all weights
-        if round_.parts:
-            weights = dict(machine.weights)
-        else:
-            weights = dict(machine.told)
-            if mode is not MemberMode.AUX:
-                weights.setdefault(me, float(weight))
-        result.contributors = [i for i in senders if weights.get(i, 0.0) > 0]
-        result.total_weight = sum(weights.get(i, 0.0) for i in senders)
+        result.dropped += [(me, sender, first, why) for sender, first, why in report.excluded]
+        result.nonfinite = sorted(set(result.nonfinite) | set(report.nonfinite))
+        if report.failed is not None:
+            raise AllReduceFailed(report.failed)
+        result.contributors = list(report.contributors)
+        result.total_weight = report.total_weight
         return result
 
     def _pace(self, round_: _Round, peer: PeerID) -> None:

@@ -20,7 +20,8 @@ ended or broke, a member left, a timer fired); its outputs are *actions* the dri
 (:mod:`swarmavg.aio.allreduce`) pulls with :meth:`ButterflyRound.actions` and carries out
 (decode a compressed part, answer and apply a reduced mean, write an answered mean, end a
 sender's call, stop waiting for a reducer), and :meth:`ButterflyRound.deadline`, when the driver
-must send :class:`Tick`. Nothing here reads a clock or does I/O: every event comes with ``now``
+must send :class:`Tick`. Once the round is over here, :meth:`ButterflyRound.finish` gives its
+:class:`RoundReport`. Nothing here reads a clock or does I/O: every event comes with ``now``
 (the driver's clock, ``anyio.current_time()``), so the tests run it on numbers.
 
 Everything a groupmate sends enters through :meth:`ButterflyRound.receive`; a message that
@@ -148,6 +149,7 @@ __all__ = [
     "RelayReader",
     "RoundConfig",
     "RoundProtocolError",
+    "RoundReport",
     "SenderBroke",
     "SenderEnded",
     "SenderStage",
@@ -617,6 +619,25 @@ class _Report:
     nonfinite: set[int] = field(default_factory=set)
 
 
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What a round did here, once it is over (:meth:`ButterflyRound.finish`)."""
+
+    #: the members whose values went into the mean with a positive weight (every member
+    #: agrees: each reducer tells every sender all weights)
+    contributors: tuple[int, ...]
+    total_weight: float
+    #: the senders left out of our span: ``(sender, first part, why)``
+    excluded: tuple[tuple[int, int, Reason], ...]
+    #: the senders whose contributions to our span were clipped (``clip_norm``)
+    clipped: tuple[int, ...]
+    #: the members whose values or means held NaN or an infinity
+    nonfinite: tuple[int, ...]
+    #: why nothing was averaged here (every other span kept our values from its first part,
+    #: and we reduce none), or ``None``
+    failed: str | None
+
+
 class ButterflyRound:
     """One member's state of one round (see the module docstring).
 
@@ -773,6 +794,34 @@ class ButterflyRound:
                 self._member_left(event.member, Reason(event.fault, event.detail))
             case Tick():
                 self._timers(now)
+
+    def finish(self) -> RoundReport:
+        """The round's report, once the driver is done with it (after any relay, which may
+        have filled parts of :attr:`report`'s ``local_spans``)."""
+        me = self.me
+        others = [i for i, parts in enumerate(self.plans) if parts and i != me]
+        spans = self.report.local_spans
+        lost = {reducer for reducer, first, _ in spans if first == 0}
+        failed = None
+        if self.sending and not self.parts and others and set(others) <= lost:
+            failed = "nothing was averaged: " + "; ".join(
+                f"member {r}: {why}" for r, _, why in spans
+            )
+        if self.parts:
+            weights = dict(self.weights)
+        else:
+            weights = dict(self.told)
+            if self.sending:
+                weights.setdefault(me, self.weights.get(me, 0.0))
+        senders = self.group.senders
+        return RoundReport(
+            contributors=tuple(i for i in senders if weights.get(i, 0.0) > 0),
+            total_weight=sum(weights.get(i, 0.0) for i in senders),
+            excluded=tuple((s, first, why) for s, (first, why) in self.excluded.items()),
+            clipped=tuple(sorted(self.report.clipped)),
+            nonfinite=tuple(sorted(self.report.nonfinite)),
+            failed=failed,
+        )
 
     # -- moves ------------------------------------------------------------------------------------
 

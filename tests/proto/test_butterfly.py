@@ -52,6 +52,7 @@ from swarmavg.proto.butterfly import (
     Reason,
     Reduced,
     ReducerEnded,
+    ReducerFailed,
     RelayReader,
     RoundConfig,
     SenderBroke,
@@ -390,3 +391,31 @@ def test_relay_requests_and_leave_notices_are_checked_against_the_group() -> Non
         check_leave(AvgLeave(group.group_id, 1, "x"), group, PEERS[2])
     with pytest.raises(Malformed):
         check_leave(AvgLeave(group.group_id, -1, "x"), None, PEERS[1])
+
+
+def test_the_report_says_who_contributed_and_fails_a_round_where_nothing_was_averaged() -> None:
+    machine = _round()
+    for index, part in enumerate(machine.parts):
+        machine.receive(OwnPart(index, _values(0, index, part.size)), 100.0)
+    machine.receive(Began(1, PEERS[1], 2.0), 100.0)
+    machine.receive(Began(2, PEERS[2], 0.0), 100.0)
+    _deliver(machine, 1, 2, 100.0)
+    machine.receive(SenderBroke(1), 100.5)
+    report = machine.finish()
+    assert (report.contributors, report.total_weight) == ((0, 1), 3.0)
+    assert [(s, first, why.fault) for s, first, why in report.excluded] == [(1, 2, Fault.BROKE_OFF)]
+    assert report.failed is None
+    # a member that reduces nothing, whose every reducer kept its values from part 0: failed
+    members = list(_group().members)
+    members[0] = GroupMember(PEERS[0], None, None, MemberMode.CLIENT)  # (a client reduces none)
+    group = Group(os.urandom(16), tuple(members))
+    plans = plan_parts(LAYOUT, group.span_sizes(LAYOUT.numel), PART)
+    assert not plans[0]
+    idle = ButterflyRound(group, 0, plans, LAYOUT, CONFIG, sending=True, now=0.0)
+    idle.own_weight(1.0)
+    for reducer in (1, 2):
+        if plans[reducer]:
+            idle.receive(CallOpened(reducer), 0.0)
+            idle.receive(ReducerFailed(reducer, Fault.BROKE_OFF, "gone"), 0.0)
+    assert idle.finish().failed is not None
+    assert idle.finish().failed.startswith("nothing was averaged")  # type: ignore[union-attr]
