@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from swarmavg.abc import AllReduceResult, Group, MemberMode
+from swarmavg.abc import Group, MemberMode
 from swarmavg.aio._round import _apply
 from swarmavg.errors import AllReduceFailed, SwarmError
 from swarmavg.proto.allreduce import Part
@@ -25,7 +25,6 @@ from swarmavg.proto.averaging_messages import AvgDropped, AvgHave, AvgKeep, AvgP
 from swarmavg.proto.butterfly import (
     Apply,
     Dropped,
-    Malformed,
     NonFiniteData,
     RelayReader,
     check_relay_request,
@@ -157,33 +156,20 @@ class Relays:
                 applied.until = -math.inf
                 del self.recent[group_id]
 
-    async def fetch_missing(
-        self,
-        round_: _Round,
-        result: AllReduceResult,
-        buffers: Sequence[npt.NDArray[Any]],
-        alpha: float,
-        budget: float,
-    ) -> None:
-        """For each reducer whose span we were left with unanswered parts of, fetch them from
-        the groupmate that applied most of that span (see the module docstring)."""
+    async def fetch_missing(self, round_: _Round, budget: float) -> None:
+        """For each reducer whose span ``round_`` was left with unanswered parts of, fetch them
+        from the groupmate that applied most of that span (see the module docstring), within
+        ``budget`` seconds."""
+        assert round_.out is not None
         async with anyio.create_task_group() as tg:
-            for reducer, first, reason in list(result.local_spans):
-                tg.start_soon(
-                    self._relay_span, round_, result, buffers, alpha, budget, reducer, first, reason
-                )
+            for reducer, first, reason in list(round_.out.result.local_spans):
+                tg.start_soon(self._relay_span, round_, budget, reducer, first, reason)
 
     async def _relay_span(
-        self,
-        round_: _Round,
-        result: AllReduceResult,
-        buffers: Sequence[npt.NDArray[Any]],
-        alpha: float,
-        budget: float,
-        reducer: int,
-        first: int,
-        reason: str,
+        self, round_: _Round, budget: float, reducer: int, first: int, reason: str
     ) -> None:
+        assert round_.out is not None
+        result = round_.out.result
         applied = round_.applied
         assert applied is not None
         group = round_.group
@@ -225,9 +211,7 @@ class Relays:
             address = group.members[member].address
             assert address is not None
             try:
-                got = await self._fetch_relayed(
-                    round_, result, buffers, alpha, reducer, got, member, address
-                )
+                got = await self._fetch_relayed(round_, reducer, got, member, address)
                 source = member
             except (SwarmError, OSError, TimeoutError, ValueError) as exc:
                 logger.debug("relay: member %d failed: %s", member, exc)
@@ -251,18 +235,13 @@ class Relays:
             )
 
     async def _fetch_relayed(
-        self,
-        round_: _Round,
-        result: AllReduceResult,
-        buffers: Sequence[npt.NDArray[Any]],
-        alpha: float,
-        reducer: int,
-        first: int,
-        member: int,
-        address: Any,
+        self, round_: _Round, reducer: int, first: int, member: int, address: Any
     ) -> int:
         """Apply the parts of ``reducer``'s span from ``first`` on that ``member`` applied;
         the first part not applied here."""
+        out = round_.out
+        assert out is not None
+        result, buffers, alpha = out.result, out.buffers, out.alpha
         applied = round_.applied
         assert applied is not None
         parts = applied.plans[reducer]
@@ -289,8 +268,7 @@ class Relays:
 
     async def serve(self, ask: AvgRelay, ctx: CallContext) -> AsyncIterator[Message]:
         """A groupmate asks what we applied of a reducer's span (and for those parts)."""
-        if not 0 < len(ask.group_id) <= 64 or ask.reducer < 0 or ask.first < 0:
-            raise Malformed("a malformed relay request")
+        check_relay_request(ask, None, ctx.peer_id)
         round_ = self.rounds.get(ask.group_id)
         applied = round_.applied if round_ is not None else self.recent.get(ask.group_id)
         if applied is None or not applied.holds_results(round_ is not None):

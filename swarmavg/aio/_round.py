@@ -24,7 +24,7 @@ from swarmavg.compression import (
     decompress,
 )
 from swarmavg.errors import AllReduceFailed
-from swarmavg.proto.allreduce import FlatLayout, Part
+from swarmavg.proto.allreduce import FlatLayout, Part, numpy_dtype
 from swarmavg.proto.averaging_messages import (
     AvgCompressedPart,
     AvgDropped,
@@ -219,7 +219,7 @@ class _Round:
 
     def _settle(self, index: int, mean: npt.NDArray[Any] | None) -> None:
         part = self.parts[index]
-        dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
+        dtype = numpy_dtype(self.layout.buffers[part.buffer][0])
         codec = self.codecs[index]
         if mean is None or isinstance(codec, NoCompression):
             self.results[index] = None if mean is None else mean.astype(dtype, copy=False)
@@ -374,10 +374,6 @@ def _apply(local: npt.NDArray[Any], mean: npt.NDArray[Any] | None, alpha: float)
         local[...] = mean
     else:
         local += (mean.astype(local.dtype, copy=False) - local) * alpha
-
-
-def _numpy_dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(np.float32 if name == "bfloat16" else name)
 
 
 def _compress(

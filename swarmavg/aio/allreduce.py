@@ -83,7 +83,6 @@ from swarmavg.aio._round import (
     _decode,
     _in_thread_if_big,
     _log_sent,
-    _numpy_dtype,
     _Outbound,
     _replies,
     _Round,
@@ -104,6 +103,7 @@ from swarmavg.proto.allreduce import (
     Part,
     _all_finite,
     check_tensor_infos,
+    numpy_dtype,
     pacing_plan,
     part_codecs,
     plan_parts,
@@ -320,7 +320,7 @@ class AllReduceService(AllReduceRunner):
             raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
         if mode is not MemberMode.AUX:
             for (dtype, size), buffer in zip(layout.buffers, buffers, strict=True):
-                if buffer.shape != (size,) or buffer.dtype != _numpy_dtype(dtype):
+                if buffer.shape != (size,) or buffer.dtype != numpy_dtype(dtype):
                     raise ValueError(f"a buffer of {size} {dtype} expected, got {buffer.dtype}")
         if not isinstance(compression, CompressionBase | AdaptiveCompression):
             raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
@@ -423,9 +423,7 @@ class AllReduceService(AllReduceRunner):
                     round_.scope,
                     anyio.move_on_after(min(budget, deadline - anyio.current_time())),
                 ):
-                    await self._relays.fetch_missing(
-                        round_, result, buffers, averaging_alpha, budget
-                    )
+                    await self._relays.fetch_missing(round_, budget)
         except TimeoutError:
             raise AllReduceFailed(f"the all-reduce did not finish within {timeout} s") from None
         except AllReduceFailed:
@@ -791,12 +789,16 @@ class AllReduceService(AllReduceRunner):
                     round_.feed(SenderEnded(sender))  # (raises EndedEarly before the last part)
                     break
                 came = anyio.current_time()
-                nbytes = message.nbytes if isinstance(message, AvgCompressedPart) else 0
-                if isinstance(message, AvgPart):
-                    nbytes = message.values.nbytes
+                nbytes = (
+                    message.values.nbytes
+                    if isinstance(message, AvgPart)
+                    else message.nbytes
+                    if isinstance(message, AvgCompressedPart)
+                    else 0
+                )
                 for decode in round_.feed(PartCame(sender, message)):
                     part = round_.parts[decode.index]
-                    dtype = _numpy_dtype(round_.layout.buffers[part.buffer][0])
+                    dtype = numpy_dtype(round_.layout.buffers[part.buffer][0])
                     values = await _decode(decode.message, dtype)
                     round_.feed(PartDecoded(sender, decode.index, values))
                 round_.bytes_received += nbytes

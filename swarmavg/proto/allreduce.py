@@ -38,7 +38,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 import numpy as np
@@ -63,6 +63,7 @@ __all__ = [
     "TensorSpec",
     "check_tensor_infos",
     "load_balance",
+    "numpy_dtype",
     "pacing_plan",
     "part_codecs",
     "plan_parts",
@@ -538,7 +539,7 @@ def pacing_plan(
     their share, they all finish together."""
     if upload_rate is None or not (upload_rate > 0 and math.isfinite(upload_rate)):
         return {}
-    itemsizes = [_itemsize(dtype) for dtype, _ in layout.buffers]
+    itemsizes = [numpy_dtype(dtype).itemsize for dtype, _ in layout.buffers]
 
     def nbytes(parts: Sequence[Part]) -> int:
         return sum(part.size * itemsizes[part.buffer] for part in parts)
@@ -558,8 +559,9 @@ def pacing_plan(
     return {peer: PACING_MARGIN * upload_rate * amount / total for peer, amount in carried.items()}
 
 
-def _itemsize(dtype: str) -> int:
-    return 4 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype a flat buffer of dtype ``name`` is held in (bfloat16 as float32)."""
+    return np.dtype(np.float32 if name == "bfloat16" else name)
 
 
 # -- compression: each part's codec ---------------------------------------------------------------

@@ -96,6 +96,7 @@ from swarmavg.proto.allreduce import (
     Part,
     PartReducer,
     _all_finite,
+    numpy_dtype,
 )
 from swarmavg.proto.averaging_messages import (
     AvgCompressedPart,
@@ -888,7 +889,7 @@ class ButterflyRound:
     def _part_came(self, sender: int, message: Message, now: float) -> None:
         try:
             state, part = self._expect_part(sender, message)
-            dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
+            dtype = numpy_dtype(self.layout.buffers[part.buffer][0])
             if isinstance(message, AvgCompressedPart):
                 _check_declared(message, part.size, dtype)
                 state.last = now
@@ -1083,7 +1084,7 @@ class ButterflyRound:
         ):
             raise OutOfOrder(f"member {reducer} answered out of order")
         part = parts[link.answered]
-        dtype = _numpy_dtype(self.layout.buffers[part.buffer][0])
+        dtype = numpy_dtype(self.layout.buffers[part.buffer][0])
         if isinstance(message, AvgCompressedPart):
             _check_declared(message, part.size, dtype)
             self._move_link(reducer, "compressed", _L.DECODING)
@@ -1200,10 +1201,6 @@ class ButterflyRound:
                     self._give_up(reducer, reason, "timer")
 
 
-def _numpy_dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(np.float32 if name == "bfloat16" else name)
-
-
 def _check_declared(message: AvgCompressedPart, size: int, dtype: np.dtype[Any]) -> None:
     """A compressed part's declared shape and dtype are the part's (checked before anything
     is decoded)."""
@@ -1218,14 +1215,17 @@ def _check_declared(message: AvgCompressedPart, size: int, dtype: np.dtype[Any])
 # -- relays and leave notices ---------------------------------------------------------------------
 
 
-def check_relay_request(ask: AvgRelay, group: Group, peer: PeerID) -> None:
-    """A relay request (``avg.relay``) for ``group``'s round, from ``peer``.
+def check_relay_request(ask: AvgRelay, group: Group | None, peer: PeerID) -> None:
+    """A relay request (``avg.relay``) for ``group``'s round, from ``peer`` (``None``: the
+    round is not known yet; only its form is checked).
 
     :raises Malformed: no group id, or a negative index.
     :raises NotAMember: ``peer`` is not a member, or there is no such reducer.
     """
     if not 0 < len(ask.group_id) <= 64 or ask.reducer < 0 or ask.first < 0:
         raise Malformed("a malformed relay request")
+    if group is None:
+        return
     if not any(m.peer_id == peer for m in group.members):
         raise NotAMember("the caller is not a member of that round")
     if ask.reducer >= len(group.members):
@@ -1309,7 +1309,7 @@ class RelayReader:
             return Apply(self.reducer, index, None, 0)
         part = self.plan[index]
         values = message.values
-        if values.shape != (part.size,) or values.dtype != _numpy_dtype(self.dtypes[part.buffer]):
+        if values.shape != (part.size,) or values.dtype != numpy_dtype(self.dtypes[part.buffer]):
             raise PartMismatch(f"member {source} relayed a wrong shape or dtype")
         if not _all_finite(values):
             raise NonFiniteData(f"member {source} relayed non-finite values")
