@@ -177,6 +177,8 @@ class _Peer:
             "contributors": len(result.contributors),
             "bytes_sent": int(result.bytes_sent),
             "bytes_received": int(result.bytes_received),
+            # (what it announces for the split; None before a round measured it)
+            "bandwidth": getattr(self.averager, "measured_bandwidth", None),
         }
 
     def load_state(self, timeout: float) -> dict[str, Any]:
@@ -225,13 +227,21 @@ class _Peer:
                 dht.shutdown()
 
 
-def peer_main(conn: Connection, idle: float) -> None:
-    """The process: answers the driver's requests until told to exit (see the module doc)."""
+def peer_main(conn: Connection, idle: float, tree: str | None = None) -> None:
+    """The process: answers the driver's requests until told to exit (see the module doc).
+    ``tree``: the root of another checkout whose swarmavg (and transports) this process
+    imports instead of the one installed (``averaging.py --baseline``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if tree is not None:
+        root = os.path.abspath(tree)
+        sys.path[:0] = [root] + [os.path.join(root, "transports", t) for t in ("tcp", "quic")]
     import torch
 
-    import swarmavg  # noqa: F401  (imported before the hello: the process is warm from then)
+    import swarmavg  # (imported before the hello: the process is warm from then)
+
+    if tree is not None and not os.path.abspath(swarmavg.__file__).startswith(root + os.sep):
+        raise RuntimeError(f"swarmavg came from {swarmavg.__file__}, not from {tree}")
 
     torch.set_num_threads(1)
     peer = _Peer()

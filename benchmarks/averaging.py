@@ -185,10 +185,13 @@ def _progress(message: str) -> None:
 class _PeerHandle:
     """The driver's end of one peer process (``_averaging_peer.peer_main``)."""
 
-    def __init__(self, ctx: Any, index: int) -> None:
+    def __init__(self, ctx: Any, index: int, tree: str | None = None) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=peer_main, args=(child, WORKER_IDLE), name=f"avg-peer-{index}", daemon=True
+            target=peer_main,
+            args=(child, WORKER_IDLE, tree),
+            name=f"avg-{'base' if tree else 'peer'}-{index}",
+            daemon=True,
         )
         self.proc.start()
         child.close()
@@ -216,14 +219,15 @@ class _PeerHandle:
 
 
 class _Pool:
-    """``size`` warm peer processes; a setting uses the first N of them."""
+    """``size`` warm peer processes; a setting uses the first N of them. ``tree``: another
+    checkout whose swarmavg they import (``--baseline``)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, tree: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.peers: list[_PeerHandle] = []
         try:
             for i in range(size):
-                self.peers.append(_PeerHandle(ctx, i))
+                self.peers.append(_PeerHandle(ctx, i, tree))
             deadline = time.monotonic() + SPAWN_TIMEOUT
             for peer in self.peers:
                 peer.answer(0, "start-up", deadline)
@@ -290,6 +294,8 @@ def _ours_round(
         out["formation_s"] = max(f - s for f, s in zip(formed, starts, strict=True))
         out["matchmaking_s"] = max(a["matchmaking_s"] for a in answers)
         out["bytes_sent_per_peer"] = max(a["bytes_sent"] for a in answers)
+        out["bytes_received"] = [a["bytes_received"] for a in answers]
+        out["bandwidths"] = [a.get("bandwidth") for a in answers]
     return out
 
 
@@ -331,7 +337,14 @@ def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -
             f"{' (warm-up)' if r < args.warmup else ''}: "
             + (
                 f"all-reduce {got['allreduce_s']:.3f} s, round {got['round_s']:.3f} s, "
-                f"formation {got['formation_s']:.3f} s"
+                f"formation {got['formation_s']:.3f} s, received MB "
+                + "/".join(f"{b / 1e6:.0f}" for b in got["bytes_received"])
+                + (
+                    ", measured MB/s "
+                    + "/".join(f"{b / 1e6:.0f}" for b in got["bandwidths"] if b is not None)
+                    if any(b is not None for b in got["bandwidths"])
+                    else ""
+                )
                 if got["ok"]
                 else f"FAILED {got['errors'][:2]}"
             )
@@ -364,15 +377,70 @@ def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -
 
 
 def _run_ours_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Every (encryption, N) setting, plain first; ``{"plain-4": {...}, ...}``."""
+    """Every (encryption, N) setting, plain first; ``{"plain-4": {...}, ...}``. With
+    ``--baseline``, each setting runs ``--repeats`` times on this checkout's code and as often
+    on the baseline's, taking turns (ours, baseline, ours, ...), each on its own warm pool:
+    ``{"plain-4": ..., "baseline-plain-4": ...}``, each the rounds of all its runs pooled
+    (:func:`_pooled`)."""
     jobs: list[tuple[str, str, Callable[[_Pool], dict[str, Any]]]] = []
+    sides = [("", None), ("baseline-", args.baseline)] if args.baseline else [("", None)]
     for encryption in (False, True):
         if args.encrypted if encryption else args.plain:
             for n in args.peers:
                 kind = "encrypted" if encryption else "plain"
                 run = functools.partial(_run_ours, n=n, encryption=encryption, args=args)
-                jobs.append((f"{kind}-{n}", f"running swarmavg N={n} {kind} ...", run))
-    return _run_on_one_pool(max(args.peers), jobs)
+                for rep in range(args.repeats):
+                    for side, tree in sides:
+                        who = f"baseline ({tree})" if tree else "swarmavg"
+                        line = f"running {who} N={n} {kind}, run {rep + 1}/{args.repeats} ..."
+                        jobs.append((f"{side}{kind}-{n}#{rep}", line, run))
+    pools: dict[str, str | None] = {"": None}
+    if args.baseline:
+        pools["baseline-"] = args.baseline
+    runs = _run_on_pools(max(args.peers), pools, jobs)
+    return {
+        key: _pooled([runs[k] for k in runs if k.split("#")[0] == key])
+        for key in {k.split("#")[0] for k in runs}
+    }
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one setting as one: the rounds of all of them, their statistics over those;
+    ``run_medians`` holds each run's own median all-reduce and CPU (the first failure, if every
+    run failed)."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    if len(runs) == 1:
+        return {**good[0], "runs": 1}
+    out = dict(good[0])
+    rounds = [r for run in good for r in run["per_round"]]
+    out["per_round"] = rounds
+    out["rounds_ok"] = len(rounds)
+    out["rounds"] = sum(run["rounds"] for run in good)
+    out["failures"] = [f for run in good for f in run["failures"]]
+    out["max_abs_error"] = max(run["max_abs_error"] for run in good)
+    for key in (
+        "allreduce_s",
+        "allreduce_wall_s",
+        "round_s",
+        "formation_s",
+        "matchmaking_s",
+        "start_skew_s",
+        "process_cpu_s",
+        "process_sys_s",
+        "machine_cpu_s",
+        "foreign_cpu_s",
+        "foreign_per_s",
+    ):
+        out[key] = stats([r[key] for r in rounds if r.get(key) is not None])
+    out["runs"] = len(runs)
+    out["run_errors"] = [r["error"] for r in runs if "error" in r]
+    out["run_medians"] = [
+        {k: (run.get(k) or {}).get("median") for k in ("allreduce_s", "process_cpu_s")}
+        for run in good
+    ]
+    return out
 
 
 def _run_on_one_pool(
@@ -380,23 +448,34 @@ def _run_on_one_pool(
 ) -> dict[str, dict[str, Any]]:
     """``{key: run(pool)}`` for each (key, progress line, run) of ``jobs`` in turn, on one pool
     of ``size`` processes; a job that fails gets ``{"error": ...}`` and the next a fresh pool."""
+    return _run_on_pools(size, {"": None}, jobs)
+
+
+def _run_on_pools(
+    size: int,
+    trees: dict[str, str | None],
+    jobs: list[tuple[str, str, Callable[[_Pool], dict[str, Any]]]],
+) -> dict[str, dict[str, Any]]:
+    """As :func:`_run_on_one_pool`, with one pool per entry of ``trees`` (a key prefix: the
+    checkout its processes import, ``None`` for this one); a job runs on the pool whose prefix
+    its key starts with (the longest)."""
     results: dict[str, dict[str, Any]] = {}
-    pool: _Pool | None = None
+    pools: dict[str, _Pool] = {}
     try:
         for key, line, run in jobs:
             _progress(line)
+            side = max((p for p in trees if key.startswith(p)), key=len)
             try:
-                if pool is None:
-                    pool = _Pool(size)
-                results[key] = run(pool)
+                if side not in pools:
+                    pools[side] = _Pool(size, trees[side])
+                results[key] = run(pools[side])
             except Exception as exc:
                 results[key] = {"error": _error(exc)}
                 _progress(f"  failed: {results[key]['error']}")
-                if pool is not None:  # a process may be stuck: start afresh for the next one
-                    pool.close()
-                    pool = None
+                if side in pools:  # a process may be stuck: start afresh for the next one
+                    pools.pop(side).close()
     finally:
-        if pool is not None:
+        for pool in pools.values():
             pool.close()
     return results
 
@@ -874,6 +953,17 @@ def _rows(
                     text,
                 )
             )
+    if args.baseline:  # 1b. the same against the baseline checkout
+        for kind, n in settings:
+            base = ours.get(f"baseline-{kind}-{n}", {})
+            mine = ours.get(f"{kind}-{n}", {})
+            for label, metric, unit in (
+                (f"all-reduce, group formed, N={n} {kind}", "allreduce_s", "s"),
+                (f"CPU s per round, processes, N={n} {kind}", "process_cpu_s", "CPU s"),
+            ):
+                row = _row(label, mine.get(metric), "baseline", base.get(metric), None)
+                row["unit"] = unit
+                rows.append(row)
     for kind, n in settings:  # 4. CPU per round
         mine = ours.get(f"{kind}-{n}", {})
         for label, metric in (
@@ -948,6 +1038,15 @@ def _notes(
             f"known to last done) median {_median(got['allreduce_wall_s']) or 0:.3f} s"
         )
         foreign.append((f"swarmavg {key}", _median(got.get("foreign_per_s"))))
+        if got.get("run_medians"):
+            notes.append(
+                f"  {key}: {got['runs']} runs, each one's median all-reduce / CPU: "
+                + ", ".join(
+                    f"{m['allreduce_s'] or 0:.3f} s / {m['process_cpu_s'] or 0:.2f} CPU s"
+                    for m in got["run_medians"]
+                )
+                + (f"; failed runs: {got['run_errors']}" if got.get("run_errors") else "")
+            )
         for failure in got["failures"][:2]:
             notes.append(f"  failed round {failure['round']}: {failure['errors'][:2]}")
     for n, got in gloo.items():
@@ -1043,6 +1142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, help="float32 elements per peer (default 16 Mi)")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5, --quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument(
+        "--baseline",
+        metavar="TREE",
+        help="another checkout (e.g. `git worktree add /tmp/base <commit>`) run beside ours",
+    )
+    parser.add_argument(
+        "--repeats", type=int, help="runs of each setting (default 1, with --baseline 2)"
+    )
     parser.add_argument("--gloo-iters", type=int, help="timed gloo calls (default 10)")
     parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--encrypted", action=argparse.BooleanOptionalAction, default=True)
@@ -1163,6 +1270,12 @@ def main(argv: list[str] | None = None) -> int:
         args.codec_rounds = 2 if args.quick else 3
     if args.codec_peers < 2 or args.codec_size < 1 or args.codec_rounds < 1:
         parser.error("--codec-peers must be >= 2, --codec-size and --codec-rounds >= 1")
+    if args.repeats is None:
+        args.repeats = 2 if args.baseline else 1
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.baseline is not None and not (Path(args.baseline) / "swarmavg").is_dir():
+        parser.error(f"--baseline {args.baseline}: no swarmavg package there")
     if args.size is None:
         args.size = MiB if args.quick else 16 * MiB
     if args.rounds is None:

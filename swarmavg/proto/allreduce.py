@@ -20,12 +20,19 @@ help) or under ``min_vector_size`` reduce nothing and the others share their par
 filling). Members with bandwidth 0 (client-mode peers, which nobody can dial) reduce nothing; a
 bandwidth of ``None`` means "the mean of the others'".
 
-Bandwidths within a factor of :data:`SAME_BANDWIDTH` of the median of the group's (positive)
-ones count as that median. A measured bandwidth is noisy by several percent, and the split
-above amplifies differences (at ``n = 8`` a member 8% above the others reduces ~18% more than
-they do, and the round waits for it): on ``wan`` with 8 peers of equal links, splitting by
-measurements 12.1-13.9 MB/s made rounds ~6% slower than the even split. Differences that matter
-(a 1 Gbit/s peer among 50 Mbit/s ones) are far outside it and kept as they are.
+Bandwidths within a factor of :data:`SAME_BANDWIDTH` (2) of the median of the group's
+(positive) ones count as that median. A measured bandwidth is noisy, and the split above
+amplifies differences (at ``n = 8`` a member 8% above the others reduces ~18% more than they
+do, and the round waits for it): on ``wan`` with 8 peers of equal links, splitting by
+measurements 12.1-13.9 MB/s made rounds ~6% slower than the even split. Where the CPU, not a
+link, bounds the transfers (loopback, a fast LAN), the measurements of equal peers differ by up
+to 2x from round to round (177-379 MB/s in one round of 4 on loopback), and a split that follows
+them feeds back: the member given more to reduce keeps the others waiting on it and so measures
+the fastest stretch, its estimate grows, and it gets more (on loopback, 4 peers, 64 MiB: one
+member came to reduce twice the others' share within 10 rounds, measured at 1047 MB/s against
+440-514, and rounds took 0.33 s instead of 0.22 s). Differences that matter (a 1 Gbit/s peer
+among 50 Mbit/s ones: 110 and 6 MB/s measured on the lab) are far outside it and kept as they
+are.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PACING_MARGIN",
     "PACING_MAX_PEERS",
+    "PACING_MAX_RATE",
     "PACING_MIN_BYTES",
     "SAME_BANDWIDTH",
     "AccumulatorPool",
@@ -153,7 +161,7 @@ class FlatLayout:
 
 #: bandwidths within this factor of the group's median count as the median (see the module
 #: docstring, "Load balancing")
-SAME_BANDWIDTH: Final = 1.2
+SAME_BANDWIDTH: Final = 2.0
 
 
 def load_balance(
@@ -516,6 +524,12 @@ PACING_MIN_BYTES: Final = 16 << 20
 #: even enough by themselves, and caps cost more at the round's end than they saved (on the
 #: network lab, 8% at 6 peers and 9% at 8; docs/design/averaging.md).
 PACING_MAX_PEERS: Final = 3
+#: ... and only at upload rates (bytes/s) up to this (400 Mbit/s): above it the round is
+#: bound by the CPU, not by a shared queue at the access link, and a paced connection costs
+#: more CPU per byte (the kernel's timers and smaller bursts). On loopback (2 CPUs, 4 peers,
+#: 64 MiB) paced rounds took 0.37 s against 0.21 s unpaced; on the lab's 1 Gbit/s ``lan``
+#: paced connections cost ~25% more CPU per byte (docs/design/averaging.md).
+PACING_MAX_RATE: Final = 50e6
 
 
 def pacing_plan(
@@ -529,15 +543,15 @@ def pacing_plan(
     """The pacing cap (bytes/s) of our connection to each member this round sends to: our
     ``upload_rate`` split in proportion to what we send each (our values of its span, and
     the means of our span it receives), times ``PACING_MARGIN``; empty (no pacing) without
-    a rate, with fewer than two or more than ``PACING_MAX_PEERS`` members to send to, or
-    under ``PACING_MIN_BYTES`` in all.
+    a rate or with one over ``PACING_MAX_RATE``, with fewer than two or more than
+    ``PACING_MAX_PEERS`` members to send to, or under ``PACING_MIN_BYTES`` in all.
 
     Why: the connections of one upload share one queue (at the access link, usually
     first-in first-out), and TCP's congestion control does not share it evenly: on the
     network lab one of a host's three connections ran at about twice the rate of the others
     for whole rounds, and the means of the last parts waited for the slowest one. Capped at
     their share, they all finish together."""
-    if upload_rate is None or not (upload_rate > 0 and math.isfinite(upload_rate)):
+    if upload_rate is None or not 0 < upload_rate <= PACING_MAX_RATE:
         return {}
     itemsizes = [numpy_dtype(dtype).itemsize for dtype, _ in layout.buffers]
 

@@ -24,7 +24,13 @@ from swarmavg.aio.allreduce import (
 )
 from swarmavg.aio.node import Node
 from swarmavg.identity import Identity
-from swarmavg.proto.allreduce import FlatLayout, TensorSpec, pacing_plan, plan_parts
+from swarmavg.proto.allreduce import (
+    PACING_MAX_RATE,
+    FlatLayout,
+    TensorSpec,
+    pacing_plan,
+    plan_parts,
+)
 from swarmavg.testing import MemoryNetwork, run_on_virtual_time
 
 MIB = 1 << 20
@@ -70,7 +76,7 @@ def test_shares_follow_what_each_connection_carries() -> None:
     # member 2 reduces more than the others; member 3 is a client: no span, our means only
     group = _group(
         [MemberMode.NODE, MemberMode.NODE, MemberMode.NODE, MemberMode.CLIENT],
-        [4.0, 4.0, 6.0, 1.0],
+        [4.0, 4.0, 10.0, 1.0],
     )
     spans = group.span_sizes(layout.numel)
     assert spans[3] == 0
@@ -95,6 +101,13 @@ def test_nothing_is_paced_without_a_rate_a_choice_or_enough_bytes_or_with_many_p
     assert _plan(four, 0, big, True, float("nan")) == [None] * 4
     assert _plan(four, 0, big, True, 0.0) == [None] * 4
     assert _plan(four, 0, small, True, 12e6) == [None] * 4
+    # a fast upload: the CPU, not a shared queue, bounds the round (loopback, a LAN)
+    assert (
+        _plan(four, 0, big, True, PACING_MAX_RATE)
+        == [None] + [pytest.approx(PACING_MAX_RATE / 3)] * 3
+    )
+    assert _plan(four, 0, big, True, PACING_MAX_RATE * 1.01) == [None] * 4
+    assert _plan(four, 0, big, True, float("inf")) == [None] * 4
     # one connection has nothing to share its upload with
     assert _plan(_group([MemberMode.NODE] * 2), 0, big, True, 12e6) == [None] * 2
     # four or more share it evenly enough by themselves (measured: caps cost more there)

@@ -46,7 +46,7 @@ def test_zero_bandwidth_members_reduce_nothing() -> None:
 
 
 def test_a_slow_member_gets_less_and_a_very_slow_one_nothing() -> None:
-    shares = load_balance(1_000_000, [1.0, 1.0, 1.0, 0.5])
+    shares = load_balance(1_000_000, [1.0, 1.0, 1.0, 0.4])
     assert shares[3] < shares[0]
     shares = load_balance(1_000_000, [1.0, 1.0, 1.0, 0.05])
     assert shares[3] == 0
@@ -54,7 +54,7 @@ def test_a_slow_member_gets_less_and_a_very_slow_one_nothing() -> None:
 
 def test_min_vector_size_leaves_small_shares_to_others() -> None:
     assert load_balance(100, [1.0] * 4, min_vector_size=30) == [34, 33, 33, 0]
-    assert load_balance(100, [1.0, 3.0], min_vector_size=1000) == [0, 100]
+    assert load_balance(100, [1.0, 5.0], min_vector_size=1000) == [0, 100]
 
 
 def test_bandwidths_within_measurement_noise_split_evenly() -> None:
@@ -64,9 +64,13 @@ def test_bandwidths_within_measurement_noise_split_evenly() -> None:
     assert load_balance(8000, measured) == [1000] * 8
     assert load_balance(8000, [12.1, 13.9, 12.6, 13.3, 12.6, 12.1, 12.7, 12.6]) == [1000] * 8
     assert load_balance(4000, [1.0, 1.0, 1.0, SAME_BANDWIDTH * 0.99]) == [1000] * 4
+    # CPU-bound peers (loopback, MB/s): their measurements of one round, and the runaway
+    # that a split by them started (see the module docstring)
+    assert load_balance(4000, [246, 379, 373, 177]) == [1000] * 4
+    assert load_balance(4000, [440, 514, 1047, 447]) != [1000] * 4
     # beyond it, a difference is real and followed; far beyond, exactly as given
     shares = load_balance(4000, [1.0, 1.0, 1.0, SAME_BANDWIDTH * 1.01])
-    assert shares[3] > 1000 > shares[0] == shares[1] == shares[2]
+    assert shares[3] > 1000 > max(shares[:3]) and max(shares[:3]) - min(shares[:3]) <= 1
     assert load_balance(10**6, [1e9, 1e9, 5e7, 5e7]) == load_balance(10**6, [20.0, 20.0, 1.0, 1.0])
     assert load_balance(10**6, [20.0, 20.0, 1.0, 1.0]) != [250_000] * 4
 
