@@ -338,7 +338,12 @@ class AllReduceService(AllReduceRunner):
                 }
                 | {("mean", p.buffer, p.start, p.stop) for p in plans[me]}
             )
-        own_nonfinite = mode is not MemberMode.AUX and weight > 0 and not self._finite(buffers)
+        own_nonfinite = (
+            config.check_values
+            and mode is not MemberMode.AUX
+            and weight > 0
+            and not self._finite(buffers)
+        )
         if own_nonfinite:
             logger.warning(
                 "all-reduce %s: our own values hold NaN or an infinity: we take the group's"

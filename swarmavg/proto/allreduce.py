@@ -330,9 +330,12 @@ class PartReducer:
         values: npt.NDArray[np.floating],
         weight: float,
         max_norm: float | None = None,
+        *,
+        checked: bool = False,
     ) -> bool:
         """Add ``sender``'s values with ``weight`` (>= 0), scaled down to an L2 norm of
-        ``max_norm`` first if they are longer.
+        ``max_norm`` first if they are longer. ``checked``: the caller knows that they are
+        finite (they are not checked again).
 
         :returns: whether the values were clipped.
         :raises ValueError: an unexpected or repeated sender, a wrong size, a bad weight or
@@ -346,7 +349,7 @@ class PartReducer:
             raise ValueError(f"a part of {self.size} values, got shape {values.shape}")
         if not (weight >= 0 and math.isfinite(weight)):
             raise ValueError(f"a weight is a finite number >= 0, not {weight!r}")
-        if weight > 0 and not _all_finite(values):
+        if weight > 0 and not checked and not _all_finite(values):
             raise NonFiniteValues(f"member {sender} sent non-finite values")
         if max_norm is not None and not (max_norm >= 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm is a finite number >= 0, not {max_norm!r}")

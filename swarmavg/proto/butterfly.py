@@ -194,6 +194,11 @@ class RoundConfig:
     :param min_vector_size: a member whose share of the vector would be smaller reduces none.
     :param clip_norm: each contribution to a part of our span is scaled down to an L2 norm of
         ``clip_norm · sqrt(part size / vector size)`` if longer (``None``: no clipping).
+    :param check_values: check our own values for NaN and infinities before the round (a member
+        whose values are not finite takes the group's mean without contributing to it). A
+        caller that checked them just before passes ``False`` (the averager does: one pass
+        over the vector less); the parts of our own span are then checked as they are added,
+        and every groupmate checks what it receives anyway.
     """
 
     part_size: int = 1 << 16
@@ -203,6 +208,7 @@ class RoundConfig:
     averaging_alpha: float = 1.0
     min_vector_size: int = 0
     clip_norm: float | None = None
+    check_values: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.part_size, bool) or not isinstance(self.part_size, int):
@@ -227,6 +233,8 @@ class RoundConfig:
                 raise TypeError(f"clip_norm must be a number or None, not {norm!r:.40}")
             if not (norm >= 0 and math.isfinite(norm)):
                 raise ValueError(f"clip_norm must be a finite number >= 0, not {norm!r}")
+        if not isinstance(self.check_values, bool):
+            raise TypeError(f"check_values must be a bool, not {self.check_values!r:.40}")
 
 
 # -- faults, reasons, errors ----------------------------------------------------------------------
@@ -954,7 +962,11 @@ class ButterflyRound:
         else:
             try:
                 clipped = self.reducers[index].add(
-                    me, values, self.weights.get(me, 0.0), self._max_norms[index]
+                    me,
+                    values,
+                    self.weights.get(me, 0.0),
+                    self._max_norms[index],
+                    checked=self.config.check_values,  # (then the driver checked them all)
                 )
             except NonFiniteValues:  # (changed since the check: left out, as anyone)
                 self._exclude(me, index, Reason(Fault.OURS, "our own values are not finite"))

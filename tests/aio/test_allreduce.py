@@ -536,6 +536,42 @@ async def test_a_poisoned_sender_is_left_out_and_the_honest_mean_is_exact(bad: s
             np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
 
 
+async def test_values_not_checked_before_the_round_are_refused_where_they_arrive() -> None:
+    """``check_values=False`` (the averager checked them before the round; they changed since):
+    the member's own span leaves its values out as they are added, its groupmates leave out
+    what it sends them, and every member, itself included, ends with the honest mean."""
+    rng = np.random.default_rng(12)
+    async with _nodes(4) as nodes:
+        group = _group(nodes, [MemberMode.NODE] * 4)  # member 3 reduces a span of its own
+        buffers = [_buffers(rng) for _ in nodes]
+        expected = _expected(buffers, [1.0] * 4, [0, 1, 2])
+        for buffer in buffers[3]:
+            buffer[::7] = np.nan
+        config = RoundConfig(timeout=20, check_values=False)
+        outcomes: dict[int, AllReduceResult] = {}
+
+        async def one(i: int) -> None:
+            service = AllReduceService.for_node(nodes[i])
+            outcomes[i] = await service.run(group, buffers[i], LAYOUT, config=config)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+    assert not outcomes[3].own_nonfinite  # (it did not look)
+    for i in range(4):
+        assert not outcomes[i].local_spans
+        dropped = outcomes[i].dropped
+        assert {sender for _, sender, _, _ in dropped} == {3}
+        # (our own span's reason is typed; the others' came as text in their notices)
+        ours = [reason for reducer, _, _, reason in dropped if reducer == i]
+        assert [reason.fault for reason in ours] == [  # type: ignore[attr-defined]
+            Fault.OURS if i == 3 else Fault.NON_FINITE
+        ]
+        for got, want in zip(buffers[i], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(got.dtype) * 4)
+
+
 async def test_a_sender_that_never_comes_is_left_out_after_sender_timeout() -> None:
     rng = np.random.default_rng(13)
     async with _nodes(4) as nodes:

@@ -322,6 +322,7 @@ def test_every_move_the_machine_makes_is_in_its_tables() -> None:
         ({"averaging_alpha": 0.0}, ValueError, "averaging_alpha"),
         ({"min_vector_size": -1}, ValueError, "min_vector_size"),
         ({"clip_norm": -1.0}, ValueError, "clip_norm"),
+        ({"check_values": 1}, TypeError, "check_values"),
     ],
 )
 def test_a_bad_round_config_names_the_argument(
