@@ -323,6 +323,8 @@ def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -
         "request_timeout": args.request_timeout,
         "allreduce_timeout": args.allreduce_timeout,
     }
+    if args.part_size_bytes is not None:
+        options["part_size_bytes"] = args.part_size_bytes
     for i, peer in enumerate(peers):
         peer.call("averager", prefix, n, args.size, float(i), options)
     time.sleep(args.settle)
@@ -1161,6 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allreduce-timeout", type=float, default=120.0)
     parser.add_argument("--averaging-expiration", type=float, default=15.0)
     parser.add_argument("--request-timeout", type=float, default=3.0)
+    parser.add_argument("--part-size-bytes", type=int, help="default: automatic")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before the rounds")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between rounds")
     parser.add_argument(

@@ -72,6 +72,7 @@ from swarmavg.proto.allreduce import (
     FlatLayout,
     TensorSpec,
     _all_finite,
+    numpy_dtype,
     schema_digest,
     schema_text,
 )
@@ -108,6 +109,12 @@ _CHECK_IN_THREAD = 1 << 22
 #: Bounds of the automatic part size (elements).
 _MIN_PART = 1 << 18
 _MAX_PART = 1 << 22
+#: A part (one message) is never larger than this, automatic or given: under half of a
+#: connection's default stream window (16 MiB). A larger message is sent only when no other
+#: one as large is in flight on the connection (swarmavg_tcp), and two members that each
+#: send the other large parts and answer the other's with large means then wait on each
+#: other for good (2 peers, 64 MiB, 8 MiB parts: every round ran into its reducer timeout).
+_MAX_PART_BYTES = 4 << 20
 #: ... and its lower bound where the announced bandwidths make it smaller (``_PART_TAIL``).
 _MIN_SLOW_PART = 1 << 16
 #: Every this many rounds with a measured bandwidth, one is not paced (see ``_upload_rate``).
@@ -299,7 +306,8 @@ class DecentralizedAverager:
     (the longest a peer waits for its group to fill, not a wait; ``min_matchmaking_time`` is
     hivemind 1.1's name for it, accepted instead), ``request_timeout``,
     ``averaging_alpha``, ``part_size_bytes`` (default ``None``: chosen from the tensors' size and
-    the group's; a number must be the same on every peer), ``allreduce_timeout`` (finite by
+    the group's; a number must be the same on every peer; at most 4 MiB are used, one message),
+    ``allreduce_timeout`` (finite by
     default), ``sender_timeout`` and ``reducer_timeout`` (a member silent that long is done
     without, its part kept local; default a quarter and a half of ``allreduce_timeout``),
     ``clip_norm`` (each contribution this peer reduces is scaled down to this L2 norm over the
@@ -814,19 +822,22 @@ class DecentralizedAverager:
 
     def _part_size(self, group: Group) -> int:
         """Elements per part: ``part_size_bytes / 4``, or automatically about a quarter of a
-        span, a power of two between 1 MiB and 16 MiB of float32: enough parts to overlap
+        span, a power of two between 1 MiB and 4 MiB of float32: enough parts to overlap
         sending, reducing and receiving, few enough that Python's cost per part stays far
         below the data's. On slow links, smaller (down to 256 KiB): a reducer answers a part
         only once every sender delivered it, and its last part to every sender only after
         the last values came, so the part is held to what the slowest member (by the
         bandwidths announced, when they are rates) sends to all in about ``_PART_TAIL``
         seconds. (Every member must use the same: the automatic size depends only on what
-        all members share, the tensors and the group.)"""
+        all members share, the tensors and the group.) Never over ``_MAX_PART_BYTES`` of the
+        widest dtype, given or not."""
+        itemsize = max((numpy_dtype(d).itemsize for d, _ in self.layout.buffers), default=4)
+        largest = max(1, _MAX_PART_BYTES // itemsize)
         if self.part_size_bytes is not None:
-            return max(1, self.part_size_bytes // 4)
+            return min(max(1, self.part_size_bytes // 4), largest)
         size = len(group.members)
         quarter_span = max(1, self.layout.numel // (4 * size))
-        elements = min(max(1 << (quarter_span - 1).bit_length(), _MIN_PART), _MAX_PART)
+        elements = min(max(1 << (quarter_span - 1).bit_length(), _MIN_PART), _MAX_PART, largest)
         rates = [
             m.bandwidth
             for m in group.members

@@ -183,6 +183,20 @@ def test_the_part_size_follows_the_slowest_announced_rate(
     assert run_on_virtual_time(main) == [[elements], [elements]]
 
 
+def test_a_part_is_never_a_large_message() -> None:
+    """A quarter of a span of 64 MiB between two is 8 MiB: parts stay at 4 MiB, under half of
+    a connection's stream window, so that two members never wait on each other's large
+    messages (see ``_MAX_PART_BYTES``)."""
+
+    async def main() -> list[list[int]]:
+        async with AsyncExitStack() as stack:
+            averagers, runners = await _pair(stack, 16 << 20, [None, None])
+            await _step_both(averagers)
+            return [runner.part_sizes for runner in runners]
+
+    assert run_on_virtual_time(main) == [[1 << 20], [1 << 20]]
+
+
 def test_small_rounds_measure_nothing() -> None:
     async def main() -> tuple[list[float | None], list[float | None]]:
         async with AsyncExitStack() as stack:
