@@ -5,6 +5,7 @@ beside torch.distributed gloo and hivemind 1.1.12 measured in the same run.
                                    [--rounds R] [--no-gloo] [--no-hivemind] [--no-plain]
                                    [--no-encrypted] [--hivemind-python PATH]
                                    [--main] [--faults [--fault-quick]] [--state] [--codecs]
+                                   [--baseline TREE [--repeats K]] [--part-size-bytes B]
 
 hivemind's side needs a venv with ``hivemind==1.1.12`` (default ``/tmp/hm-venv/bin/python``;
 ``--hivemind-python`` for another); without one its cells say why they are empty.
@@ -39,7 +40,13 @@ its ``StepResult.allreduce_seconds`` a_i, its process CPU time over the call. Pe
   and warn above 0.25 CPU, as it inflates every timing.
 
 A round counts when every peer's step returned a group of N with N contributors; figures are the
-median and min over the counted rounds. After the rounds every tensor must equal the mean
+median and min over the counted rounds.
+
+``--baseline TREE`` (another checkout, e.g. ``git worktree add /tmp/base <commit>``) runs each
+setting of ours ``--repeats`` times (default 2) on this checkout's code and as often with
+processes that import ``swarmavg`` and the transports from ``TREE``, taking turns; its rows
+compare ours with the baseline (the rounds of all runs of a side pooled; the notes give each
+run's median). After the rounds every tensor must equal the mean
 (N-1)/2 (the largest deviation is reported).
 
 gloo (``_averaging_gloo.py``): N rank processes, ``init_process_group("gloo", tcp://127.0.0.1)``,
