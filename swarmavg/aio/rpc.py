@@ -86,6 +86,7 @@ from swarmavg.proto import (
     encoded_size,
     message,
 )
+from swarmavg.proto.text import printable
 
 if TYPE_CHECKING:
     from swarmavg.aio.node import Node
@@ -392,7 +393,12 @@ def _response(
         if msg.code == "timeout":  # the callee's clock ran out before ours
             raise _timed_out(method, timeout)
         cls = MethodNotFound if msg.code == "unknown_method" else RemoteError
-        raise cls(msg.message, code=msg.code, remote_type=msg.error_type)
+        # (the callee's words: they go into our exceptions and logs)
+        raise cls(
+            printable(msg.message),
+            code=printable(msg.code, 40),
+            remote_type=printable(msg.error_type, 80),
+        )
     if isinstance(msg, _CONTROL):
         raise RemoteProtocolError(f"call {method!r} got a {type(msg).__name__} response")
     if response_type is not None and not isinstance(msg, response_type):

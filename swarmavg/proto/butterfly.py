@@ -108,6 +108,7 @@ from swarmavg.proto.averaging_messages import (
     AvgRelay,
     AvgWeights,
 )
+from swarmavg.proto.text import printable
 
 if TYPE_CHECKING:
     from swarmavg.abc._averaging import Group
@@ -1068,7 +1069,7 @@ class ButterflyRound:
             raise TooManyNotices(f"member {reducer} told of more left-out senders than members")
         self._move_link(reducer, "dropped", link.stage)
         if 0 <= notice.sender < members:
-            reason = notice.reason[:_REASON_CHARS]
+            reason = printable(notice.reason, _REASON_CHARS)  # (a peer's words: into our logs)
             self._actions.append(Dropped(reducer, notice.sender, notice.part, reason))
 
     def _weights(self, reducer: int, link: _Link, message: Message) -> None:
@@ -1307,7 +1308,7 @@ class RelayReader:
             self._notices += 1
             if self._notices > self.members or not 0 <= message.sender < self.members:
                 raise TooManyNotices(f"member {source} relayed bad notices")
-            reason = message.reason[:_REASON_CHARS]
+            reason = printable(message.reason, _REASON_CHARS)
             return Dropped(self.reducer, message.sender, message.part, reason)
         index = self.next
         if (

@@ -1424,3 +1424,18 @@ async def test_a_started_call_whose_callee_resets_is_interrupted() -> None:
             await _answer_of(call)
         assert info.value.code in {"interrupted", "no_response"}
         assert left.is_set()
+
+
+def test_a_callees_failure_text_is_escaped_and_bounded() -> None:
+    """Trust I's F16 for calls: what a callee says in its failure answer becomes our
+    exception's text (and so our log lines): newlines and escapes are shown, not obeyed."""
+    from swarmavg.aio.rpc import _response
+
+    failed = CallFailed("handler_error\n", "Value\x1bError", "bad\nWARNING forged" + "y" * 5000)
+    with pytest.raises(RemoteError) as caught:
+        _response(failed, "m", None, None)
+    error = caught.value
+    assert str(error).startswith("bad\\nWARNING forged")
+    assert str(error).isprintable()
+    assert len(str(error)) <= 301
+    assert (error.code, error.remote_type) == ("handler_error\\n", "Value\\x1bError")

@@ -278,6 +278,21 @@ def test_a_reducers_bad_answers_are_typed_and_keep_our_values() -> None:
         assert gave_up.reason.fault is fault, (messages, gave_up)
 
 
+def test_a_peers_words_reach_our_logs_escaped_and_bounded() -> None:
+    """Trust I's F16: a reducer's (or relay's) reason for leaving a sender out, with newlines,
+    ANSI escapes and a bidirectional override, would forge lines in our WARNING log."""
+    forged = "slow\n2026-12-07 WARNING swarmavg: forged \x1b[2K\u202eline" + "x" * 1000
+    machine = _linked()
+    machine.receive(AnswerCame(1, AvgDropped(2, 0, forged)), 100.5)
+    [dropped] = [a for a in machine.actions() if isinstance(a, Dropped)]
+    plan = plan_parts(LAYOUT, _group().span_sizes(LAYOUT.numel), PART)[1]
+    relayed = RelayReader(2, 1, 1, plan, ["float32"], members=3).receive(AvgDropped(0, 1, forged))
+    for reason in (dropped.reason, relayed.reason):  # type: ignore[union-attr]
+        assert reason.isprintable()
+        assert reason.startswith("slow\\n2026-12-07 WARNING swarmavg: forged \\x1b[2K\\u202eline")
+        assert len(reason) <= 201
+
+
 def test_a_reducer_that_ends_its_answers_early_is_a_typed_error_not_a_crash() -> None:
     machine = _linked()
     machine.receive(AnswerCame(1, _weights()), 100.5)
