@@ -857,6 +857,14 @@ class ButterflyRound:
         if not (0 <= sender < len(members)) or sender == self.me:
             raise NotAMember(f"no sender {sender} in this group")
         if members[sender].peer_id != event.peer:
+            # a member that claims another's place broke the protocol: it is left out at
+            # once, not waited for until sender_timeout (Trust I's F14); the member it named
+            # is unharmed
+            caller = next((i for i, m in enumerate(members) if m.peer_id == event.peer), None)
+            if caller is not None and caller in self._senders and caller not in self.excluded:
+                self._exclude(
+                    caller, 0, Reason(Fault.BAD_DATA, f"it claimed to be member {sender}")
+                )
             raise NotAMember("the caller is not the member it claims to be")
         if sender not in self._senders:
             raise NotAMember(f"member {sender} sends nothing to this member")

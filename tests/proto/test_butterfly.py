@@ -186,8 +186,9 @@ def test_garbage_is_refused_with_a_typed_error_and_leaves_the_sender_out_at_once
 
 def test_a_stranger_claiming_a_place_is_refused_and_the_member_it_claims_is_not_harmed() -> None:
     machine = _round()
+    stranger = Identity.generate().peer_id
     with pytest.raises(NotAMember, match="not the member it claims"):
-        machine.receive(Began(1, PEERS[2], 1.0), 100.0)
+        machine.receive(Began(1, stranger, 1.0), 100.0)
     with pytest.raises(NotAMember):
         machine.receive(Began(7, PEERS[1], 1.0), 100.0)
     assert machine.excluded == {}
@@ -197,6 +198,23 @@ def test_a_stranger_claiming_a_place_is_refused_and_the_member_it_claims_is_not_
     assert machine.sender_stage(1) is SenderStage.SENDING
     with pytest.raises(BadWeights):
         machine.receive(Began(2, PEERS[2], float("inf")), 100.0)
+    assert machine.excluded[2][1].fault is Fault.BAD_DATA  # (at once, not at sender_timeout)
+
+
+def test_a_member_claiming_another_members_place_is_left_out_at_once() -> None:
+    """Trust I's F14: the caller is authenticated, so a member that sends another's index is
+    known: it is left out at that moment (its parts complete without it), not waited for
+    until ``sender_timeout``; the member it named is unharmed."""
+    machine = _round()
+    with pytest.raises(NotAMember, match="not the member it claims"):
+        machine.receive(Began(1, PEERS[2], 1.0), 100.0)
+    [excluded] = [a for a in machine.actions() if isinstance(a, Excluded)]
+    assert (excluded.sender, excluded.first) == (2, 0)
+    assert excluded.reason.fault is Fault.BAD_DATA
+    assert "claimed to be member 1" in excluded.reason
+    assert machine.sender_stage(2) is SenderStage.EXCLUDED
+    machine.receive(Began(1, PEERS[1], 1.0), 100.0)
+    assert machine.sender_stage(1) is SenderStage.SENDING
 
 
 def test_a_stream_ended_early_or_broken_off_leaves_the_sender_out_of_what_it_owed() -> None:
