@@ -30,6 +30,12 @@ Process lifecycle:
   and can still use the loop) cancels the outstanding tasks and joins the thread, waiting at most
   ``_EXIT_TIMEOUT`` seconds for their cleanup. After that hook, using the loop raises
   ``RuntimeError`` rather than starting a new thread in a dying interpreter.
+* Stopping the loop starts no thread, because that hook runs while the interpreter finalizes,
+  when Python 3.12 refuses new threads (``can't create new thread at interpreter shutdown``; 3.11
+  and 3.13 allow them in ``atexit`` hooks). ``asyncio.Runner`` ends by joining the loop's default
+  executor (``run_in_executor(None, ...)``, which ``loop.getaddrinfo`` uses) from a new thread;
+  the loop here (:class:`_LoopThreadEventLoop`) shuts that executor down without one, and the
+  loop thread joins its workers briefly, as it does anyio's.
 * Nothing is installed at import time: no signal handlers. Ctrl+C raises ``KeyboardInterrupt``
   in the main thread as usual; waits are sliced so it is delivered promptly, ``run_sync``
   cancels its task, and the ``atexit`` hook stops the loop.
@@ -46,6 +52,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -70,8 +77,45 @@ THREAD_NAME = "swarmavg-loop"
 #: How long the interpreter-exit hook waits for cancelled tasks to finish their cleanup.
 _EXIT_TIMEOUT = 5.0
 
-#: How long a stopping loop thread waits for idle anyio worker threads to exit.
+#: How long a stopping loop thread waits for its idle worker threads (anyio's, the default
+#: executor's) to exit.
 _WORKER_JOIN_TIMEOUT = 1.0
+
+
+if sys.platform == "win32":  # (asyncio's default loop class on each platform)
+    _EventLoop = asyncio.ProactorEventLoop
+else:
+    _EventLoop = asyncio.SelectorEventLoop
+
+
+class _LoopThreadEventLoop(_EventLoop):
+    """asyncio's loop, whose default executor is shut down without starting a thread.
+
+    ``asyncio.Runner`` (under ``anyio.run``) ends with ``loop.shutdown_default_executor()``,
+    which joins the executor from a new thread, and the loop thread stops in an ``atexit``
+    hook, where Python 3.12 refuses to start one. Here the default executor is made with the
+    loop, so its worker threads are known: :meth:`shutdown_default_executor` only tells them to
+    exit (no task is left to wait for the executor by then), and the loop thread joins them,
+    within ``_WORKER_JOIN_TIMEOUT``, after the loop closed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: the default executor's worker threads, each added as it starts
+        self.executor_threads: list[threading.Thread] = []
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix=f"{THREAD_NAME}-executor", initializer=self._worker_started
+        )
+        self.set_default_executor(self._executor)
+
+    def _worker_started(self) -> None:  # a worker thread of the executor
+        self.executor_threads.append(threading.current_thread())
+
+    async def shutdown_default_executor(self, timeout: float | None = None) -> None:
+        # (a call still running in a worker finishes there; cancel_futures drops those not
+        # started. An executor that replaced ours, set_default_executor(), is shut down by
+        # loop.close(), also without a thread.)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _LoopState:
@@ -153,7 +197,12 @@ async def _serve(started: concurrent.futures.Future[_LoopState]) -> None:
 
 def _run_loop_thread(started: concurrent.futures.Future[_LoopState]) -> None:
     try:
-        anyio.run(_serve, started, backend="asyncio")
+        anyio.run(
+            _serve,
+            started,
+            backend="asyncio",
+            backend_options={"loop_factory": _LoopThreadEventLoop},
+        )
     except BaseException as exc:
         if not started.done():
             started.set_exception(exc)
@@ -167,16 +216,21 @@ def _run_loop_thread(started: concurrent.futures.Future[_LoopState]) -> None:
 
 
 def _join_worker_threads(loop: asyncio.AbstractEventLoop) -> None:
-    """Wait briefly for the anyio worker threads of ``loop`` (``anyio.to_thread``) to exit.
+    """Wait briefly for the worker threads of ``loop`` to exit: anyio's (``anyio.to_thread``)
+    and those of its default executor (``loop.run_in_executor(None, ...)``).
 
-    anyio tells them to stop when the loop's root task ends but does not join them. Idle ones
-    exit at once; one still running a function whose task abandoned it is left to finish alone
-    (it is a daemon, like this thread).
+    Both were told to stop as the loop closed (anyio's when the root task ended), and neither is
+    joined by its owner. Idle ones exit at once; one still running a function whose task
+    abandoned it is left to finish alone (anyio's are daemons, like this thread; the executor's
+    are joined by ``concurrent.futures`` at interpreter exit).
     """
     deadline = time.monotonic() + _WORKER_JOIN_TIMEOUT
-    for thread in threading.enumerate():
-        # anyio's WorkerThread keeps its loop in ``.loop``; without it we join nothing.
-        if getattr(thread, "loop", None) is loop and thread is not threading.current_thread():
+    # anyio's WorkerThread keeps its loop in ``.loop``; without it we join nothing of anyio's.
+    threads = [t for t in threading.enumerate() if getattr(t, "loop", None) is loop]
+    if isinstance(loop, _LoopThreadEventLoop):
+        threads += loop.executor_threads
+    for thread in threads:
+        if thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
 
 

@@ -1,0 +1,158 @@
+"""A program that uses swarmavg exits cleanly: a child interpreter (this one's Python, so each
+declared version runs it: ``nox -s oldest pythons`` select these tests with the in-process
+tiers) runs a short program and must end with exit code 0, an empty stderr, in time, and with
+no thread but the main one left when its last ``atexit`` hook runs.
+
+Python 3.12 refuses to start a thread once the interpreter finalizes, from before the ``atexit``
+hooks run; the loop thread stops in such a hook (docs/design/sync-runtime.md#interpreter-exit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.process, pytest.mark.interpreter_exit, pytest.mark.timeout(60)]
+
+#: seconds a program may take from its last line to its exit (the exit hooks wait at most 5 s
+#: for the loop's tasks and 1 s for its worker threads)
+EXIT_S = 15.0
+
+#: registered before swarmavg is imported, so it runs after swarmavg's own exit hooks (atexit
+#: runs the last registered first): what is left then stays behind
+PRELUDE = """
+import atexit, threading
+
+def _left_behind():
+    print("left at exit:", sorted(t.name for t in threading.enumerate()), flush=True)
+
+atexit.register(_left_behind)
+"""
+
+PROGRAMS = {
+    # the issue's program: a DHT started and shut down
+    "dht_shut_down": """
+        import swarmavg
+        d = swarmavg.DHT(host="127.0.0.1", start=True)
+        d.shutdown()
+    """,
+    # the user forgot shutdown(): the facades' exit hook and the loop's do it
+    "dht_forgotten": """
+        import swarmavg
+        d = swarmavg.DHT(host="127.0.0.1", start=True)
+        d.get_visible_maddrs()
+    """,
+    # two peers: DHTs, averagers that average once, optimizers; half shut down, half not
+    "several_facades": """
+        import sys
+        import torch
+        import swarmavg
+
+        first = swarmavg.DHT(host="127.0.0.1", start=True)
+        dhts = [first, swarmavg.DHT(
+            host="127.0.0.1", start=True, initial_peers=first.get_visible_maddrs()
+        )]
+        averagers = [
+            swarmavg.DecentralizedAverager(
+                [torch.full((4,), float(i))], dht, prefix="exit", target_group_size=2,
+                min_matchmaking_time=1.0, start=True,
+            )
+            for i, dht in enumerate(dhts)
+        ]
+        optimizers = [
+            swarmavg.Optimizer(
+                dht=dht, run_id="exit", target_batch_size=8, batch_size_per_step=4,
+                params=torch.nn.Linear(3, 1).parameters(),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                matchmaking_time=1.0, averaging_timeout=5.0,
+            )
+            for dht in dhts
+        ]
+        handles = [averager.step(wait=False, timeout=20) for averager in averagers]
+        print("group sizes", [handle.result().group_size for handle in handles], flush=True)
+        optimizers[0].shutdown()
+        averagers[0].shutdown()
+        dhts[0].shutdown()
+    """,
+}
+
+EXPECTED_OUT = {"several_facades": ["group sizes [2, 2]"]}
+
+
+def _start(tmp_path: Path, body: str, *args: str) -> subprocess.Popen[str]:
+    script = tmp_path / "program.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the program did not exit within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+
+
+def _assert_clean(proc: subprocess.Popen[str], out: str, err: str) -> list[str]:
+    assert err == ""
+    assert proc.returncode == 0, out
+    lines = out.splitlines()
+    assert lines[-1] == "left at exit: ['MainThread']", out
+    return lines[:-1]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_a_program_exits_cleanly(tmp_path: Path, name: str) -> None:
+    proc = _start(tmp_path, PROGRAMS[name])
+    out, err = _finish(proc, timeout=45)
+    assert _assert_clean(proc, out, err) == EXPECTED_OUT.get(name, [])
+
+
+CTRL_C = """
+    import sys
+    import time
+    import torch
+    import swarmavg
+
+    dht = swarmavg.DHT(host="127.0.0.1", start=True)
+    averager = swarmavg.DecentralizedAverager(
+        [torch.zeros(4)], dht, prefix="alone", target_group_size=2, start=True
+    )
+    handle = averager.step(wait=False, timeout=60)  # nobody else: it waits in matchmaking
+    try:
+        print("ready", flush=True)
+        if sys.argv[1] == "step":
+            handle.result()
+        else:
+            time.sleep(60)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("blocked_in", ["step", "sleep"])  # (in a handle's wait, in user code)
+def test_ctrl_c_then_exit_is_clean(tmp_path: Path, blocked_in: str) -> None:
+    proc = _start(tmp_path, CTRL_C, blocked_in)
+    assert proc.stdout is not None
+    ready = proc.stdout.readline()
+    if ready.strip() != "ready":
+        out, err = _finish(proc, timeout=EXIT_S)
+        pytest.fail(f"the program ended before it was ready:\n{ready}{out}\nstderr:\n{err}")
+    proc.send_signal(signal.SIGINT)
+    out, err = _finish(proc, timeout=EXIT_S)
+    assert _assert_clean(proc, out, err) == ["interrupted"]
