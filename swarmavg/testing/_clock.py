@@ -10,7 +10,8 @@ loop was made.
 
 Work that the loop hands to a worker thread (``anyio.to_thread.run_sync`` with the default
 limiter, on a loop made with ``watch_default_thread_limiter=True`` as :func:`run_on_virtual_time`
-and the tests' ``anyio_backend`` make it; ``loop.run_in_executor``) is computation too, so
+and the tests' ``anyio_backend`` make it; ``loop.run_in_executor``, and the join of the default
+executor as the loop closes) is computation too, so
 it takes no virtual time either: while such a thread runs and nothing else is ready, the clock
 stands still and the loop waits (in real time) for the thread's result, up to
 5 real seconds per move of the clock (a thread that waits for the clock
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import selectors
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -164,6 +166,20 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def _executor_job_done(self, _: object) -> None:
         self._executor_jobs -= 1
+
+    async def shutdown_default_executor(self, timeout: float | None = None) -> None:
+        """As asyncio's (``asyncio.Runner`` calls it as the loop closes); the clock stands still
+        while a thread joins the default executor. Python 3.13 bounds that join with a timeout
+        on the loop's clock (300 s from ``asyncio.Runner``), which would otherwise jump past it
+        at once and warn that the executor did not finish joining."""
+        self._executor_jobs += 1
+        try:
+            if sys.version_info >= (3, 12):  # (the timeout came with 3.12)
+                await super().shutdown_default_executor(timeout)
+            else:
+                await super().shutdown_default_executor()
+        finally:
+            self._executor_jobs -= 1
 
     def _thread_hold(self) -> float:
         """Real seconds the clock may still wait for busy worker threads (0: move on)."""
