@@ -1,7 +1,15 @@
-"""Developer and CI sessions: ``nox -s lint typecheck docs install tests oldest`` is what CI runs.
+"""Developer and CI sessions: ``nox -s lint typecheck docs install tests oldest pythons`` is what
+CI runs.
 
 torch is pinned to the CPU build (2.13.0) before anything else is installed: an unpinned
-``torch`` would pull a multi-GB CUDA build.
+``torch`` would pull a multi-GB CUDA build. That build exists for Python 3.11 only (a local
+find-links folder); on 3.12 and 3.13 the same pin takes PyPI's build of 2.13.0, a CUDA one
+(~1.4 GB of downloads, once: uv keeps it in its cache), which runs on the CPU all the same.
+
+Every declared Python (:data:`PYTHONS`) is looked up explicitly: pyenv's newest release of each
+is linked into ``.nox/pythons/`` as ``pythonX.Y``, at the front of ``PATH``
+(:func:`_link_pyenv_pythons`), because pyenv's shims answer only for the versions pyenv is told
+to expose and nox would not find the others.
 
 Virtual environments are made and filled by uv where it is installed (``pip install
 "nox[uv]"``; it links packages from its cache instead of unpacking them again for every
@@ -23,11 +31,20 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "uv|venv"
-nox.options.sessions = ["lint", "typecheck", "docs", "install", "tests", "oldest"]
-nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "typecheck", "docs", "install", "tests", "oldest", "pythons"]
+# CI must have every declared Python: a missing one fails the run. Elsewhere the sessions that
+# need it are skipped, and nox says which interpreter it did not find.
+nox.options.error_on_missing_interpreters = bool(os.environ.get("CI"))
 
 TORCH = "torch==2.13.0"
-PYTHON = "3.11"
+#: The Python versions the package declares: ``requires-python`` in pyproject.toml starts at the
+#: first and its classifiers name exactly these (tests/test_packaging.py checks both).
+PYTHONS = ["3.11", "3.12", "3.13"]
+#: the sessions' Python, the oldest declared; ``pythons`` runs the in-process tiers on the others
+PYTHON = PYTHONS[0]
+#: what ``oldest`` and ``pythons`` run: the in-process tiers (tests/tiers.py) and the child
+#: interpreters that must exit cleanly, which is where the Python version shows
+IN_PROCESS = "(not process and not lab) or interpreter_exit"
 PACKAGES = [
     p
     for p in (
@@ -107,6 +124,35 @@ def _uv_settings_from_pip() -> dict[str, str]:
 os.environ.update(_uv_settings_from_pip())
 
 
+def _link_pyenv_pythons(versions: list[str]) -> None:
+    """Link pyenv's newest release of each of ``versions`` into ``.nox/pythons/`` as
+    ``pythonX.Y`` and put that folder first on ``PATH``, where nox (and uv, which nox hands the
+    interpreter it found) look. pyenv's shims answer only for the versions pyenv is told to
+    expose (``pyenv global``), so nox would not find the others. Only ``pythonX.Y`` names are
+    added: ``python``, ``python3`` and ``pip`` stay what they were. A version pyenv lacks is
+    left to nox's own search."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    links = Path(__file__).resolve().parent / ".nox" / "pythons"
+    found = False
+    for version in versions:
+        releases = {}
+        for path in root.glob(f"{version}.*/bin/python{version}"):
+            patch = path.parents[1].name.removeprefix(f"{version}.")
+            if patch.isdigit():  # (not 3.12-dev, 3.13.0t or a virtualenv)
+                releases[int(patch)] = path
+        if releases:
+            links.mkdir(parents=True, exist_ok=True)
+            link = links / f"python{version}"
+            link.unlink(missing_ok=True)
+            link.symlink_to(releases[max(releases)])
+            found = True
+    if found:
+        os.environ["PATH"] = f"{links}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+_link_pyenv_pythons(PYTHONS)
+
+
 def _install(session: nox.Session, extras: str = "test") -> None:
     session.install(TORCH)
     # the transports ship inside swarmavg (tcp always, quic with its extra)
@@ -161,8 +207,24 @@ def oldest(session: nox.Session) -> None:
     session.run(
         "pytest",
         # the in-process tiers (tests/tiers.py): what depends on the versions of anyio,
-        # msgpack, cryptography, numpy and Lightning runs there; `tests` runs every tier
-        *(session.posargs or ["-q", "--durations=25", "-m", "not process and not lab"]),
+        # msgpack, cryptography, numpy and Lightning runs there, and the clean-exit checks
+        # (the loop thread's loop, anyio's loop_factory); `tests` runs every tier
+        *(session.posargs or ["-q", "--durations=25", "-m", IN_PROCESS]),
+        env={"HYPOTHESIS_PROFILE": "ci"},
+        success_codes=[0, 5] if session.posargs else [0],
+    )
+
+
+@nox.session(python=PYTHONS[1:])
+def pythons(session: nox.Session) -> None:
+    """The in-process tiers and the clean-exit checks (:data:`IN_PROCESS`) on every declared
+    Python but :data:`PYTHON`, where ``tests`` runs the whole suite, with the newest
+    dependencies (``nox -s pythons-3.13`` for one). torch is PyPI's build of the pinned release
+    there, a CUDA one: the only wheel of it for those versions."""
+    _install(session)
+    session.run(
+        "pytest",
+        *(session.posargs or ["-q", "--durations=10", "-m", IN_PROCESS]),
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=[0, 5] if session.posargs else [0],
     )

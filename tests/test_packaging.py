@@ -179,3 +179,21 @@ def test_the_oldest_session_installs_the_declared_lower_bounds() -> None:
     extra = _project()["optional-dependencies"]["lightning"]  # type: ignore[index]
     assert extra == [f"lightning>={'.'.join(lightning['lightning'].split('.')[:2])},<3"], extra
     assert lightning["pytorch-lightning"] == lightning["lightning"]
+
+
+def test_the_classifiers_name_exactly_the_pythons_ci_runs() -> None:
+    """The Python versions the package declares (``requires-python``'s lower bound, the
+    ``Programming Language :: Python :: 3.x`` classifiers) are the ones the noxfile's sessions
+    run on (``PYTHONS``: the whole suite on the first, the in-process tiers on every one)."""
+    source = (ROOT / "noxfile.py").read_text()
+    start = source.index("PYTHONS = [") + len("PYTHONS = ")
+    pythons = ast.literal_eval(source[start : source.index("]", start) + 1])
+    assert pythons == sorted(pythons, key=lambda v: tuple(map(int, v.split("."))))
+    project = _project()
+    classifiers = project["classifiers"]
+    assert isinstance(classifiers, list)
+    prefix = "Programming Language :: Python :: "
+    versions = [c.removeprefix(prefix) for c in classifiers if c.startswith(prefix)]
+    declared = [v for v in versions if v.count(".") == 1]  # (not "3" alone)
+    assert declared == pythons
+    assert project["requires-python"] == f">={pythons[0]}"
