@@ -133,20 +133,25 @@ CTRL_C = """
         [torch.zeros(4)], dht, prefix="alone", target_group_size=2, start=True
     )
     handle = averager.step(wait=False, timeout=60)  # nobody else: it waits in matchmaking
+
+    def block():
+        if sys.argv[1] == "sleep":
+            time.sleep(60)
+        else:
+            handle.result()
+
+    if sys.argv[1] == "uncaught":
+        print("ready", flush=True)
+        block()
     try:
         print("ready", flush=True)
-        if sys.argv[1] == "step":
-            handle.result()
-        else:
-            time.sleep(60)
+        block()
     except KeyboardInterrupt:
         print("interrupted", flush=True)
 """
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-@pytest.mark.parametrize("blocked_in", ["step", "sleep"])  # (in a handle's wait, in user code)
-def test_ctrl_c_then_exit_is_clean(tmp_path: Path, blocked_in: str) -> None:
+def _interrupt(tmp_path: Path, blocked_in: str) -> tuple[subprocess.Popen[str], str, str]:
     proc = _start(tmp_path, CTRL_C, blocked_in)
     assert proc.stdout is not None
     ready = proc.stdout.readline()
@@ -154,5 +159,22 @@ def test_ctrl_c_then_exit_is_clean(tmp_path: Path, blocked_in: str) -> None:
         out, err = _finish(proc, timeout=EXIT_S)
         pytest.fail(f"the program ended before it was ready:\n{ready}{out}\nstderr:\n{err}")
     proc.send_signal(signal.SIGINT)
-    out, err = _finish(proc, timeout=EXIT_S)
+    return proc, *_finish(proc, timeout=EXIT_S)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("blocked_in", ["step", "sleep"])  # (in a handle's wait, in user code)
+def test_ctrl_c_then_exit_is_clean(tmp_path: Path, blocked_in: str) -> None:
+    proc, out, err = _interrupt(tmp_path, blocked_in)
     assert _assert_clean(proc, out, err) == ["interrupted"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_an_uncaught_ctrl_c_shows_only_its_own_traceback(tmp_path: Path) -> None:
+    """Python prints the KeyboardInterrupt's traceback and ends by SIGINT; swarmavg adds
+    nothing to it and leaves no thread."""
+    proc, out, err = _interrupt(tmp_path, "uncaught")
+    assert proc.returncode == -signal.SIGINT, err
+    assert err.count("Traceback") == 1, err
+    assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt", err
+    assert out.splitlines() == ["left at exit: ['MainThread']"]
