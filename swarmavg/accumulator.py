@@ -30,6 +30,7 @@ import anyio
 
 from swarmavg.address import Address
 from swarmavg.sync import TaskHandle, run_sync, start_soon
+from swarmavg.sync._loop import shut_down_at_exit
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +95,7 @@ class Group:
 
         self._group = run_sync(create)
         self._closed = False
+        shut_down_at_exit(self)
 
     @property
     def name(self) -> str:
@@ -210,6 +212,7 @@ class Accumulator:
         self._connecting: TaskHandle[None] | None = None
         self._new_state: object = None
         self._has_new_state = False
+        shut_down_at_exit(self)
         self._snap: dict[str, Any] = run_sync(self._snapshot)
 
     # -- the network -----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
 from swarmavg.aio.state import DEFAULT_MAX_DONORS, DEFAULT_MAX_STATE_SIZE
 from swarmavg.metrics import AveragerMetrics
 from swarmavg.sync import TaskHandle, call, run_sync
-from swarmavg.sync._loop import _start_handle
+from swarmavg.sync._loop import _start_handle, shut_down_at_exit
 
 if TYPE_CHECKING:
     import torch
@@ -183,6 +183,7 @@ class DecentralizedAverager:
         self._averager = run_sync(create)
         self._started = False
         self._closed = False
+        shut_down_at_exit(self)
         if metrics_port is not None:
             self._serve_metrics(metrics_port, metrics_host)
         if start:

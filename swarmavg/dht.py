@@ -17,12 +17,10 @@ for its result or, with ``return_future=True``, return a :class:`~swarmavg.sync.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Self, TypeVar, overload
 
@@ -32,6 +30,7 @@ from swarmavg.aio.dht_facade import DHT as AsyncDHT
 from swarmavg.identity import Identity, PeerID
 from swarmavg.proto.dht_validation import RecordValidator
 from swarmavg.sync import TaskHandle, call, in_loop_thread, run_sync, start_soon
+from swarmavg.sync._loop import shut_down_at_exit
 
 __all__ = ["DHT"]
 
@@ -122,8 +121,7 @@ class DHT:
                 raise RuntimeError("this DHT was shut down")
             if self._serving is None:
                 self._serving = start_soon(self._serve)
-                _running.add(self)
-                _install_exit_hook()
+                shut_down_at_exit(self)
         if await_ready:
             self.wait_until_ready(timeout)
 
@@ -172,7 +170,6 @@ class DHT:
         with self._lock:
             first, self._shut_down = not self._shut_down, True
             serving = self._serving
-        _running.discard(self)
         if in_loop_thread():  # from a coroutine of ours (run_coroutine): close, don't wait
             if first:
                 start_soon(self._dht.aclose)
@@ -304,25 +301,3 @@ class DHT:
 
     def __repr__(self) -> str:
         return f"<swarmavg.DHT {self.peer_id}>"
-
-
-#: DHTs started and not shut down: shut down at interpreter exit.
-_running: weakref.WeakSet[DHT] = weakref.WeakSet()
-_exit_hook_installed = False
-
-
-def _install_exit_hook() -> None:
-    """Shut running DHTs down at interpreter exit, before the event loop stops (atexit runs
-    the last registered handler first, and the loop registered its own when it started)."""
-    global _exit_hook_installed
-    if not _exit_hook_installed:
-        _exit_hook_installed = True
-        atexit.register(_shutdown_at_exit)
-
-
-def _shutdown_at_exit() -> None:
-    for dht in list(_running):
-        try:
-            dht.shutdown(timeout=5.0)
-        except Exception:
-            logger.debug("shutting a DHT down at exit failed", exc_info=True)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Self
 from swarmavg.aio.progress import ProgressTracker as AsyncProgressTracker
 from swarmavg.proto.progress import GlobalTrainingProgress, LocalTrainingProgress, PerformanceEMA
 from swarmavg.sync import in_loop_thread, run_sync, start_soon
+from swarmavg.sync._loop import shut_down_at_exit
 
 if TYPE_CHECKING:
     from swarmavg.dht import DHT
@@ -148,6 +149,7 @@ class ProgressTracker:
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
+        shut_down_at_exit(self)
         if start:
             self.start()
 

@@ -52,6 +52,7 @@ from swarmavg.proto.decentralized import (
     next_round_time,
 )
 from swarmavg.proto.dht_validation import owner_marker
+from swarmavg.sync._loop import shut_down_at_exit
 
 if TYPE_CHECKING:
     from swarmavg.dht import DHT
@@ -244,6 +245,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             )
             self._averaging_thread.start()
             self._progress_thread.start()
+            shut_down_at_exit(self)
         except BaseException:
             self.averager.shutdown()
             raise

@@ -64,6 +64,7 @@ from swarmavg.proto.diloco import (
     round_weight,
 )
 from swarmavg.proto.progress import GlobalTrainingProgress, hyperparameters_digest
+from swarmavg.sync._loop import shut_down_at_exit
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -307,6 +308,7 @@ class DiLoCo:
         #: before this peer began to train (see :meth:`_plan`)
         self._first_round = True
         self._closed = False
+        shut_down_at_exit(self)
         if hook:
             self._hook_handle = inner_optimizer.register_step_post_hook(self._post_hook)
         if metrics_port is not None:

@@ -34,6 +34,7 @@ from swarmavg.optim.grad_averager import GradientAverager
 from swarmavg.optim.grad_scaler import GradScaler
 from swarmavg.optim.progress_tracker import ProgressTracker
 from swarmavg.optim.state_averager import TrainingStateAverager, _SecondsEMA
+from swarmavg.sync._loop import shut_down_at_exit
 
 if TYPE_CHECKING:
     from swarmavg._prometheus import MetricsServer
@@ -384,6 +385,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._close_parts()
                 raise
         self._initializing = False
+        shut_down_at_exit(self)
 
     # -- construction ------------------------------------------------------------------------
 

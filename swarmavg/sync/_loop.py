@@ -27,9 +27,11 @@ Process lifecycle:
 
 * The thread starts lazily on first use. It is a daemon thread only as a last resort: an
   ``atexit`` hook (registered on first start, so hooks that facades register later run before it
-  and can still use the loop) cancels the outstanding tasks and joins the thread, waiting at most
-  ``_EXIT_TIMEOUT`` seconds for their cleanup. After that hook, using the loop raises
-  ``RuntimeError`` rather than starting a new thread in a dying interpreter.
+  and can still use the loop) first shuts down the facades that the program left running
+  (:func:`shut_down_at_exit`, newest first, as nested ``with`` blocks would), then cancels the
+  outstanding tasks and joins the thread, waiting at most ``_EXIT_TIMEOUT`` seconds for their
+  cleanup. After that hook, using the loop raises ``RuntimeError`` rather than starting a new
+  thread in a dying interpreter.
 * Stopping the loop starts no thread, because that hook runs while the interpreter finalizes,
   when Python 3.12 refuses new threads (``can't create new thread at interpreter shutdown``; 3.11
   and 3.13 allow them in ``atexit`` hooks). ``asyncio.Runner`` ends by joining the loop's default
@@ -50,13 +52,15 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, TypeVarTuple, Unpack
+from typing import Any, Protocol, TypeVar, TypeVarTuple, Unpack
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -175,7 +179,14 @@ class _LoopState:
             self.accepting = False
 
 
+class _Facade(Protocol):
+    def shutdown(self) -> None: ...
+
+
 _lock = threading.Lock()  # guards the globals below; replaced in a forked child
+#: facades to shut down at exit, by the order they started in (held weakly)
+_facades: weakref.WeakValueDictionary[int, _Facade] = weakref.WeakValueDictionary()
+_facade_order = itertools.count()
 _state: _LoopState | None = None
 _retiring: list[_LoopState] = []  # stopped or stopping, not yet joined
 _orphans: list[_LoopState] = []  # inherited through fork; kept so nothing is finalized in a child
@@ -274,6 +285,31 @@ def _current_state() -> _LoopState:
             raise
         _state = state
         return state
+
+
+def shut_down_at_exit(facade: _Facade) -> None:
+    """Call ``facade.shutdown()`` at interpreter exit, before the event loop stops, unless the
+    program calls it first (``shutdown()`` must be idempotent). Facades are shut down newest
+    first, as nested ``with`` blocks would close them: an optimizer before the averagers it
+    made, an averager before its DHT. Held weakly: a facade that is garbage is not kept alive.
+    What a ``shutdown()`` raises is logged (DEBUG) and the next one goes on.
+    """
+    with _lock:
+        _install_process_hooks()
+        _facades[next(_facade_order)] = facade
+
+
+def _shut_facades_down() -> None:
+    with _lock:
+        facades = [_facades.get(key) for key in sorted(_facades, reverse=True)]
+        _facades.clear()
+    for facade in facades:
+        if facade is None:
+            continue
+        try:
+            facade.shutdown()
+        except Exception:
+            _logger.debug("shutting %r down at exit failed", facade, exc_info=True)
 
 
 def _stop_if_started(started: concurrent.futures.Future[_LoopState]) -> None:
@@ -400,6 +436,7 @@ def shutdown_loop(timeout: float | None = None) -> None:
 
 def _shutdown_at_exit() -> None:
     global _exiting
+    _shut_facades_down()
     with _lock:
         _exiting = True
     try:
@@ -420,5 +457,6 @@ def _after_fork_in_child() -> None:
     _orphans.extend(_retiring)
     _state = None
     _retiring = []
+    _facades.clear()  # (the parent's: the child shuts down only what it starts)
     _lock = threading.Lock()
     _thread_local.is_loop_thread = False  # in case the loop thread itself forked

@@ -46,8 +46,7 @@ def _shut_down_what_the_examples_started() -> Iterator[None]:
     """The examples never shut their DHTs down (hivemind's DHT processes die with their
     parent): shut down every DHT a test started and left running."""
     yield
-    for dht in list(swarmavg.dht._running):
-        dht.shutdown()
+    swarmavg.sync._loop._shut_facades_down()  # (what interpreter exit does)
 
 
 def _close_to(expiration: float, seconds_from_now: float) -> bool:

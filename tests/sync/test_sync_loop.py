@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import gc
+import logging
 import threading
 
 import anyio
@@ -17,6 +19,7 @@ import swarmavg.sync
 from swarmavg.sync import (
     THREAD_NAME,
     TaskHandle,
+    _loop,
     get_portal,
     in_loop_thread,
     run_sync,
@@ -213,6 +216,39 @@ def test_stopping_the_loop_starts_no_thread(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.undo()
     assert started == []
     assert set(threading.enumerate()) <= before
+
+
+def test_facades_left_running_are_shut_down_at_exit_newest_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What the exit hook does before it stops the loop: ``shutdown()`` of every facade that
+    registered, newest first; one that raises is logged and the next goes on; a facade that
+    became garbage is not kept alive for it."""
+    closed: list[str] = []
+
+    class Facade:
+        def __init__(self, name: str, fails: bool = False) -> None:
+            self.name, self.fails = name, fails
+
+        def shutdown(self) -> None:
+            closed.append(self.name)
+            if self.fails:
+                raise ValueError("cannot")
+
+    facades = [Facade("dht"), Facade("averager", fails=True), Facade("optimizer")]
+    for facade in facades:
+        _loop.shut_down_at_exit(facade)
+    gone = Facade("gone")
+    _loop.shut_down_at_exit(gone)
+    del gone
+    gc.collect()
+    with caplog.at_level(logging.DEBUG, logger="swarmavg.sync"):
+        _loop._shut_facades_down()
+    assert closed == ["optimizer", "averager", "dht"]
+    assert "shutting <" in caplog.text
+    assert "ValueError: cannot" in caplog.text
+    _loop._shut_facades_down()  # (each once)
+    assert closed == ["optimizer", "averager", "dht"]
 
 
 def test_a_fresh_loop_starts_after_shutdown() -> None:
