@@ -36,6 +36,19 @@ atexit.register(_left_behind)
 """
 
 PROGRAMS = {
+    # the loop's default executor in use (asyncio joined it from a new thread as the loop
+    # closed: Python 3.12 refused, at exit)
+    "executor_used": """
+        import asyncio
+        import swarmavg.sync
+
+        async def resolve():
+            loop = asyncio.get_running_loop()
+            await loop.getaddrinfo("localhost", 80)
+            await loop.run_in_executor(None, sum, [1, 2])
+
+        swarmavg.sync.run_sync(resolve)
+    """,
     # the issue's program: a DHT started and shut down
     "dht_shut_down": """
         import swarmavg
@@ -79,6 +92,23 @@ PROGRAMS = {
         optimizers[0].shutdown()
         averagers[0].shutdown()
         dhts[0].shutdown()
+    """,
+    # facades with threads of their own (an optimizer's, a metrics server's), none shut down:
+    # at exit they are shut down newest first, before the loop stops
+    "threads_forgotten": """
+        import torch
+        import swarmavg
+        from swarmavg.optim import DecentralizedSGD
+
+        dht = swarmavg.DHT(host="127.0.0.1", start=True)
+        model = torch.nn.Linear(3, 1)
+        opt = DecentralizedSGD(model.parameters(), 0.1, dht=dht, prefix="sgd", target_group_size=2)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        averager = swarmavg.DecentralizedAverager(
+            [torch.zeros(2)], dht, prefix="metrics", target_group_size=2, start=True,
+            metrics_port=0,
+        )
     """,
 }
 

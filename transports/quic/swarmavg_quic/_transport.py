@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -32,6 +33,25 @@ logger = logging.getLogger("swarmavg_quic")
 
 #: our names -> aioquic's
 _CONGESTION_CONTROL = {"reno": "reno", "cubic": "cubic", "bbr": _congestion.NAME}
+
+
+async def _getaddrinfo(
+    host: str, port: int, *, type: int, proto: int, flags: int = 0
+) -> Sequence[tuple[Any, ...]]:
+    """``loop.getaddrinfo``, but an IP address is read at once, here. asyncio resolves every
+    host in a worker thread of the loop's default executor, and at interpreter exit, where the
+    facades still shut down (and tell their peers), that executor takes no more work; an
+    address needs no lookup. A name that cannot be looked up then raises ``OSError``, as one
+    that does not resolve."""
+    with contextlib.suppress(socket.gaierror):  # (not an IP address)
+        return socket.getaddrinfo(
+            host, port, type=type, proto=proto, flags=flags | socket.AI_NUMERICHOST
+        )
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.getaddrinfo(host, port, type=type, proto=proto, flags=flags)
+    except RuntimeError as exc:  # ("cannot schedule new futures after interpreter shutdown")
+        raise OSError(f"cannot look {host!r} up now: {exc}") from exc
 
 
 class QuicTransport(TaskGroupTransport):
@@ -237,10 +257,9 @@ class QuicTransport(TaskGroupTransport):
         address = Address.parse(address)
         self._check_dial_address(address, allow_unknown_peer)
         tg = self._task_group()
-        loop = asyncio.get_running_loop()
         try:
             with anyio.fail_after(self.handshake_timeout):
-                infos = await loop.getaddrinfo(
+                infos = await _getaddrinfo(
                     address.host, address.port, type=socket.SOCK_DGRAM, proto=socket.IPPROTO_UDP
                 )
         except TimeoutError:
@@ -356,9 +375,8 @@ class QuicTransport(TaskGroupTransport):
         if address.scheme not in self.schemes:
             raise ValueError(f"the quic transport cannot listen on {address}")
         self._task_group()
-        loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(
+            infos = await _getaddrinfo(
                 address.host,
                 address.port,
                 type=socket.SOCK_DGRAM,

@@ -9,7 +9,7 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import anyio
 import anyio.abc
@@ -44,6 +44,25 @@ logger = logging.getLogger("swarmavg_tcp")
 #: dialled again). Elsewhere the option is not set (nothing changes).
 _TCP_RTO_MAX_MS: Final = 44
 RTO_MAX_MS: Final = 2000
+
+
+async def _getaddrinfo(
+    host: str, port: int, *, type: int, proto: int, flags: int = 0
+) -> Sequence[tuple[Any, ...]]:
+    """``loop.getaddrinfo``, but an IP address is read at once, here. asyncio resolves every
+    host in a worker thread of the loop's default executor, and at interpreter exit, where the
+    facades still shut down (and tell their peers), that executor takes no more work; an
+    address needs no lookup. A name that cannot be looked up then raises ``OSError``, as one
+    that does not resolve."""
+    with contextlib.suppress(socket.gaierror):  # (not an IP address)
+        return socket.getaddrinfo(
+            host, port, type=type, proto=proto, flags=flags | socket.AI_NUMERICHOST
+        )
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.getaddrinfo(host, port, type=type, proto=proto, flags=flags)
+    except RuntimeError as exc:  # ("cannot schedule new futures after interpreter shutdown")
+        raise OSError(f"cannot look {host!r} up now: {exc}") from exc
 
 
 class TcpTransport(TaskGroupTransport):
@@ -150,7 +169,7 @@ class TcpTransport(TaskGroupTransport):
         sock: socket.socket | None = None
         try:
             with anyio.fail_after(self.connect_timeout):
-                infos = await loop.getaddrinfo(
+                infos = await _getaddrinfo(
                     address.host, address.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
                 )
                 if not infos:
@@ -270,9 +289,8 @@ class TcpTransport(TaskGroupTransport):
         if address.scheme not in self.schemes:
             raise ValueError(f"the tcp transport cannot listen on {address}")
         tg = self._task_group()
-        loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(
+            infos = await _getaddrinfo(
                 address.host,
                 address.port,
                 type=socket.SOCK_STREAM,
