@@ -26,8 +26,8 @@ accepted task is in ``live`` before the loop starts draining it, and every handl
 Process lifecycle:
 
 * The thread starts lazily on first use. It is a daemon thread only as a last resort: an
-  ``atexit`` hook (registered on first start, so hooks that facades register later run before it
-  and can still use the loop) first shuts down the facades that the program left running
+  ``atexit`` hook (registered on first start, so hooks that the program registers later run
+  before it and can still use the loop) first shuts down the facades that the program left running
   (:func:`shut_down_at_exit`, newest first, as nested ``with`` blocks would), then cancels the
   outstanding tasks and joins the thread, waiting at most ``_EXIT_TIMEOUT`` seconds for their
   cleanup. After that hook, using the loop raises ``RuntimeError`` rather than starting a new
