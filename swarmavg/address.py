@@ -17,15 +17,19 @@ hivemind/libp2p-style multiaddrs are accepted wherever an address is, e.g.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import ipaddress
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from swarmavg.identity import PeerID
 
-__all__ = ["Address"]
+__all__ = ["Address", "getaddrinfo"]
 
 _MAX_ADDRESS_LEN: Final = 512
 
@@ -200,3 +204,22 @@ def _normalize_host(host: str) -> str:
 def _parse_text(value: str) -> Address:
     """Parsing is pure and addresses are immutable: the peers a node talks to repeat."""
     return Address._parse_text(value)
+
+
+async def getaddrinfo(
+    host: str, port: int, *, type: int, proto: int, flags: int = 0
+) -> Sequence[tuple[Any, ...]]:
+    """``loop.getaddrinfo`` for the transports, but an IP address is read at once, here.
+    asyncio resolves every host in a worker thread of the loop's default executor, and at
+    interpreter exit, where the facades still shut down (and tell their peers), that executor
+    takes no more work; an address needs no lookup. A name that cannot be looked up then
+    raises ``OSError``, as one that does not resolve."""
+    with contextlib.suppress(socket.gaierror):  # (not an IP address)
+        return socket.getaddrinfo(
+            host, port, type=type, proto=proto, flags=flags | socket.AI_NUMERICHOST
+        )
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.getaddrinfo(host, port, type=type, proto=proto, flags=flags)
+    except RuntimeError as exc:  # ("cannot schedule new futures after interpreter shutdown")
+        raise OSError(f"cannot look {host!r} up now: {exc}") from exc

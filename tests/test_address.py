@@ -72,3 +72,24 @@ def test_garbage_gives_value_error_only(text: str) -> None:
 def test_with_helpers() -> None:
     address = Address.parse("tcp://127.0.0.1:0")
     assert str(address.with_port(5).with_peer_id(PEER)) == f"tcp://127.0.0.1:5/p/{PEER}"
+
+
+@pytest.mark.anyio
+async def test_an_ip_address_is_read_without_the_loops_executor() -> None:
+    """The transports' ``getaddrinfo`` reads an IP address itself: at interpreter exit the
+    loop's default executor takes no work, and peers are still told that we leave."""
+    import asyncio
+    import socket
+
+    from swarmavg.address import getaddrinfo
+
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_default_executor()  # (as at exit: nothing more runs in it)
+    kind = {"type": socket.SOCK_STREAM, "proto": socket.IPPROTO_TCP}
+    [(family, *_, where)] = await getaddrinfo("127.0.0.1", 4321, **kind)
+    assert (family, where) == (socket.AF_INET, ("127.0.0.1", 4321))
+    [(family, *_, where)] = await getaddrinfo("::1", 4321, **kind)
+    assert family == socket.AF_INET6
+    assert where[:2] == ("::1", 4321)
+    with pytest.raises(OSError, match=r"cannot look 'example\.invalid' up now"):
+        await getaddrinfo("example.invalid", 4321, **kind)

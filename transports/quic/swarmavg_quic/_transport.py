@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import ipaddress
 import logging
@@ -16,7 +14,7 @@ import anyio.abc
 from aioquic.quic.configuration import QuicConfiguration
 
 from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
-from swarmavg.address import Address
+from swarmavg.address import Address, getaddrinfo
 from swarmavg.errors import AddressInUse, ConnectError, PeerIdentityMismatch, TransportError
 from swarmavg_quic import _congestion, _tls
 from swarmavg_quic._aioquic import FlowControlledQuic, check_private_api
@@ -33,25 +31,6 @@ logger = logging.getLogger("swarmavg_quic")
 
 #: our names -> aioquic's
 _CONGESTION_CONTROL = {"reno": "reno", "cubic": "cubic", "bbr": _congestion.NAME}
-
-
-async def _getaddrinfo(
-    host: str, port: int, *, type: int, proto: int, flags: int = 0
-) -> Sequence[tuple[Any, ...]]:
-    """``loop.getaddrinfo``, but an IP address is read at once, here. asyncio resolves every
-    host in a worker thread of the loop's default executor, and at interpreter exit, where the
-    facades still shut down (and tell their peers), that executor takes no more work; an
-    address needs no lookup. A name that cannot be looked up then raises ``OSError``, as one
-    that does not resolve."""
-    with contextlib.suppress(socket.gaierror):  # (not an IP address)
-        return socket.getaddrinfo(
-            host, port, type=type, proto=proto, flags=flags | socket.AI_NUMERICHOST
-        )
-    loop = asyncio.get_running_loop()
-    try:
-        return await loop.getaddrinfo(host, port, type=type, proto=proto, flags=flags)
-    except RuntimeError as exc:  # ("cannot schedule new futures after interpreter shutdown")
-        raise OSError(f"cannot look {host!r} up now: {exc}") from exc
 
 
 class QuicTransport(TaskGroupTransport):
@@ -259,7 +238,7 @@ class QuicTransport(TaskGroupTransport):
         tg = self._task_group()
         try:
             with anyio.fail_after(self.handshake_timeout):
-                infos = await _getaddrinfo(
+                infos = await getaddrinfo(
                     address.host, address.port, type=socket.SOCK_DGRAM, proto=socket.IPPROTO_UDP
                 )
         except TimeoutError:
@@ -376,7 +355,7 @@ class QuicTransport(TaskGroupTransport):
             raise ValueError(f"the quic transport cannot listen on {address}")
         self._task_group()
         try:
-            infos = await _getaddrinfo(
+            infos = await getaddrinfo(
                 address.host,
                 address.port,
                 type=socket.SOCK_DGRAM,

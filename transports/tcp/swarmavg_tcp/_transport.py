@@ -9,13 +9,13 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 import anyio
 import anyio.abc
 
 from swarmavg.abc import IncomingLimits, QueueListener, TaskGroupTransport
-from swarmavg.address import Address
+from swarmavg.address import Address, getaddrinfo
 from swarmavg.errors import (
     AddressInUse,
     ConnectError,
@@ -44,25 +44,6 @@ logger = logging.getLogger("swarmavg_tcp")
 #: dialled again). Elsewhere the option is not set (nothing changes).
 _TCP_RTO_MAX_MS: Final = 44
 RTO_MAX_MS: Final = 2000
-
-
-async def _getaddrinfo(
-    host: str, port: int, *, type: int, proto: int, flags: int = 0
-) -> Sequence[tuple[Any, ...]]:
-    """``loop.getaddrinfo``, but an IP address is read at once, here. asyncio resolves every
-    host in a worker thread of the loop's default executor, and at interpreter exit, where the
-    facades still shut down (and tell their peers), that executor takes no more work; an
-    address needs no lookup. A name that cannot be looked up then raises ``OSError``, as one
-    that does not resolve."""
-    with contextlib.suppress(socket.gaierror):  # (not an IP address)
-        return socket.getaddrinfo(
-            host, port, type=type, proto=proto, flags=flags | socket.AI_NUMERICHOST
-        )
-    loop = asyncio.get_running_loop()
-    try:
-        return await loop.getaddrinfo(host, port, type=type, proto=proto, flags=flags)
-    except RuntimeError as exc:  # ("cannot schedule new futures after interpreter shutdown")
-        raise OSError(f"cannot look {host!r} up now: {exc}") from exc
 
 
 class TcpTransport(TaskGroupTransport):
@@ -169,7 +150,7 @@ class TcpTransport(TaskGroupTransport):
         sock: socket.socket | None = None
         try:
             with anyio.fail_after(self.connect_timeout):
-                infos = await _getaddrinfo(
+                infos = await getaddrinfo(
                     address.host, address.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
                 )
                 if not infos:
@@ -290,7 +271,7 @@ class TcpTransport(TaskGroupTransport):
             raise ValueError(f"the tcp transport cannot listen on {address}")
         tg = self._task_group()
         try:
-            infos = await _getaddrinfo(
+            infos = await getaddrinfo(
                 address.host,
                 address.port,
                 type=socket.SOCK_STREAM,
