@@ -169,6 +169,20 @@ WORKER_IDLE = 1800.0  # a peer process gives up when its driver says nothing for
 GO_DELAY = 0.2  # a round starts this long after the driver sends the start time
 GLOO_TIMEOUT = 600.0  # one gloo run, spawn to result
 HIVEMIND_TIMEOUT = 900.0  # the whole hivemind run
+#: a round's figures that a setting's result gives statistics of (median, min, ...)
+ROUND_STATS = (
+    "allreduce_s",
+    "allreduce_wall_s",
+    "round_s",
+    "formation_s",
+    "matchmaking_s",
+    "start_skew_s",
+    "process_cpu_s",
+    "process_sys_s",
+    "machine_cpu_s",
+    "foreign_cpu_s",
+    "foreign_per_s",
+)
 #: ratio targets (ours / reference, at most)
 TARGET_ALLREDUCE_PLAIN = 1.5
 TARGET_ALLREDUCE_ENCRYPTED = 2.5
@@ -364,19 +378,7 @@ def _run_ours(pool: _Pool, n: int, encryption: bool, args: argparse.Namespace) -
     result["failures"] = [r for r in timed if not r["ok"]]
     result["warmup_rounds"] = rounds[: args.warmup]
     result["per_round"] = good
-    for key in (
-        "allreduce_s",
-        "allreduce_wall_s",
-        "round_s",
-        "formation_s",
-        "matchmaking_s",
-        "start_skew_s",
-        "process_cpu_s",
-        "process_sys_s",
-        "machine_cpu_s",
-        "foreign_cpu_s",
-        "foreign_per_s",
-    ):
+    for key in ROUND_STATS:
         result[key] = stats([r[key] for r in good if r.get(key) is not None])
     expected = (n - 1) / 2
     result["max_abs_error"] = max(peer.call("error", expected) for peer in peers)
@@ -429,19 +431,7 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["rounds"] = sum(run["rounds"] for run in good)
     out["failures"] = [f for run in good for f in run["failures"]]
     out["max_abs_error"] = max(run["max_abs_error"] for run in good)
-    for key in (
-        "allreduce_s",
-        "allreduce_wall_s",
-        "round_s",
-        "formation_s",
-        "matchmaking_s",
-        "start_skew_s",
-        "process_cpu_s",
-        "process_sys_s",
-        "machine_cpu_s",
-        "foreign_cpu_s",
-        "foreign_per_s",
-    ):
+    for key in ROUND_STATS:
         out[key] = stats([r[key] for r in rounds if r.get(key) is not None])
     out["runs"] = len(runs)
     out["run_errors"] = [r["error"] for r in runs if "error" in r]
