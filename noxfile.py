@@ -42,9 +42,12 @@ TORCH = "torch==2.13.0"
 PYTHONS = ["3.11", "3.12", "3.13"]
 #: the sessions' Python, the oldest declared; ``pythons`` runs the in-process tiers on the others
 PYTHON = PYTHONS[0]
-#: what ``oldest`` and ``pythons`` run: the in-process tiers (tests/tiers.py) and the child
-#: interpreters that must exit cleanly, which is where the Python version shows
-IN_PROCESS = "(not process and not lab) or interpreter_exit"
+#: what ``oldest`` runs: the in-process tiers (tests/tiers.py) but the heavy swarms marked
+#: ``slow`` (the same code at scale, which ``tests`` runs; ~40 s a session)
+IN_PROCESS = "not process and not lab and not slow"
+#: what ``pythons`` runs: that, and the child interpreters that must exit cleanly (process
+#: tier), whose exit is where the Python version shows most
+IN_PROCESS_AND_EXIT = f"({IN_PROCESS}) or interpreter_exit"
 PACKAGES = [
     p
     for p in (
@@ -207,8 +210,7 @@ def oldest(session: nox.Session) -> None:
     session.run(
         "pytest",
         # the in-process tiers (tests/tiers.py): what depends on the versions of anyio,
-        # msgpack, cryptography, numpy and Lightning runs there, and the clean-exit checks
-        # (the loop thread's loop, anyio's loop_factory); `tests` runs every tier
+        # msgpack, cryptography, numpy and Lightning runs there; `tests` runs every tier
         *(session.posargs or ["-q", "--durations=25", "-m", IN_PROCESS]),
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=[0, 5] if session.posargs else [0],
@@ -217,14 +219,14 @@ def oldest(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS[1:])
 def pythons(session: nox.Session) -> None:
-    """The in-process tiers and the clean-exit checks (:data:`IN_PROCESS`) on every declared
-    Python but :data:`PYTHON`, where ``tests`` runs the whole suite, with the newest
+    """The in-process tiers and the clean-exit checks (:data:`IN_PROCESS_AND_EXIT`) on every
+    declared Python but :data:`PYTHON`, where ``tests`` runs the whole suite, with the newest
     dependencies (``nox -s pythons-3.13`` for one). torch is PyPI's build of the pinned release
     there, a CUDA one: the only wheel of it for those versions."""
     _install(session)
     session.run(
         "pytest",
-        *(session.posargs or ["-q", "--durations=10", "-m", IN_PROCESS]),
+        *(session.posargs or ["-q", "--durations=10", "-m", IN_PROCESS_AND_EXIT]),
         env={"HYPOTHESIS_PROFILE": "ci"},
         success_codes=[0, 5] if session.posargs else [0],
     )

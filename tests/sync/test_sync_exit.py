@@ -1,7 +1,8 @@
 """A program that uses swarmavg exits cleanly: a child interpreter (this one's Python, so each
-declared version runs it: ``nox -s oldest pythons`` select these tests with the in-process
-tiers) runs a short program and must end with exit code 0, an empty stderr, in time, and with
-no thread but the main one left when its last ``atexit`` hook runs.
+declared version runs it: ``nox -s tests`` on 3.11, ``nox -s pythons`` selects these tests
+beside the in-process tiers on the others) runs a short program and must end with exit code 0,
+an empty stderr, in time, and with no thread but the main one left when its last ``atexit``
+hook runs.
 
 Python 3.12 refuses to start a thread once the interpreter finalizes, from before the ``atexit``
 hooks run; the loop thread stops in such a hook (docs/design/sync-runtime.md#interpreter-exit).
