@@ -14,8 +14,9 @@ JSON lines (the helpers of ``swarmavg demo``'s children: :func:`swarmavg._demo_p
   parameters are saved to ``{out}/peer{index}.npy``), ``done`` (``val_start``, ``val_end``).
 
 A peer trains until it was told ``killed``, then ``steps_after_kill`` more steps and until a
-round begun after that succeeded (at most ``max_steps`` in all); the first peer to be killed
-trains until it is.
+round begun after that succeeded (at most ``max_steps`` in all), says ``trained``, and trains
+on (averaging with the survivors still short of their round) until the next command; the
+first peer to be killed trains until it is.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def _train(
     stream = workload.batches(corpus, 16, seed=1, peer=index, num_peers=4)
     base: int | None = None  # rounds succeeded before the kill was known
     after_kill = 0
+    trained = False
+    command: dict[str, Any] | None = {}
     for step in range(1, config["max_steps"] + 1):
         x, y = next(stream)
         workload.loss_fn(model, x, y).backward()
@@ -125,6 +128,12 @@ def _train(
             command = {}
         if command is None:
             return
+        if trained:
+            # (trained on, averaging with the survivors still short of their round, until the
+            # test moves on: a survivor that stopped would leave the last one alone)
+            if command:
+                break
+            continue
         if command.get("cmd") == "killed":
             opt.wait_for_round(timeout=60)  # (a round begun before the kill ends first)
             base = opt.rounds_succeeded
@@ -132,12 +141,15 @@ def _train(
         if base is not None:
             after_kill += 1
             if after_kill >= config["steps_after_kill"] and opt.rounds_succeeded > base:
-                break
+                trained = True
+                _emit_trained(opt, base)
+    if not trained:  # (max_steps: the test reads how many rounds succeeded)
+        _emit_trained(opt, base)
     opt.zero_grad()
     opt.wait_for_round(timeout=60)
-    rounds_after_kill = None if base is None else opt.rounds_succeeded - base
-    _emit(event="trained", rounds_after_kill=rounds_after_kill)
-    while (command := commands.next(120)) is not None and command.get("cmd") == "settle":
+    if not command:
+        command = commands.next(120)
+    while command is not None and command.get("cmd") == "settle":
         outcome = opt.wait_for_round(timeout=60, request=True)
         flat = torch_flat(model)
         np.save(Path(config["out"]) / f"peer{index}.npy", flat, allow_pickle=False)
@@ -146,8 +158,16 @@ def _train(
             succeeded=outcome is not None and outcome.succeeded,
             group_size=0 if outcome is None else outcome.group_size,
         )
+        command = commands.next(120)
     if command is not None and command.get("cmd") == "finish":
         _emit(event="done", val_start=val_start, val_end=evaluate())
+
+
+def _emit_trained(opt: Any, base: int | None) -> None:
+    """``trained``: how many rounds succeeded since the kill was known, once the round under
+    way ended."""
+    opt.wait_for_round(timeout=60)
+    _emit(event="trained", rounds_after_kill=None if base is None else opt.rounds_succeeded - base)
 
 
 def torch_flat(model: Any) -> Any:
