@@ -130,6 +130,7 @@ __all__ = [
     "Dropped",
     "EndCall",
     "EndedEarly",
+    "FalseKeep",
     "Event",
     "Excluded",
     "Fault",
@@ -319,6 +320,11 @@ class BadWeights(RoundProtocolError):
 
 class TooManyNotices(RoundProtocolError):
     """A reducer told of more left-out senders than the group has."""
+
+
+class FalseKeep(RoundProtocolError):
+    """A reducer answered "keep your values" (``AvgKeep``) for a part that had weight: ours,
+    or that of a member it did not say it left out."""
 
 
 class EndedEarly(RoundProtocolError):
@@ -617,6 +623,10 @@ class _Link:
     notices: int = 0
     last: float = 0.0
     reason: Reason | None = None
+    #: every member's weight as this reducer told it
+    weights: tuple[float, ...] = ()
+    #: the senders it said it left out: sender -> the first part without it
+    dropped: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -1077,6 +1087,8 @@ class ButterflyRound:
             raise TooManyNotices(f"member {reducer} told of more left-out senders than members")
         self._move_link(reducer, "dropped", link.stage)
         if 0 <= notice.sender < members:
+            first = link.dropped.get(notice.sender, notice.part)
+            link.dropped[notice.sender] = min(first, max(notice.part, 0))
             reason = printable(notice.reason, _REASON_CHARS)  # (a peer's words: into our logs)
             self._actions.append(Dropped(reducer, notice.sender, notice.part, reason))
 
@@ -1091,6 +1103,7 @@ class ButterflyRound:
             raise BadWeights(
                 f"member {reducer} said weights that are not one finite >= 0 per member"
             )
+        link.weights = tuple(float(w) for w in told)
         for index, weight in enumerate(told):
             if weight > 0 or index not in self.told:
                 self.told[index] = float(weight)
@@ -1112,6 +1125,7 @@ class ButterflyRound:
             self._actions.append(Decode(reducer, part.index, message, answer=True))
             return
         if isinstance(message, AvgKeep):
+            self._check_keep(reducer, link, link.answered)
             self._applied(reducer, link, None, 0, "answer")
             return
         values = message.values
@@ -1120,6 +1134,23 @@ class ButterflyRound:
         if not _all_finite(values):
             raise NonFiniteData(f"member {reducer} answered non-finite values")
         self._applied(reducer, link, values, values.nbytes, "answer")
+
+    def _check_keep(self, reducer: int, link: _Link, index: int) -> None:
+        """An honest reducer keeps (no mean) only a part whose senders all had weight 0, or
+        were left out: we were not (it would have ended our call instead), so our own weight
+        and the weights it told of the others it kept in must all be 0."""
+        weight = max(
+            [self.weights.get(self.me, 0.0)]
+            + [
+                w
+                for sender, w in enumerate(link.weights)
+                if sender != self.me and link.dropped.get(sender, index + 1) > index
+            ]
+        )
+        if weight > 0:
+            raise FalseKeep(
+                f"member {reducer} answered 'keep' for part {index}, which had weight {weight:g}"
+            )
 
     def _answer_decoded(
         self, reducer: int, index: int, values: npt.NDArray[Any] | None, now: float

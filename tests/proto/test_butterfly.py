@@ -38,6 +38,7 @@ from swarmavg.proto.butterfly import (
     EndCall,
     EndedEarly,
     Excluded,
+    FalseKeep,
     Fault,
     GaveUp,
     LinkStage,
@@ -294,6 +295,50 @@ def test_a_reducers_bad_answers_are_typed_and_keep_our_values() -> None:
             machine.receive(AnswerCame(1, messages[-1]), 100.5)
         [gave_up] = [a for a in machine.actions() if isinstance(a, GaveUp)]
         assert gave_up.reason.fault is fault, (messages, gave_up)
+
+
+def _keep_answer(machine: ButterflyRound, weights: list[float], notices: list[Any]) -> None:
+    machine.receive(AnswerCame(1, AvgWeights(weights)), 100.5)
+    for notice in notices:
+        machine.receive(AnswerCame(1, notice), 100.5)
+    machine.receive(AnswerCame(1, AvgKeep(0)), 100.5)
+
+
+def test_a_reducer_keeping_a_weighted_part_is_blamed_and_our_span_of_it_stays_local() -> None:
+    """Trust I's F15: "keep your values" (``AvgKeep``) is the answer only for a part whose
+    senders all had weight 0 or were left out. Said of a part with weight (ours, or a
+    member's it did not say it left out) it would leave members silently disagreeing: the
+    reducer is blamed and its span marked local (the round is incomplete)."""
+    cases: list[tuple[float, list[float], list[Any]]] = [
+        (1.0, [1.0, 1.0, 1.0], []),  # (ours and everyone's)
+        (0.0, [0.0, 0.0, 2.0], []),  # (member 2's, which it did not leave out)
+        (0.0, [0.0, 0.0, 2.0], [AvgDropped(2, 1, "slow")]),  # (left out after part 0 only)
+    ]
+    for own, weights, notices in cases:
+        machine = _linked()
+        machine.own_weight(own)
+        with pytest.raises(FalseKeep, match="answered 'keep' for part 0, which had weight"):
+            _keep_answer(machine, weights, notices)
+        [gave_up] = [a for a in machine.actions() if isinstance(a, GaveUp)]
+        assert (gave_up.reducer, gave_up.first) == (1, 0)
+        assert gave_up.reason.fault is Fault.BAD_DATA
+        assert machine.link_stage(1) is LinkStage.GAVE_UP
+        assert machine.report.local_spans == [(1, 0, gave_up.reason)]
+
+
+def test_a_reducer_keeping_a_part_without_weight_is_believed() -> None:
+    """The honest cases: every sender of the part had weight 0, or those with weight were
+    left out of it (and we were told)."""
+    for weights, notices in (
+        ([0.0, 0.0, 0.0], []),
+        ([0.0, 3.0, 2.0], [AvgDropped(2, 0, "slow"), AvgDropped(1, 0, "ours")]),
+    ):
+        machine = _linked()
+        machine.own_weight(0.0)
+        _keep_answer(machine, weights, notices)
+        [apply] = [a for a in machine.actions() if isinstance(a, Apply)]
+        assert (apply.reducer, apply.index, apply.mean) == (1, 0, None)
+        assert machine.link_stage(1) is LinkStage.ANSWERING
 
 
 def test_a_peers_words_reach_our_logs_escaped_and_bounded() -> None:
