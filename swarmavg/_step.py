@@ -10,10 +10,11 @@ facades, all take them from here.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from swarmavg.proto.allreduce import MAX_WEIGHT
 
 if TYPE_CHECKING:
     from swarmavg.identity import PeerID
@@ -79,10 +80,11 @@ def _check_weight(weight: object) -> float:
     """A step's weight as a float.
 
     :raises TypeError: ``weight`` is not an int or float (a bool is not a number here).
-    :raises ValueError: ``weight`` is negative, NaN or infinite.
+    :raises ValueError: ``weight`` is negative, NaN, or above
+        :data:`~swarmavg.proto.allreduce.MAX_WEIGHT` (1e9).
     """
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise TypeError(f"weight must be a number, not {weight!r}")
-    if not (weight >= 0 and math.isfinite(weight)):
-        raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
+    if not 0 <= weight <= MAX_WEIGHT:  # (also NaN and infinities)
+        raise ValueError(f"weight must be a number from 0 to {MAX_WEIGHT:g}, not {weight!r}")
     return float(weight)

@@ -107,7 +107,8 @@ class AllReduceResult:
     #: (it had applied them): ``(reducer, first part, stop, member that relayed)``
     relayed: list[tuple[int, int, int, int]] = field(default_factory=list)
     #: members whose values (sent to this member's span) or means (answered or relayed to
-    #: it) held NaN or an infinity: they were refused
+    #: it) held NaN or an infinity, or were too large to average, or whose weight was past
+    #: ``MAX_WEIGHT``: they were refused
     nonfinite: list[int] = field(default_factory=list)
     #: this member's own values held NaN or an infinity: it took the mean without
     #: contributing (weight 0)

@@ -25,6 +25,7 @@ from swarmavg.proto.averaging_messages import AvgDropped, AvgHave, AvgKeep, AvgP
 from swarmavg.proto.butterfly import (
     Apply,
     Dropped,
+    Fault,
     NonFiniteData,
     RelayReader,
     check_relay_request,
@@ -177,6 +178,8 @@ class Relays:
         if first >= len(parts) or applied.got.get(reducer, 0) != first:
             return
         counts: dict[int, int] = {}
+        # (a reducer that broke the protocol is not asked to relay its own span: it lied once)
+        breached = getattr(reason, "fault", None) in (Fault.BAD_DATA, Fault.NON_FINITE)
 
         async def ask(member: int, address: Any, scope: anyio.CancelScope) -> None:
             request = AvgRelay(group.group_id, reducer, first, False)
@@ -198,6 +201,7 @@ class Relays:
                 for member, info in enumerate(group.members):
                     if (
                         member != round_.me
+                        and not (member == reducer and breached)
                         and info.address is not None
                         and info.mode is not MemberMode.AUX
                         and member not in round_.machine.gone
@@ -246,7 +250,16 @@ class Relays:
         assert applied is not None
         parts = applied.plans[reducer]
         dtypes = [dtype for dtype, _ in round_.layout.buffers]
-        reader = RelayReader(member, reducer, first, parts, dtypes, len(round_.group.members))
+        reader = RelayReader(
+            member,
+            reducer,
+            first,
+            parts,
+            dtypes,
+            len(round_.group.members),
+            me=round_.me,
+            own_weight=round_.machine.weights.get(round_.me, 0.0),
+        )
         request = AvgRelay(round_.group.group_id, reducer, first, True)
         async with self.node.rpc.server_stream(
             address, RELAY_METHOD, request, response_type=Message

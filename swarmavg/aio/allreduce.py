@@ -98,6 +98,7 @@ from swarmavg.compression import (
 )
 from swarmavg.errors import AllReduceFailed, ConnectError, SwarmError
 from swarmavg.proto.allreduce import (
+    MAX_WEIGHT,
     AccumulatorPool,
     FlatLayout,
     Part,
@@ -316,8 +317,8 @@ class AllReduceService(AllReduceRunner):
         mode = group.members[me].mode
         if group.group_id in self._rounds or group.group_id in self._finished:
             raise ValueError("this group's round already ran here")
-        if not (weight >= 0 and math.isfinite(weight)):
-            raise ValueError(f"weight must be a finite number >= 0, not {weight!r}")
+        if not 0 <= weight <= MAX_WEIGHT:  # (also NaN and infinities)
+            raise ValueError(f"weight must be a number from 0 to {MAX_WEIGHT:g}, not {weight!r}")
         if mode is not MemberMode.AUX:
             for (dtype, size), buffer in zip(layout.buffers, buffers, strict=True):
                 if buffer.shape != (size,) or buffer.dtype != numpy_dtype(dtype):

@@ -807,15 +807,18 @@ class DecentralizedAverager:
             self._bits = bits
 
     def _exclude(self, peers: Iterable[PeerID]) -> None:
-        """Leave peers that sent us non-finite values out of our groups for a while (a
+        """Leave peers that sent us values that would poison the mean (non-finite, too
+        large, or with a weight past ``MAX_WEIGHT``) out of our groups for a while (a
         diverged or malicious peer; every groupmate that saw it does the same)."""
         admission = getattr(self.matchmaker, "admission", None)
         if not isinstance(admission, Admission):
             return
         for peer in peers:
-            seconds = admission.exclude(peer, get_dht_time(), "it sent non-finite values")
+            seconds = admission.exclude(
+                peer, get_dht_time(), "it sent non-finite or overflowing values"
+            )
             logger.warning(
-                "peer %s sent non-finite values; left out of our groups for %.0f s",
+                "peer %s sent non-finite or overflowing values; left out of our groups for %.0f s",
                 peer.short(),
                 seconds,
             )

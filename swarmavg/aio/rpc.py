@@ -107,6 +107,9 @@ logger = logging.getLogger(__name__)
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
+#: A test's rewriting of an outgoing message: ``(method, message, answer) -> message``, where
+#: ``answer`` tells a handler's answer from a call's request (see RPC.rewrite).
+Rewrite = Callable[[str, Message, bool], Message]
 
 _MAX_METHOD_LEN = 128
 _HEADER_TIMEOUT = 10.0  # a caller must send its header this soon after opening the stream
@@ -278,6 +281,8 @@ class StreamingCall(Generic[Req, Resp]):
         self._half_closed = False
         #: the caller enforces the deadline around the whole call (see RPC.call)
         self._scoped_outside = False
+        #: a test's rewriting of what we send (see RPC.rewrite)
+        self._rewrite: Rewrite | None = None
 
     def _scope(self) -> AbstractContextManager[object]:
         if self._scoped_outside or math.isinf(self._deadline):
@@ -289,6 +294,8 @@ class StreamingCall(Generic[Req, Resp]):
         limit = self._stream.max_message_size
         head = _encode_header(header)
         parts: list[Buffer] = [head]
+        if self._rewrite is not None and isinstance(first, Message):
+            first = self._rewrite(self._method, first, False)
         if isinstance(first, Prepared):
             parts += first.encoded(limit)
         elif first is not None:
@@ -308,6 +315,8 @@ class StreamingCall(Generic[Req, Resp]):
             raise self._interrupted(exc) from exc
 
     async def _send(self, msg: Message) -> None:
+        if self._rewrite is not None:
+            msg = self._rewrite(self._method, msg, False)
         try:
             with self._scope():
                 await _send_message(self._stream, msg)
@@ -557,6 +566,11 @@ class RPC:
         self._methods: dict[str, _Method] = {}
         self._per_peer = max_concurrent_calls_per_peer
         self._slots: dict[PeerID, _Slots] = {}
+        #: every message this node sends (its calls' requests, its handlers' answers) passes
+        #: through ``rewrite(method, message, answer)`` first: a test's dishonest peer
+        #: (:class:`swarmavg.testing.Adversary`); ``None``, the default, sends them as they are.
+        #: (Requests already encoded, :class:`Prepared`, are sent as they are.)
+        self.rewrite: Rewrite | None = None
 
     # -- registration --------------------------------------------------------------------------
 
@@ -695,6 +709,7 @@ class RPC:
             stream, method, response_type, deadline, timeout
         )
         call._scoped_outside = scoped_outside
+        call._rewrite = self.rewrite
         try:
             # the budget left once connected; positive (0 means "none"): if it is all spent,
             # sending the header times out right away
@@ -764,6 +779,8 @@ class RPC:
         try:
             with _fail_after(budget) if bounded and finite else _NO_SCOPE:
                 stream = await self._open_stream(peer)
+                if self.rewrite is not None and isinstance(request, Message):
+                    request = self.rewrite(method, request, False)
                 try:
                     await self._send_request(stream, method, request, deadline, finite)
                 except BaseException:
@@ -981,6 +998,7 @@ class RPC:
         timeout = header.timeout
         if (
             method is None
+            or self.rewrite is not None  # (the answer goes through _respond, rewritten)
             or not method.inline
             or header.kind != "unary"
             or not rest
@@ -1220,6 +1238,8 @@ class RPC:
             raise TypeError(
                 f"handler of {method.name!r} returned {type(response).__name__}, not a Message"
             )
+        if self.rewrite is not None:
+            response = self.rewrite(method.name, response, True)
         try:
             await _send_message(stream, response, last=last)
         except MessageTooLarge as exc:

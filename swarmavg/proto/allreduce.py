@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from swarmavg.identity import PeerID
 
 __all__ = [
+    "MAX_WEIGHT",
     "PACING_MARGIN",
     "PACING_MAX_PEERS",
     "PACING_MAX_RATE",
@@ -66,6 +67,7 @@ __all__ = [
     "AccumulatorPool",
     "FlatLayout",
     "NonFiniteValues",
+    "OverflowingValues",
     "Part",
     "PartReducer",
     "TensorSpec",
@@ -78,6 +80,11 @@ __all__ = [
     "schema_digest",
     "schema_text",
 ]
+
+#: The largest weight a member may give its values (a step's ``weight``, a sender's
+#: ``AvgBegin``, a reducer's ``AvgWeights``): weights count samples, and no batch is near 1e9;
+#: a larger one is a bad argument here and a breach from a groupmate.
+MAX_WEIGHT: Final = 1e9
 
 #: dtypes that can be averaged, and what their weighted sums accumulate in.
 _ACCUMULATE: Final = {
@@ -286,12 +293,28 @@ class NonFiniteValues(ValueError):
     """Values to average (or a mean) hold NaN or an infinity."""
 
 
+class OverflowingValues(NonFiniteValues):
+    """Values to average are finite but so large (times their weight) that the sum of a part
+    could overflow its dtype (see :class:`PartReducer`)."""
+
+
 class PartReducer:
     """The weighted mean of one part over the senders expected to contribute to it.
 
     Values arrive as numpy arrays of the part's dtype (float16 ones are widened); the weighted
     sum accumulates in float32 (float64 for float64 parts) in one pass per contribution
     (``acc += w·x`` in cache-sized chunks), without per-element Python.
+
+    The sum cannot overflow, so the mean is finite whatever finite values and weights (at most
+    :data:`MAX_WEIGHT`) the senders send: a contribution is refused (:class:`OverflowingValues`,
+    blaming its sender alone) if ``w·max|x|`` reaches half the accumulation dtype's largest
+    value divided by the number of senders, or (float32 and float64, which accumulate in their
+    own dtype) if its values reach half their dtype's largest value. The accepted
+    contributions then sum to at most half the accumulator's range, and their mean (a weighted
+    average: at most the largest ``|x|``, up to rounding) stays inside the values' range:
+    float16's widened to float32 up to its own largest value, the others up to half of it. The
+    bound ``max|x|`` costs nothing extra: it is the square root of the sum of squares that
+    checks the values are finite (one dot product, see :func:`_magnitude`).
 
     :param out: where to accumulate (``size`` elements of the accumulation dtype, any content):
         a slice of one array allocated for a whole span saves an allocation per part.
@@ -316,6 +339,14 @@ class PartReducer:
         self._accumulator: npt.NDArray[np.floating] = out
         self._empty = True  # nothing accumulated yet (the accumulator holds garbage)
         self.expected = frozenset(senders)
+        #: the bounds of the class docstring: on one value (none where the sum is wider than
+        #: the values: float16's mean is at most its largest value), on one sender's w·max|x|
+        held = numpy_dtype(dtype)
+        largest = float(np.finfo(out.dtype).max)
+        self._max_value = (
+            math.inf if out.dtype.itemsize > held.itemsize else float(np.finfo(held).max) / 2
+        )
+        self._max_product = largest / 2 / max(len(self.expected), 1)
         self.received: set[int] = set()
         self.total_weight = 0.0
 
@@ -330,16 +361,15 @@ class PartReducer:
         values: npt.NDArray[np.floating],
         weight: float,
         max_norm: float | None = None,
-        *,
-        checked: bool = False,
     ) -> bool:
-        """Add ``sender``'s values with ``weight`` (>= 0), scaled down to an L2 norm of
-        ``max_norm`` first if they are longer. ``checked``: the caller knows that they are
-        finite (they are not checked again).
+        """Add ``sender``'s values with ``weight`` (>= 0, at most :data:`MAX_WEIGHT`), scaled
+        down to an L2 norm of ``max_norm`` first if they are longer.
 
         :returns: whether the values were clipped.
-        :raises ValueError: an unexpected or repeated sender, a wrong size, a bad weight or
-            non-finite values (nothing is added then).
+        :raises NonFiniteValues: the values hold NaN or an infinity (nothing is added).
+        :raises OverflowingValues: they are too large to add (nothing is added; see the class
+            docstring).
+        :raises ValueError: an unexpected or repeated sender, a wrong size or a bad weight.
         """
         if sender not in self.expected:
             raise ValueError(f"member {sender} does not send this part")
@@ -347,18 +377,27 @@ class PartReducer:
             raise ValueError(f"member {sender} already sent this part")
         if values.shape != (self.size,):
             raise ValueError(f"a part of {self.size} values, got shape {values.shape}")
-        if not (weight >= 0 and math.isfinite(weight)):
-            raise ValueError(f"a weight is a finite number >= 0, not {weight!r}")
-        if weight > 0 and not checked and not _all_finite(values):
-            raise NonFiniteValues(f"member {sender} sent non-finite values")
+        if not (0 <= weight <= MAX_WEIGHT):  # (also NaN)
+            raise ValueError(f"a weight is a number from 0 to {MAX_WEIGHT:g}, not {weight!r}")
         if max_norm is not None and not (max_norm >= 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm is a finite number >= 0, not {max_norm!r}")
         clipped = False
-        if max_norm is not None and weight > 0 and self.size:
-            norm = _norm(values)
-            if norm > max_norm:
-                values = (values * (max_norm / norm)).astype(self._accumulator.dtype)
-                clipped = True
+        if weight > 0 and self.size:
+            magnitude = _magnitude(values)
+            if not math.isfinite(magnitude):
+                raise NonFiniteValues(f"member {sender} sent non-finite values")
+            if max_norm is not None:
+                norm = _norm(values)
+                if norm > max_norm:
+                    scale = max_norm / norm
+                    values = (values * scale).astype(self._accumulator.dtype)
+                    magnitude *= scale
+                    clipped = True
+            if magnitude >= self._max_value or weight * magnitude >= self._max_product:
+                raise OverflowingValues(
+                    f"member {sender} sent values too large to average (up to {magnitude:.3g}"
+                    f" with weight {weight:g}: the sum of the part could overflow)"
+                )
         self.received.add(sender)
         if weight > 0 and self.size:
             accumulator = self._accumulator
@@ -494,6 +533,29 @@ def _norm(values: npt.NDArray[np.floating]) -> float:
 
 #: The exponent bits of an IEEE half: all set for inf and nan.
 _F16_EXPONENT: Final = 0x7C00
+
+
+def _magnitude(values: npt.NDArray[np.floating]) -> float:
+    """An upper bound of ``max |x|`` over ``values`` (not finite if a value is not), in one
+    vectorized pass without a full-size temporary where the values are small enough: the L2
+    norm bounds every element, and its square is the dot product that :func:`_all_finite` uses
+    (float32's accumulates in float32, rounded by well under 1% for a part: 1.01 covers it);
+    only a sum of squares that overflowed takes the exact, slower way. float16's is exact,
+    from the largest magnitude's bits (numpy's float16 reductions are scalar and slow)."""
+    if values.size == 0:
+        return 0.0
+    if values.dtype == np.float16:
+        largest = int(np.bitwise_and(values.view(np.uint16), 0x7FFF).max())
+        if largest >= _F16_EXPONENT:
+            return math.inf
+        return float(np.array(largest, np.uint16).view(np.float16))
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = float(np.dot(values, values))
+    if math.isfinite(squares):
+        return math.sqrt(squares) * 1.01
+    if not bool(np.isfinite(values).all()):
+        return math.inf
+    return float(max(values.max(), -values.min()))
 
 
 def _all_finite(values: npt.NDArray[np.floating]) -> bool:

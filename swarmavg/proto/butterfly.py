@@ -90,9 +90,11 @@ import numpy.typing as npt
 
 from swarmavg.errors import RemoteProtocolError
 from swarmavg.proto.allreduce import (
+    MAX_WEIGHT,
     AccumulatorPool,
     FlatLayout,
     NonFiniteValues,
+    OverflowingValues,
     Part,
     PartReducer,
     _all_finite,
@@ -130,9 +132,9 @@ __all__ = [
     "Dropped",
     "EndCall",
     "EndedEarly",
-    "FalseKeep",
     "Event",
     "Excluded",
+    "FalseKeep",
     "Fault",
     "GaveUp",
     "LinkStage",
@@ -315,7 +317,8 @@ class Undecodable(RoundProtocolError):
 
 
 class BadWeights(RoundProtocolError):
-    """A reducer's weights are not one finite number >= 0 per member."""
+    """A weight (a sender's, or one a reducer told) is not a number from 0 to
+    :data:`~swarmavg.proto.allreduce.MAX_WEIGHT`."""
 
 
 class TooManyNotices(RoundProtocolError):
@@ -651,7 +654,8 @@ class RoundReport:
     excluded: tuple[tuple[int, int, Reason], ...]
     #: the senders whose contributions to our span were clipped (``clip_norm``)
     clipped: tuple[int, ...]
-    #: the members whose values or means held NaN or an infinity
+    #: the members whose values or means would have poisoned ours: NaN or an infinity, values
+    #: too large to average, a weight past ``MAX_WEIGHT``
     nonfinite: tuple[int, ...]
     #: why nothing was averaged here (every other span kept our values from its first part,
     #: and we reduce none), or ``None``
@@ -884,9 +888,11 @@ class ButterflyRound:
         if state.stage is not _S.EXPECTED:
             raise TooLate(f"member {sender} already called")
         weight = event.weight
-        if not (isinstance(weight, float | int) and weight >= 0 and math.isfinite(weight)):
-            self._exclude(sender, 0, Reason(Fault.BAD_DATA, f"bad weight {weight!r:.40}"))
-            raise BadWeights(f"bad weight {weight!r:.40}")
+        if not (isinstance(weight, float | int) and 0 <= weight <= MAX_WEIGHT):
+            why = f"bad weight {weight!r:.40} (a number from 0 to {MAX_WEIGHT:g})"
+            self.report.nonfinite.add(sender)  # (it would poison the mean as NaN does)
+            self._exclude(sender, 0, Reason(Fault.BAD_DATA, why))
+            raise BadWeights(why)
         state.weight = float(weight)
         state.last = now
         self.weights[sender] = float(weight)
@@ -961,8 +967,8 @@ class ButterflyRound:
         index = state.received
         try:
             clipped = self.reducers[index].add(sender, values, state.weight, self._max_norms[index])
-        except NonFiniteValues:
-            raise NonFiniteData(f"member {sender} sent non-finite values") from None
+        except NonFiniteValues as exc:  # (or OverflowingValues: its text says which)
+            raise NonFiniteData(str(exc)) from None
         if clipped:
             self.report.clipped.add(sender)
         state.received += 1
@@ -981,12 +987,11 @@ class ButterflyRound:
         else:
             try:
                 clipped = self.reducers[index].add(
-                    me,
-                    values,
-                    self.weights.get(me, 0.0),
-                    self._max_norms[index],
-                    checked=self.config.check_values,  # (then the driver checked them all)
+                    me, values, self.weights.get(me, 0.0), self._max_norms[index]
                 )
+            except OverflowingValues as exc:  # (left out, as anyone)
+                self._exclude(me, index, Reason(Fault.OURS, f"our own values: {exc}"))
+                return
             except NonFiniteValues:  # (changed since the check: left out, as anyone)
                 self._exclude(me, index, Reason(Fault.OURS, "our own values are not finite"))
                 return
@@ -1021,7 +1026,7 @@ class ButterflyRound:
             self._exclude(sender, state.received, reason, "broke")
 
     def _bad_sender(self, sender: int, exc: RoundProtocolError) -> None:
-        if isinstance(exc, NonFiniteData):
+        if isinstance(exc, NonFiniteData | BadWeights):
             self.report.nonfinite.add(sender)
         state = self._senders.get(sender)
         first = 0 if state is None else state.received
@@ -1098,10 +1103,11 @@ class ButterflyRound:
             raise OutOfOrder(f"member {reducer} did not say the weights first")
         told = message.weights
         if len(told) != members or not all(
-            isinstance(w, float | int) and w >= 0 and math.isfinite(w) for w in told
+            isinstance(w, float | int) and 0 <= w <= MAX_WEIGHT for w in told
         ):
             raise BadWeights(
-                f"member {reducer} said weights that are not one finite >= 0 per member"
+                f"member {reducer} said weights that are not one number from 0 to"
+                f" {MAX_WEIGHT:g} per member"
             )
         link.weights = tuple(float(w) for w in told)
         for index, weight in enumerate(told):
@@ -1201,7 +1207,7 @@ class ButterflyRound:
         raise EndedEarly(str(reason))
 
     def _bad_link(self, reducer: int, exc: RoundProtocolError) -> None:
-        if isinstance(exc, NonFiniteData):
+        if isinstance(exc, NonFiniteData | BadWeights):
             self.report.nonfinite.add(reducer)
         self._give_up(reducer, Reason(exc.fault, str(exc)), "bad")
 
@@ -1306,6 +1312,9 @@ class RelayReader:
     in order, each checked as an answered mean is.
 
     :param plan: ``reducer``'s parts; ``dtypes``: each flat buffer's dtype name.
+    :param me: our index in the group, and ``own_weight`` the weight we sent ``reducer``: a
+        relayed "keep" (``AvgKeep``) is believed only for a part that had none of ours (see
+        :class:`FalseKeep`), or one the reducer left us out of (as the relayed notices say).
     """
 
     def __init__(
@@ -1316,12 +1325,19 @@ class RelayReader:
         plan: Sequence[Part],
         dtypes: Sequence[str],
         members: int,
+        *,
+        me: int = -1,
+        own_weight: float = 0.0,
     ) -> None:
         self.source = source
         self.reducer = reducer
         self.plan = plan
         self.dtypes = dtypes
         self.members = members
+        self.me = me
+        self.own_weight = own_weight
+        #: the first part the reducer left us out of, as the relay said (none: past the end)
+        self._without_me = len(plan)
         #: the next part expected, and where the relayed parts stop
         self.next = first
         self.stop = first
@@ -1347,6 +1363,8 @@ class RelayReader:
             self._notices += 1
             if self._notices > self.members or not 0 <= message.sender < self.members:
                 raise TooManyNotices(f"member {source} relayed bad notices")
+            if message.sender == self.me:
+                self._without_me = min(self._without_me, max(message.part, 0))
             reason = printable(message.reason, _REASON_CHARS)
             return Dropped(self.reducer, message.sender, message.part, reason)
         index = self.next
@@ -1358,6 +1376,11 @@ class RelayReader:
             raise OutOfOrder(f"member {source} relayed out of order")
         self.next += 1
         if isinstance(message, AvgKeep):
+            if self.own_weight > 0 and index < self._without_me:
+                raise FalseKeep(
+                    f"member {source} relayed 'keep' for part {index} of member"
+                    f" {self.reducer}'s span, which had our weight {self.own_weight:g}"
+                )
             return Apply(self.reducer, index, None, 0)
         part = self.plan[index]
         values = message.values

@@ -231,8 +231,9 @@ async def test_bad_step_arguments_and_garbage_metadata() -> None:
             await avg.step(gather=object())
         with pytest.raises(ValueError, match="timeout"):
             await avg.step(timeout=-1)
-        with pytest.raises(ValueError, match="weight"):
-            await avg.step(weight=float("nan"))
+        for weight in (float("nan"), -1.0, 2e9):  # (2e9: past MAX_WEIGHT, Trust I's F1)
+            with pytest.raises(ValueError, match="weight must be a number from 0 to 1e"):
+                await avg.step(weight=weight)
     peer = avg.dht.peer_id
     assert _unpack_gathered(peer, b"\xc1") is None  # never valid msgpack
     assert _unpack_gathered(peer, msgpack.packb({"a": 1})) == {"a": 1}

@@ -6,6 +6,7 @@ step keeps its deadline; errors say why."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -21,7 +22,8 @@ from swarmavg import get_dht_time
 from swarmavg.aio import DHT
 from swarmavg.aio.averager import DecentralizedAverager, StepResult
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed, NonFiniteTensors
-from swarmavg.testing import MemoryNetwork, run_on_virtual_time
+from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgPart
+from swarmavg.testing import Adversary, MemoryNetwork, run_on_virtual_time
 
 
 class _Swarm:
@@ -245,7 +247,8 @@ def test_a_peer_that_sends_nan_anyway_is_left_out_of_its_groupmates_next_groups(
     # the poisoned one sent to, and the poisoned one's own span answered NaN to it)
     assert all(count >= 1 for count in counted), counted
     assert any(
-        "sent non-finite values; left out of our groups" in r.message for r in caplog.records
+        "sent non-finite or overflowing values; left out of our groups" in r.message
+        for r in caplog.records
     )
     for outcome in second[:3]:
         assert isinstance(outcome, StepResult), outcome
@@ -578,3 +581,77 @@ def test_a_follower_whose_leader_is_cut_off_while_matchmaking_averages_with_the_
         assert isinstance(outcome, StepResult), outcome
         assert outcome.group_size == 3
     assert max(took) < 10.0, took  # (by the later peers' begin_at, and a round)
+
+
+@pytest.mark.parametrize(
+    ("weight", "value"), [(2.0, 3e38), (1e39, 1.0)], ids=["huge-values", "huge-weight"]
+)
+def test_a_member_whose_contribution_would_overflow_the_mean_is_the_only_one_blamed(
+    weight: float, value: float
+) -> None:
+    """Trust I's F1: a member (the library's own peer, its messages rewritten) sends finite
+    values that overflow a float32 sum, or a weight past ``MAX_WEIGHT``. The honest reducers
+    used to write an infinite mean, and the honest members then blamed and excluded each other.
+    Now the attacker alone is left out: the honest members end with finite, equal values,
+    and their next round is the two of them, complete."""
+
+    async def main() -> tuple[list[Any], list[Any], list[list[np.ndarray[Any, Any]]], int]:
+        async with _swarm(3, target_group_size=3) as swarm:
+            attacker = Adversary(swarm.dhts[2])
+            attacker.requests(AvgBegin, lambda m: dataclasses.replace(m, weight=weight))
+            attacker.requests(AvgPart, lambda m: AvgPart(m.index, np.full_like(m.values, value)))
+            first, _ = await _steps(swarm.averagers, timeout=30)
+            values = [_values(a) for a in swarm.averagers[:2]]
+            second, _ = await _steps(swarm.averagers, timeout=5)
+            return first, second, values, attacker.rewritten["request AvgBegin"]
+
+    first, second, values, rewritten = run_on_virtual_time(main)
+    assert rewritten >= 2  # (it sent to both honest reducers)
+    for outcome in first[:2]:
+        assert isinstance(outcome, StepResult), outcome
+        assert outcome.incomplete  # (the attacker's values were left out)
+    # spans 0 and 1 hold the mean of the honest values (0 and 1), the attacker's span the mean
+    # of all three (it reduced its own values honestly); finite and the same on both
+    for tensors in values:
+        for tensor in tensors:
+            assert np.isfinite(tensor).all()
+            assert set(np.unique(tensor)) <= {0.5, 1.0}
+    for a, b in zip(values[0], values[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for outcome in second[:2]:
+        assert isinstance(outcome, StepResult), outcome
+        assert outcome.group_size == 2
+        assert not outcome.incomplete
+    assert isinstance(second[2], MatchmakingFailed)
+
+
+def test_a_reducer_answering_keep_for_a_weighted_part_makes_the_round_incomplete() -> None:
+    """Trust I's F15: a reducer (the library's own peer, its answers rewritten) says "keep
+    your values" (``AvgKeep``) for every part of its span, which had weight. Members used to
+    keep their own values there and report a complete round, silently disagreeing. Now each
+    honest member blames it: its span stays local, and the round says it is incomplete."""
+
+    async def main() -> tuple[list[Any], list[Any], int]:
+        async with _swarm(3, target_group_size=3) as swarm:
+            with pytest.raises(TypeError, match="peer must be a Node"):
+                Adversary(object())
+            attacker = Adversary(swarm.dhts[2])
+            with pytest.raises(RuntimeError, match="rewritten already"):
+                Adversary(swarm.dhts[2].node)
+            attacker.answers(AvgPart, lambda m: AvgKeep(m.index))
+            outcomes, _ = await _steps(swarm.averagers, timeout=30)
+            attacker.close()
+            attacker.close()  # (idempotent)
+            honest, _ = await _steps(swarm.averagers, timeout=30)
+            return outcomes, honest, attacker.rewritten["answer AvgPart"]
+
+    outcomes, honest, rewritten = run_on_virtual_time(main)
+    assert rewritten >= 2
+    for outcome in honest:  # (closed: it answers honestly again)
+        assert isinstance(outcome, StepResult), outcome
+        assert (outcome.group_size, outcome.incomplete) == (3, False)
+    for outcome in outcomes[:2]:
+        assert isinstance(outcome, StepResult), outcome
+        assert outcome.incomplete
+        [(_peer, why)] = outcome.local_spans
+        assert "answered 'keep' for part 0, which had weight 1" in why

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import threading
 
 import numpy as np
@@ -11,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmavg.proto.allreduce import (
+    MAX_WEIGHT,
     SAME_BANDWIDTH,
     AccumulatorPool,
     FlatLayout,
+    NonFiniteValues,
+    OverflowingValues,
     PartReducer,
     TensorSpec,
     _all_finite,
@@ -223,21 +227,62 @@ def test_bad_contributions_are_refused_and_change_nothing() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-def test_huge_finite_values_are_taken_and_any_non_finite_one_refused(dtype: str) -> None:
-    big = float(np.finfo(dtype).max)
-    values = np.full(1000, big, dtype=dtype)  # their sum overflows; each is finite
+def test_a_non_finite_value_is_refused(dtype: str) -> None:
+    values = np.full(1000, 0.5, dtype=dtype)
     for bad in (np.inf, -np.inf, np.nan):
         poisoned = values.copy()
         poisoned[517] = bad
         reducer = PartReducer(1000, dtype, senders=[0])
-        with pytest.raises(ValueError, match="non-finite"):
+        with pytest.raises(NonFiniteValues, match="non-finite"):
             reducer.add(0, poisoned, 1.0)
-    reducer = PartReducer(1000, dtype, senders=[0, 1])
-    reducer.add(0, values, 1.0)
-    reducer.add(1, -values, 1.0)
+        assert reducer.received == set()
+
+
+def test_float16_values_up_to_the_largest_are_averaged_at_any_weight() -> None:
+    """float16 sums in float32, where no float16 value times any allowed weight overflows."""
+    big = float(np.finfo(np.float16).max)
+    values = np.full(1000, big, dtype=np.float16)
+    reducer = PartReducer(1000, "float16", senders=[0, 1, 2])
+    reducer.add(0, values, MAX_WEIGHT)
+    reducer.add(1, values, MAX_WEIGHT)
+    reducer.add(2, -values, 1.0)
+    mean = reducer.result()
+    assert mean is not None
+    assert np.isfinite(mean).all()
+    assert mean.astype(np.float16)[0] == np.float16(
+        (2 * MAX_WEIGHT - 1) * big / (2 * MAX_WEIGHT + 1)
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_values_that_could_overflow_the_sum_are_refused_blaming_their_sender(dtype: str) -> None:
+    """Trust I's F1: finite values near the dtype's largest, or times a large weight, would
+    overflow the sum into an infinite mean that every member then blames on the honest
+    reducer. Each sender's ``w·max|x|`` is held to half the range over the senders (here 3:
+    1/6), and each value to half the range: the others' mean comes out exact."""
+    top = float(np.finfo(dtype).max)
+    reducer = PartReducer(1000, dtype, senders=[0, 1, 2])
+    reducer.add(0, np.full(1000, top / 8, dtype=dtype), 1.0)  # (1/8 < 1/6: taken)
+    for values, weight in (
+        (np.full(1000, top / 8, dtype=dtype), 2.0),  # (1/4 with its weight)
+        (np.full(1000, top / 1.5, dtype=dtype), 1e-3),  # (a value past half the range)
+        (np.full(1000, 3e38 if dtype == "float32" else 1e300, dtype=dtype), 1e9),
+    ):
+        with pytest.raises(OverflowingValues, match="member 1 sent values too large"):
+            reducer.add(1, values, weight)
+    assert reducer.received == {0}
+    reducer.add(1, np.full(1000, -top / 8, dtype=dtype), 1.0)
+    reducer.add(2, np.full(1000, top, dtype=dtype), 0.0)  # (weight 0: not added at all)
     mean = reducer.result()
     assert mean is not None
     np.testing.assert_array_equal(mean, 0.0)
+
+
+def test_a_weight_past_max_weight_is_refused() -> None:
+    reducer = PartReducer(2, "float32", senders=[0])
+    for weight in (MAX_WEIGHT * 1.5, 1e39, math.inf, math.nan, -1.0):
+        with pytest.raises(ValueError, match="a weight is a number from 0 to 1e"):
+            reducer.add(0, np.ones(2, np.float32), weight)
 
 
 def test_the_schema_digest_tells_schemas_apart() -> None:

@@ -125,6 +125,34 @@ def test_the_honest_round_reduces_each_part_exactly_once_everyone_delivered_it()
     assert machine.excluded == {}
 
 
+def test_a_sender_whose_values_could_overflow_the_mean_is_left_out_and_blamed_alone() -> None:
+    """Trust I's F1: finite values that overflow a float32 sum (3e38 with weight 2, or any
+    value with weight 1e39) made the honest reducer's mean infinite, and every member then
+    blamed the reducer. Now the sender is left out at once, typed, and the others' mean is
+    exact."""
+    for weight, value in ((2.0, 3e38), (1e39, 1.0)):
+        machine = _round()
+        for index, part in enumerate(machine.parts):
+            machine.receive(OwnPart(index, _values(0, index, part.size)), 100.0)
+        machine.receive(Began(1, PEERS[1], 1.0), 100.0)
+        _deliver(machine, 1, 3, 100.0)
+        attack = PartCame(2, AvgPart(0, np.full(PART, value, np.float32)))
+        if weight > 1e9:
+            with pytest.raises(BadWeights, match="bad weight 1e"):
+                machine.receive(Began(2, PEERS[2], weight), 100.0)
+        else:
+            machine.receive(Began(2, PEERS[2], weight), 100.0)
+            with pytest.raises(NonFiniteData, match="member 2 sent values too large"):
+                machine.receive(attack, 100.0)
+        assert machine.excluded[2][0] == 0
+        assert machine.excluded[2][1].fault in (Fault.NON_FINITE, Fault.BAD_DATA)
+        assert machine.report.nonfinite == {2}  # (left out of our next groups)
+        means = [a.mean for a in machine.actions() if isinstance(a, Reduced)]
+        assert len(means) == 3
+        for index, mean in enumerate(means):
+            np.testing.assert_array_equal(mean, (index + 10.0 + index) / 2)
+
+
 def test_a_sender_that_never_begins_is_left_out_at_exactly_sender_timeout() -> None:
     machine = _round(now=100.0)
     machine.receive(Began(1, PEERS[1], 1.0), 100.5)
@@ -278,6 +306,7 @@ def test_a_reducers_bad_answers_are_typed_and_keep_our_values() -> None:
         ([AvgPart(0, np.ones(PART, np.float32))], OutOfOrder, Fault.BAD_DATA),
         ([AvgWeights([1.0, -1.0, 1.0])], BadWeights, Fault.BAD_DATA),
         ([AvgWeights([1.0, 1.0])], BadWeights, Fault.BAD_DATA),
+        ([AvgWeights([1.0, 1e39, 1.0])], BadWeights, Fault.BAD_DATA),  # (past MAX_WEIGHT)
         ([_weights(), AvgKeep(2)], OutOfOrder, Fault.BAD_DATA),
         ([_weights(), AvgPart(0, np.ones(3, np.float32))], PartMismatch, Fault.BAD_DATA),
         (
@@ -445,6 +474,20 @@ def test_a_relay_is_read_in_order_and_each_breach_is_typed() -> None:
         reader = RelayReader(2, 1, 1, plan, ["float32"], members=3)
         with pytest.raises(error):
             _read_relay(reader, messages)
+
+
+def test_a_relayed_keep_of_a_part_we_weighted_is_refused() -> None:
+    """Trust I's F15, relayed: a groupmate relaying "keep" for a part of the reducer's span
+    that had our weight (and that the reducer did not leave us out of) lies as a reducer
+    would; the same keep is believed where we sent weight 0 or were left out."""
+    plan = plan_parts(LAYOUT, _group().span_sizes(LAYOUT.numel), PART)[1]
+    lying = RelayReader(2, 1, 1, plan, ["float32"], members=3, me=0, own_weight=1.0)
+    with pytest.raises(FalseKeep, match="relayed 'keep' for part 1 of member 1's span"):
+        _read_relay(lying, [AvgHave(3), AvgKeep(1)])
+    for own_weight, notices in ((0.0, []), (1.0, [AvgDropped(0, 1, "slow")])):
+        honest = RelayReader(2, 1, 1, plan, ["float32"], members=3, me=0, own_weight=own_weight)
+        _read_relay(honest, [AvgHave(3), *notices, AvgKeep(1)])
+        assert honest.next == 2
 
 
 def _read_relay(reader: RelayReader, messages: list[Any]) -> None:
