@@ -28,6 +28,7 @@ from swarmavg.aio.averager import _NO_COMPRESSION, StepControl
 from swarmavg.aio.averager import DecentralizedAverager as AsyncAverager
 from swarmavg.aio.state import DEFAULT_MAX_DONORS, DEFAULT_MAX_STATE_SIZE
 from swarmavg.metrics import AveragerMetrics
+from swarmavg.proto.allreduce import MAX_SHARE
 from swarmavg.sync import TaskHandle, call, run_sync
 from swarmavg.sync._loop import _start_handle, shut_down_at_exit
 
@@ -54,7 +55,7 @@ class DecentralizedAverager:
     ``averaging_expiration`` or hivemind 1.1's ``min_matchmaking_time``, ``auxiliary``,
     ``client_mode``, ``matchmaker``), the all-reduce (``request_timeout``, ``averaging_alpha``,
     ``part_size_bytes``, ``allreduce_timeout``, ``sender_timeout``, ``reducer_timeout``,
-    ``clip_norm``, ``bandwidth``, ``min_vector_size``, ``allreduce``), compression
+    ``clip_norm``, ``bandwidth``, ``min_vector_size``, ``max_share``, ``allreduce``), compression
     (``compression``, ``tensor_infos``, ``error_feedback``) and state sharing
     (``allow_state_sharing``, ``state_sharing_priority``, ``declare_state_period``,
     ``next_chunk_timeout``, ``max_state_size``, ``state_compression``, ``state_max_donors``).
@@ -101,6 +102,7 @@ class DecentralizedAverager:
         clip_norm: float | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
+        max_share: float | None = MAX_SHARE,
         auxiliary: bool = False,
         client_mode: bool | None = None,
         matchmaker: Matchmaker | None = None,
@@ -161,6 +163,7 @@ class DecentralizedAverager:
                 clip_norm=clip_norm,
                 bandwidth=bandwidth,
                 min_vector_size=min_vector_size,
+                max_share=max_share,
                 auxiliary=auxiliary,
                 client_mode=client_mode,
                 matchmaker=matchmaker,

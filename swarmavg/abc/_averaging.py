@@ -20,7 +20,7 @@ from swarmavg.compression import (
     NoCompression,
     TensorInfo,
 )
-from swarmavg.proto.allreduce import FlatLayout, load_balance
+from swarmavg.proto.allreduce import MAX_SHARE, FlatLayout, load_balance
 from swarmavg.proto.butterfly import RoundConfig
 
 if TYPE_CHECKING:
@@ -75,12 +75,14 @@ class Group:
     def senders(self) -> list[int]:
         return [i for i, m in enumerate(self.members) if m.mode is not MemberMode.AUX]
 
-    def span_sizes(self, numel: int, min_vector_size: int = 0) -> list[int]:
+    def span_sizes(
+        self, numel: int, min_vector_size: int = 0, max_share: float | None = MAX_SHARE
+    ) -> list[int]:
         bandwidths = [
             0.0 if m.mode is MemberMode.CLIENT or m.address is None else m.bandwidth
             for m in self.members
         ]
-        return load_balance(numel, bandwidths, min_vector_size)
+        return load_balance(numel, bandwidths, min_vector_size, max_share)
 
 
 @dataclass

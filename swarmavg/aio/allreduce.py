@@ -326,7 +326,7 @@ class AllReduceService(AllReduceRunner):
         if not isinstance(compression, CompressionBase | AdaptiveCompression):
             raise TypeError(f"compression must be a codec or a chooser, not {compression!r:.64}")
         check_tensor_infos(layout, tensor_infos)
-        spans = group.span_sizes(layout.numel, config.min_vector_size)
+        spans = group.span_sizes(layout.numel, config.min_vector_size, config.max_share)
         plans = plan_parts(layout, spans, config.part_size)
         codecs = [part_codecs(layout, parts, compression, tensor_infos) for parts in plans]
         if error_feedback is not None:

@@ -69,6 +69,7 @@ from swarmavg.compression import (
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed, NonFiniteTensors
 from swarmavg.metrics import AveragerCounter, AveragerMetrics, step_failure_cause
 from swarmavg.proto.allreduce import (
+    MAX_SHARE,
     FlatLayout,
     TensorSpec,
     _all_finite,
@@ -314,7 +315,10 @@ class DecentralizedAverager:
     whole vector, part by part; off by default),
     ``bandwidth`` (bytes/s, what the vector is split by among a group's members; default
     ``None``: measured from the rounds this peer takes part in and announced once known, see
-    :attr:`measured_bandwidth`), ``min_vector_size``, ``auxiliary``, ``client_mode`` (default:
+    :attr:`measured_bandwidth`), ``min_vector_size``, ``max_share`` (a member reduces at most
+    this many even shares of the vector whatever bandwidth it announces, default 2: one that
+    claims a huge bandwidth would otherwise set every mean; ``None``: no cap; the same on every
+    peer), ``auxiliary``, ``client_mode`` (default:
     the DHT's). ``matchmaker`` and ``allreduce`` replace the DHT matchmaker and the butterfly
     all-reduce (:class:`swarmavg.abc.Matchmaker`, :class:`swarmavg.abc.AllReduceRunner`).
 
@@ -368,6 +372,7 @@ class DecentralizedAverager:
         clip_norm: float | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
+        max_share: float | None = MAX_SHARE,
         auxiliary: bool = False,
         client_mode: bool | None = None,
         matchmaker: Matchmaker | None = None,
@@ -475,6 +480,7 @@ class DecentralizedAverager:
             ),
             averaging_alpha=averaging_alpha,
             min_vector_size=min_vector_size,
+            max_share=max_share,
             clip_norm=clip_norm,
         )
         #: measures our throughput when no ``bandwidth`` was given (see measured_bandwidth)

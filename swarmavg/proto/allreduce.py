@@ -33,6 +33,10 @@ member came to reduce twice the others' share within 10 rounds, measured at 1047
 440-514, and rounds took 0.33 s instead of 0.22 s). Differences that matter (a 1 Gbit/s peer
 among 50 Mbit/s ones: 110 and 6 MB/s measured on the lab) are far outside it and kept as they
 are.
+
+No member reduces more than ``max_share`` (:data:`MAX_SHARE`, 2) even shares of the vector,
+whatever bandwidth it announces: a bandwidth is the member's own word, and one that claims a
+huge bandwidth would otherwise reduce everything, and so set every mean.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from swarmavg.identity import PeerID
 
 __all__ = [
+    "MAX_SHARE",
     "MAX_WEIGHT",
     "PACING_MARGIN",
     "PACING_MAX_PEERS",
@@ -85,6 +90,11 @@ __all__ = [
 #: ``AvgBegin``, a reducer's ``AvgWeights``): weights count samples, and no batch is near 1e9;
 #: a larger one is a bad argument here and a breach from a groupmate.
 MAX_WEIGHT: Final = 1e9
+
+#: The most a member reduces, in even shares of the vector (``vector_size / group size``),
+#: whatever bandwidth it announces: a member that claims a huge bandwidth would otherwise
+#: reduce the whole vector, and set every mean (no other member's ``clip_norm`` would apply).
+MAX_SHARE: Final = 2.0
 
 #: dtypes that can be averaged, and what their weighted sums accumulate in.
 _ACCUMULATE: Final = {
@@ -172,16 +182,22 @@ SAME_BANDWIDTH: Final = 2.0
 
 
 def load_balance(
-    vector_size: int, bandwidths: Sequence[float | None], min_vector_size: int = 0
+    vector_size: int,
+    bandwidths: Sequence[float | None],
+    min_vector_size: int = 0,
+    max_share: float | None = MAX_SHARE,
 ) -> list[int]:
     """How many elements of a ``vector_size`` vector each member reduces (sums to
-    ``vector_size``; see the module docstring).
+    ``vector_size``; see the module docstring), each at most ``max_share`` even shares
+    (``vector_size / len(bandwidths)``; at least an even share of the members that can reduce,
+    so that the vector is covered; ``None``: no cap).
 
     :raises ValueError: if no member can reduce (all bandwidths 0) while there is something to
         reduce, or an argument is out of range.
     """
     if vector_size < 0 or min_vector_size < 0:
         raise ValueError("vector_size and min_vector_size must be non-negative")
+    _check_max_share(max_share)
     n = len(bandwidths)
     if n == 0:
         raise ValueError("a group has at least one member")
@@ -217,7 +233,39 @@ def load_balance(
             break
         # drop the slowest of those that fell short (the last on ties), and solve again
         active.remove(min(small, key=lambda i: (bw[i], -i)))
-    return _round_to_total([shares[active.index(i)] if i in active else 0.0 for i in range(n)])
+    full = [shares[active.index(i)] if i in active else 0.0 for i in range(n)]
+    if max_share is not None:
+        # (over every member that can reduce, also those too slow to get a share: a member
+        # that claims a huge bandwidth makes all the others look too slow)
+        able = [i for i in range(n) if bw[i] > 0]
+        _cap(full, able, bw, max(max_share * vector_size / n, vector_size / len(able)))
+    return _round_to_total(full)
+
+
+def _check_max_share(max_share: object) -> None:
+    if max_share is not None and (
+        isinstance(max_share, bool)
+        or not isinstance(max_share, int | float)
+        or not 1 <= max_share < math.inf
+    ):
+        raise ValueError(f"max_share must be None or a number >= 1, not {max_share!r:.40}")
+
+
+def _cap(shares: list[float], able: list[int], bandwidths: list[float], cap: float) -> None:
+    """Hold every share to ``cap`` (at least the mean share of ``able``), in place: what is
+    cut goes to the members of ``able`` under it in proportion to their bandwidths (water
+    filling; a share given this way may be under ``min_vector_size``)."""
+    while True:
+        over = [i for i in able if shares[i] > cap]
+        if not over:
+            return
+        excess = sum(shares[i] - cap for i in over)
+        for i in over:
+            shares[i] = cap
+        under = [i for i in able if shares[i] < cap]
+        room = sum(bandwidths[i] for i in under)
+        for i in under:
+            shares[i] += excess * bandwidths[i] / room
 
 
 def _equal_time_shares(vector_size: int, n: int, bandwidths: list[float]) -> list[float]:

@@ -90,6 +90,7 @@ import numpy.typing as npt
 
 from swarmavg.errors import RemoteProtocolError
 from swarmavg.proto.allreduce import (
+    MAX_SHARE,
     MAX_WEIGHT,
     AccumulatorPool,
     FlatLayout,
@@ -98,6 +99,7 @@ from swarmavg.proto.allreduce import (
     Part,
     PartReducer,
     _all_finite,
+    _check_max_share,
     numpy_dtype,
 )
 from swarmavg.proto.averaging_messages import (
@@ -196,6 +198,9 @@ class RoundConfig:
         after its last answer keeps the rest of its span at our local values.
     :param averaging_alpha: how far a member moves towards the mean (1: all the way).
     :param min_vector_size: a member whose share of the vector would be smaller reduces none.
+    :param max_share: a member reduces at most this many even shares of the vector, whatever
+        bandwidth it announces (see :func:`~swarmavg.proto.allreduce.load_balance`; ``None``:
+        no cap). Every member of a swarm must use the same (their splits must agree).
     :param clip_norm: each contribution to a part of our span is scaled down to an L2 norm of
         ``clip_norm · sqrt(part size / vector size)`` if longer (``None``: no clipping).
     :param check_values: check our own values for NaN and infinities before the round (a member
@@ -211,6 +216,7 @@ class RoundConfig:
     reducer_timeout: float | None = None
     averaging_alpha: float = 1.0
     min_vector_size: int = 0
+    max_share: float | None = MAX_SHARE
     clip_norm: float | None = None
     check_values: bool = True
 
@@ -231,6 +237,7 @@ class RoundConfig:
             raise TypeError(f"min_vector_size must be an int, not {self.min_vector_size!r:.40}")
         if self.min_vector_size < 0:
             raise ValueError(f"min_vector_size must be >= 0, not {self.min_vector_size}")
+        _check_max_share(self.max_share)
         norm = self.clip_norm
         if norm is not None:
             if isinstance(norm, bool) or not isinstance(norm, int | float):

@@ -655,3 +655,32 @@ def test_a_reducer_answering_keep_for_a_weighted_part_makes_the_round_incomplete
         assert outcome.incomplete
         [(_peer, why)] = outcome.local_spans
         assert "answered 'keep' for part 0, which had weight 1" in why
+
+
+def test_a_member_claiming_a_huge_bandwidth_reduces_at_most_its_share() -> None:
+    """Trust I's F4: a member (the library's own peer) announcing ``bandwidth=1e30`` became the
+    reducer of the whole vector, so the honest peers' ``clip_norm`` never applied: every
+    honest value became the attacker's choice. It now reduces at most ``MAX_SHARE`` (2) even
+    shares, half the vector in a group of 4; elsewhere its values are clipped by the honest
+    reducers."""
+
+    async def main() -> list[np.ndarray[Any, Any]]:
+        async with AsyncExitStack() as stack:
+            swarm = _Swarm(stack)
+            for i in range(4):
+                attacker = i == 3
+                await swarm.add(
+                    [torch.full((1000,), 1e6 if attacker else 0.0)],
+                    bandwidth=1e30 if attacker else 1e6,
+                    clip_norm=None if attacker else 10.0,
+                )
+            outcomes, _ = await _steps(swarm.averagers, timeout=30)
+            assert all(isinstance(o, StepResult) and o.group_size == 4 for o in outcomes)
+            return [_values(a)[0] for a in swarm.averagers[:3]]
+
+    for values in run_on_virtual_time(main):
+        set_by_attacker = values > 1.0
+        assert set_by_attacker.sum() == 500  # (its span: the mean of 1e6 and three zeros)
+        np.testing.assert_array_equal(values[set_by_attacker], 250_000.0)
+        # (the honest spans: its contribution clipped to an L2 norm of 10 over the vector)
+        assert np.abs(values[~set_by_attacker]).max() <= 10 / 4

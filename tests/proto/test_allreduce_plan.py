@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmavg.proto.allreduce import (
+    MAX_SHARE,
     MAX_WEIGHT,
     SAME_BANDWIDTH,
     AccumulatorPool,
@@ -80,6 +81,52 @@ def test_bandwidths_within_measurement_noise_split_evenly() -> None:
     assert load_balance(10**6, [20.0, 20.0, 1.0, 1.0]) != [250_000] * 4
 
 
+def test_no_member_reduces_more_than_max_share_whatever_bandwidth_it_claims() -> None:
+    """Trust I's F4: a member that announces ``bandwidth=1e30`` made every other member too
+    slow to help, so it reduced the whole vector and set every mean (the others' ``clip_norm``
+    never applied). It now reduces at most ``MAX_SHARE`` even shares, and the members it made
+    look too slow take the rest, by their bandwidths."""
+    assert MAX_SHARE == 2.0
+    assert load_balance(1000, [1e30, 1.0, 1.0, 1.0], max_share=None) == [1000, 0, 0, 0]
+    assert load_balance(1000, [1e30, 1.0, 1.0, 1.0]) == [500, 167, 167, 166]
+    shares = load_balance(1200, [1e30, 8.0, 1.0, 1.0])  # (8 counts as 4.5: SAME_BANDWIDTH)
+    assert shares[0] == 600
+    assert abs(shares[1] - 4.5 * shares[2]) <= 5
+    assert abs(shares[2] - shares[3]) <= 1
+    capped = load_balance(1000, [1e30] * 2 + [1.0] * 8, max_share=1.5)
+    assert capped[:2] == [150, 150]
+    assert sorted(set(capped[2:])) == [87, 88]
+    # a cap under an even share of those that can reduce would leave the vector uncovered
+    assert load_balance(1000, [1e30, 0.0, 0.0, 1.0]) == [500, 0, 0, 500]
+    assert load_balance(1000, [1e30, 0.0, 0.0, 0.0]) == [1000, 0, 0, 0]
+    for bad in (0.5, math.inf, math.nan, True, "2"):
+        with pytest.raises(ValueError, match="max_share must be None or a number >= 1"):
+            load_balance(1000, [1.0] * 4, max_share=bad)  # type: ignore[arg-type]
+
+
+@settings(deadline=None)
+@given(
+    st.integers(0, 10**7),
+    st.lists(st.just(0.0) | st.floats(1e-3, 1e30) | st.none(), min_size=1, max_size=16),
+    st.floats(1, 8),
+)
+def test_capped_shares_cover_the_vector_and_stay_under_the_cap(
+    vector_size: int, bandwidths: list[float | None], max_share: float
+) -> None:
+    if (
+        vector_size > 0
+        and all(b == 0 for b in bandwidths if b is not None)
+        and None not in bandwidths
+    ):
+        return
+    shares = load_balance(vector_size, bandwidths, max_share=max_share)
+    assert sum(shares) == vector_size
+    able = sum(1 for b in bandwidths if b is None or b > 0) or len(bandwidths)
+    cap = max(max_share * vector_size / len(bandwidths), vector_size / able)
+    assert max(shares) <= cap + 1
+    assert all(s == 0 for s, b in zip(shares, bandwidths, strict=True) if b == 0)
+
+
 def test_none_means_the_mean_of_the_others() -> None:
     assert load_balance(900, [2.0, None, 4.0]) == load_balance(900, [2.0, 3.0, 4.0])
 
@@ -99,9 +146,10 @@ def test_shares_cover_the_vector_and_beat_an_even_split(
         and None not in bandwidths
     ):
         with pytest.raises(ValueError):
-            load_balance(vector_size, bandwidths, min_vector_size)
+            load_balance(vector_size, bandwidths, min_vector_size, max_share=None)
         return
-    shares = load_balance(vector_size, bandwidths, min_vector_size)
+    # (uncapped: the split that the cap of test_capped_shares_... may then cut)
+    shares = load_balance(vector_size, bandwidths, min_vector_size, max_share=None)
     assert sum(shares) == vector_size
     assert all(s >= 0 for s in shares)
     known = [b for b in bandwidths if b is not None]
