@@ -57,7 +57,7 @@ from swarmavg.proto.accumulator_state import join_state, split_state
 from swarmavg.proto.allreduce import FlatLayout, TensorSpec
 from swarmavg.proto.butterfly import RoundConfig
 from swarmavg.proto.codec import Message
-from swarmavg.proto.dht_validation import owner_marker
+from swarmavg.proto.dht_validation import owner_marker, owner_of
 from swarmavg.proto.state_messages import StateDownloadFailed
 
 if TYPE_CHECKING:
@@ -343,13 +343,7 @@ class Group:
 
 def _tombstone_owner(subkey: object) -> PeerID | None:
     """The member whose tombstone this subkey holds (the DHT checked its signature)."""
-    if not isinstance(subkey, bytes) or not subkey.startswith(b"[owner:"):
-        return None
-    try:
-        peer = PeerID.from_string(subkey[len(b"[owner:") : -1].decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return peer if owner_marker(peer) == subkey else None
+    return owner_of(subkey)
 
 
 def _parse_record(subkey: object, value: object) -> tuple[PeerID, Address | None, float] | None:

@@ -8,7 +8,8 @@ server stream: ``accepted``, then ``begin`` with the group or ``disband``; or at
 tells it when a peer's connection fails.
 
 A declaration is a DHT dictionary entry under the group key (``<prefix>.0b<bits>``): subkey
-the PeerID, value ``{schema, looking, addresses, begin, client, tensors}``, expiring
+the peer's ``owner_marker`` (so the DHT signs it, and no other identity can overwrite or
+withdraw it; entries under any other subkey are ignored), value ``{schema, looking, addresses, begin, client, tensors}``, expiring
 ``declaration_ttl`` seconds after it was made (renewed while the peer looks), so that a dead
 peer's declaration lapses in seconds. A peer that stops looking withdraws it.
 """
@@ -35,6 +36,7 @@ from swarmavg.address import Address
 from swarmavg.errors import MatchmakingFailed, SwarmError
 from swarmavg.proto.averaging_messages import JoinReply, JoinRequest, MemberInfo, Presence
 from swarmavg.proto.dht_storage import ValueWithExpiration
+from swarmavg.proto.dht_validation import owner_marker, owner_of
 from swarmavg.proto.group_search import (
     Admission,
     Ask,
@@ -404,7 +406,7 @@ class DHTMatchmaker(Matchmaker):
         }
         try:
             stored = await self.dht.store(
-                key, value, effect.expiration, subkey=self.peer_id.to_bytes()
+                key, value, effect.expiration, subkey=owner_marker(self.peer_id)
             )
         except _UNREACHABLE as exc:
             logger.debug("declaring under %s failed: %s", key, exc)
@@ -431,8 +433,6 @@ class DHTMatchmaker(Matchmaker):
 
     async def _declarations(self, key: str) -> list[Declaration]:
         """The declarations under ``key`` (and remember where their peers said they are)."""
-        from swarmavg.identity import PeerID as _PeerID
-
         found = await self.dht.get(key, latest=True)
         entries = None if found is None else found.value  # {subkey: ValueWithExpiration}
         if not isinstance(entries, dict):
@@ -441,10 +441,7 @@ class DHTMatchmaker(Matchmaker):
         for subkey, item in entries.items():
             if not isinstance(item, ValueWithExpiration):
                 return []  # (a plain value that happens to be a dict: not declarations)
-            try:
-                peer = _PeerID(subkey) if isinstance(subkey, bytes) else None
-            except ValueError:
-                peer = None
+            peer = owner_of(subkey)  # (signed by that peer: nobody else can withdraw it)
             value = item.value
             if peer is None or not isinstance(value, dict):
                 continue

@@ -1,7 +1,8 @@
 """State sharing: a peer that joins late downloads the state of peers that have been averaging.
 
 A peer that shares (``allow_state_sharing``) declares itself in the DHT under ``<prefix>.state``
-(a dictionary: subkey its PeerID, value ``{"priority": float, "address": str}``), again every
+(a dictionary: subkey its ``owner_marker``, so the record is signed and nobody else can
+change it; other subkeys are ignored; value ``{"priority": float, "address": str}``), again every
 half ``declare_state_period`` with an expiration one period ahead, and withdraws (value
 ``None``, expiring 1 ms after the declaration it replaces) when it stops. It serves ``avg.state``
 (a server-stream call, messages and checks in :mod:`swarmavg.proto.state_messages`).
@@ -61,6 +62,7 @@ from swarmavg.compression import (
 from swarmavg.errors import SwarmError
 from swarmavg.identity import PeerID
 from swarmavg.proto.codec import Message
+from swarmavg.proto.dht_validation import owner_marker, owner_of
 from swarmavg.proto.state_messages import (
     CODED_DTYPES,
     DTYPE_SIZES,
@@ -428,7 +430,7 @@ class StateSharer:
     async def _store(self, value: Any, expiration: float) -> bool:
         try:
             with anyio.fail_after(self.declare_period / 2):
-                subkey = self.dht.peer_id.to_bytes()
+                subkey = owner_marker(self.dht.peer_id)  # (signed: only we can change it)
                 if await self.dht.store(self.key, value, expiration, subkey=subkey):
                     return True
             logger.debug("storing %s for %s was refused", self.key, self.dht.peer_id.short())
@@ -549,10 +551,7 @@ def _donors(found: GetResult, me: PeerID) -> list[Donor]:
         return []
     donors = []
     for subkey, item in found.value.items():
-        try:
-            peer = PeerID(subkey) if isinstance(subkey, bytes) else None
-        except ValueError:
-            continue
+        peer = owner_of(subkey)
         value = getattr(item, "value", None)
         if peer is None or peer == me or not isinstance(value, dict):
             continue

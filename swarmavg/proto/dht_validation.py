@@ -44,6 +44,7 @@ __all__ = [
     "SchemaValidator",
     "SignatureValidator",
     "owner_marker",
+    "owner_of",
 ]
 
 _OWNER: Final = re.compile(rb"\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]")
@@ -64,6 +65,19 @@ class DHTRecord:
 def owner_marker(peer: PeerID) -> bytes:
     """The bytes to put in a key or subkey to make ``peer`` its only writer."""
     return b"[owner:" + str(peer).encode() + b"]"
+
+
+def owner_of(subkey: object) -> PeerID | None:
+    """The peer that ``subkey`` (as a get returns it) makes its only writer: an exact
+    :func:`owner_marker`, so the DHT checked that peer's signature on the record; ``None`` for
+    anything else, which anyone could have written."""
+    if not isinstance(subkey, bytes) or not subkey.startswith(b"[owner:"):
+        return None
+    try:
+        peer = PeerID.from_string(subkey[len(b"[owner:") : -1].decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return peer if owner_marker(peer) == subkey else None
 
 
 class RecordValidator(ABC):

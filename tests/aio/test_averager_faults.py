@@ -23,6 +23,7 @@ from swarmavg.aio import DHT
 from swarmavg.aio.averager import DecentralizedAverager, StepResult
 from swarmavg.errors import AllReduceFailed, MatchmakingFailed, NonFiniteTensors
 from swarmavg.proto.averaging_messages import AvgBegin, AvgKeep, AvgPart
+from swarmavg.proto.dht_validation import owner_marker
 from swarmavg.testing import Adversary, MemoryNetwork, run_on_virtual_time
 
 
@@ -684,3 +685,30 @@ def test_a_member_claiming_a_huge_bandwidth_reduces_at_most_its_share() -> None:
         np.testing.assert_array_equal(values[set_by_attacker], 250_000.0)
         # (the honest spans: its contribution clipped to an L2 norm of 10 over the vector)
         assert np.abs(values[~set_by_attacker]).max() <= 10 / 4
+
+
+def test_another_identity_cannot_withdraw_or_expire_a_peers_declaration() -> None:
+    """Trust I's F5: declarations were stored under the bare PeerID, unsigned; another
+    identity overwrote them with ``looking: False`` and a 1 h expiry, and 12 of 12 honest
+    steps failed. They are now owner records, signed: the forger cannot write under the
+    owner's subkey at all, and what it writes under the bare PeerID is not read."""
+
+    async def main() -> list[StepResult | BaseException]:
+        async with _swarm(2, target_group_size=2) as swarm:
+            attacker = await swarm.add([torch.zeros(3)], prefix="elsewhere")
+            forged = {"schema": b"x" * 32, "looking": False, "addresses": [], "begin": 0.0}
+            outcomes: list[StepResult | BaseException] = []
+            for _ in range(3):
+                for victim in swarm.averagers[:2]:
+                    peer = victim.dht.peer_id
+                    expiration = get_dht_time() + 3600
+                    assert await attacker.dht.store("run.0b", forged, expiration, peer.to_bytes())
+                    with pytest.raises(ValueError, match="names another peer as its owner"):
+                        await attacker.dht.store("run.0b", forged, expiration, owner_marker(peer))
+                steps, _ = await _steps(swarm.averagers[:2], timeout=30)
+                outcomes += steps
+            return outcomes
+
+    for outcome in run_on_virtual_time(main):
+        assert isinstance(outcome, StepResult), outcome
+        assert outcome.group_size == 2

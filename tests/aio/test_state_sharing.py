@@ -36,6 +36,7 @@ from swarmavg.compression import (
 from swarmavg.identity import Identity, PeerID
 from swarmavg.proto.codec import Message
 from swarmavg.proto.dht_storage import ValueWithExpiration
+from swarmavg.proto.dht_validation import owner_marker, owner_of
 from swarmavg.proto.state_messages import (
     StateChunk,
     StateHeader,
@@ -88,7 +89,7 @@ async def _declared(dht: DHT, prefix: str = PREFIX) -> dict[PeerID, Any]:
     found = await dht.get(f"{prefix}.state", latest=True)
     if found is None:
         return {}
-    return {PeerID(k): v.value for k, v in found.value.items()}
+    return {peer: v.value for k, v in found.value.items() if (peer := owner_of(k)) is not None}
 
 
 async def _wait_until(check: Callable[[dict[PeerID, Any]], bool], dht: DHT) -> None:
@@ -291,7 +292,7 @@ async def _fake_donor(dht: DHT, handler: Handler, priority: float) -> DHT:
     dht.node.rpc.register(METHOD, handler, kind="server_stream", request_type=StateRequest)
     value = {"priority": priority, "address": str(dht.visible_addresses()[0])}
     assert await dht.store(
-        f"{PREFIX}.state", value, get_dht_time() + 60, subkey=dht.peer_id.to_bytes()
+        f"{PREFIX}.state", value, get_dht_time() + 60, subkey=owner_marker(dht.peer_id)
     )
     return dht
 
@@ -760,12 +761,14 @@ async def test_donors_are_read_from_a_dictionary_never_from_a_plain_value() -> N
     expiration = get_dht_time() + 60
     declared = {"priority": 2.0, "address": "tcp://127.0.0.1:9"}
     entries = {
-        p.to_bytes(): ValueWithExpiration({**declared, "priority": float(i)}, expiration)
+        owner_marker(p): ValueWithExpiration({**declared, "priority": float(i)}, expiration)
         for i, p in enumerate((me, donor, other))
     }
+    # (Trust I's F5: a subkey that is not an owner's, which anyone could write, is no donor)
+    entries[other.to_bytes()] = ValueWithExpiration({**declared, "priority": 9.0}, expiration)
     found = ValueWithExpiration(entries, expiration)  # (a get of a dictionary key)
     assert [peer for peer, _, _ in donors_declared(found, me)] == [other, donor]  # not me
     # a plain value shaped like a dictionary (a hostile writer's): no donors, no error
-    for plain in ({donor.to_bytes(): declared}, {donor.to_bytes(): (declared, expiration)}):
+    for plain in ({owner_marker(donor): declared}, {owner_marker(donor): (declared, expiration)}):
         assert donors_declared(ValueWithExpiration(plain, expiration), me) == []
     assert donors_declared(None, me) == []

@@ -26,6 +26,7 @@ from swarmavg.optim.state_averager import (
     _initialize_optimizer_state,
     _Refused,
 )
+from swarmavg.proto.dht_validation import owner_marker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +48,7 @@ def _wait_declared(dht: DHT, prefix: str, *peers: Any) -> None:
     while True:
         found = dht.get(f"{prefix}.state", latest=True)
         if found is not None and all(
-            isinstance(found.value.get(p.to_bytes(), (None,))[0], dict) for p in peers
+            isinstance(found.value.get(owner_marker(p), (None,))[0], dict) for p in peers
         ):
             return
         assert time.monotonic() < deadline, found

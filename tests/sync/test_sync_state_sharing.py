@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from swarmavg import DHT, DecentralizedAverager
+from swarmavg.proto.dht_validation import owner_marker
 from swarmavg.sync import TaskHandle
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +36,7 @@ def _wait_declared(dht: DHT, *peers: Any) -> None:
     while True:
         found = dht.get("sync-state.state", latest=True)
         if found is not None and all(
-            isinstance(found.value.get(p.to_bytes(), (None,))[0], dict) for p in peers
+            isinstance(found.value.get(owner_marker(p), (None,))[0], dict) for p in peers
         ):
             return
         assert time.monotonic() < deadline, found
