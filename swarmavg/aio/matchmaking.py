@@ -9,9 +9,10 @@ tells it when a peer's connection fails.
 
 A declaration is a DHT dictionary entry under the group key (``<prefix>.0b<bits>``): subkey
 the peer's ``owner_marker`` (so the DHT signs it, and no other identity can overwrite or
-withdraw it; entries under any other subkey are ignored), value ``{schema, looking, addresses, begin, client, tensors}``, expiring
-``declaration_ttl`` seconds after it was made (renewed while the peer looks), so that a dead
-peer's declaration lapses in seconds. A peer that stops looking withdraws it.
+withdraw it; entries under any other subkey are ignored), value ``{schema, looking,
+addresses, begin, client, tensors}``, expiring ``declaration_ttl`` seconds after it was made
+(renewed while the peer looks), so that a dead peer's declaration lapses in seconds. A peer
+that stops looking withdraws it.
 """
 
 from __future__ import annotations

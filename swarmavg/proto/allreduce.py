@@ -430,6 +430,18 @@ class PartReducer:
         if max_norm is not None and not (max_norm >= 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm is a finite number >= 0, not {max_norm!r}")
         clipped = False
+        accumulator = self._accumulator
+        if (
+            weight > 0
+            and self.size
+            and max_norm is None
+            and values.dtype == accumulator.dtype
+            and not self._empty
+        ):
+            self._add_checked(sender, values, weight)  # (the usual case, in one pass)
+            self.received.add(sender)
+            self.total_weight += weight
+            return False
         if weight > 0 and self.size:
             magnitude = _magnitude(values)
             if not math.isfinite(magnitude):
@@ -448,7 +460,6 @@ class PartReducer:
                 )
         self.received.add(sender)
         if weight > 0 and self.size:
-            accumulator = self._accumulator
             if self._empty:
                 np.copyto(accumulator, values)
                 if weight != 1.0:
@@ -461,6 +472,47 @@ class PartReducer:
         if weight > 0:
             self.total_weight += weight
         return clipped
+
+    def _add_checked(self, sender: int, values: npt.NDArray[np.floating], weight: float) -> None:
+        """``acc += weight · values`` with the checks of :meth:`add` fused in, chunk by chunk:
+        each chunk is checked (finite, not too large: the same per-element bounds) and then
+        added while it is still in the CPU's cache, so the values are read from memory once,
+        not once for the check and once for the sum. A chunk that fails takes back what the
+        chunks before it added (exact up to rounding) and raises as :meth:`add` does."""
+        accumulator = self._accumulator
+        size = self.size
+        step = _CHUNK
+        scratch = None if weight == 1.0 else np.empty(min(step, size), accumulator.dtype)
+        added = 0
+        try:
+            for start in range(0, size, step):
+                stop = min(start + step, size)
+                chunk = values[start:stop]
+                with np.errstate(over="ignore", invalid="ignore"):
+                    squares = float(np.dot(chunk, chunk))
+                magnitude = (
+                    math.sqrt(squares) * 1.01 if math.isfinite(squares) else _magnitude(chunk)
+                )
+                if not math.isfinite(magnitude):
+                    raise NonFiniteValues(f"member {sender} sent non-finite values")
+                if magnitude >= self._max_value or weight * magnitude >= self._max_product:
+                    raise OverflowingValues(
+                        f"member {sender} sent values too large to average (up to"
+                        f" {magnitude:.3g} with weight {weight:g}: the sum of the part could"
+                        " overflow)"
+                    )
+                target = accumulator[start:stop]
+                if scratch is None:
+                    np.add(target, chunk, out=target)
+                else:
+                    product = scratch[: stop - start]
+                    np.multiply(chunk, weight, out=product)
+                    np.add(target, product, out=target)
+                added = stop
+        except NonFiniteValues:
+            if added:
+                _add_scaled(accumulator[:added], values[:added], -weight)
+            raise
 
     def add_nothing(self, sender: int) -> None:
         """``sender`` takes part with weight 0 and sends no values.

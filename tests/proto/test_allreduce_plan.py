@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmavg.proto.allreduce import (
+    _CHUNK,
     MAX_SHARE,
     MAX_WEIGHT,
     SAME_BANDWIDTH,
@@ -324,6 +325,30 @@ def test_values_that_could_overflow_the_sum_are_refused_blaming_their_sender(dty
     mean = reducer.result()
     assert mean is not None
     np.testing.assert_array_equal(mean, 0.0)
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.25])
+def test_a_contribution_refused_mid_way_takes_back_what_it_added(weight: float) -> None:
+    """The check runs chunk by chunk with the sum (the values are read once): a non-finite
+    value in the third chunk comes after two chunks were added, which are taken back; the
+    others' mean is as if the contribution never came (exactly here, up to rounding in
+    general)."""
+    size = 3 * _CHUNK
+    rng = np.random.default_rng(0)
+    first = rng.standard_normal(size).astype(np.float32)
+    poisoned = rng.standard_normal(size).astype(np.float32)
+    poisoned[2 * _CHUNK + 5] = np.nan
+    for bad in (poisoned, np.where(np.arange(size) < 2 * _CHUNK, 1.0, 3e38).astype(np.float32)):
+        reducer = PartReducer(size, "float32", senders=[0, 1, 2])
+        reducer.add(0, first, 2.0)
+        with pytest.raises(NonFiniteValues, match="member 1 sent"):
+            reducer.add(1, bad, weight)
+        assert reducer.received == {0}
+        reducer.add_nothing(1)
+        reducer.add(2, first, 2.0)
+        mean = reducer.result()
+        assert mean is not None
+        np.testing.assert_allclose(mean, first, rtol=1e-6, atol=1e-6)
 
 
 def test_a_weight_past_max_weight_is_refused() -> None:

@@ -64,6 +64,39 @@ def test_the_owner_signs_and_everyone_can_check(where: str) -> None:
     assert not reader.validate(DHTRecord(key, subkey, forged, T))
 
 
+def test_a_record_checked_once_is_not_checked_again_but_any_change_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Declarations and progress records are read again and again (every poll of a group
+    key): a record whose signature checked out is remembered, by a digest of exactly what
+    came, so the next read costs no Ed25519 check; a record that differs in any byte is
+    checked (and refused), and the memory is bounded."""
+    owner = Identity.generate()
+    key, subkey = b"run.0b", owner_marker(owner.peer_id)
+    record = _signed(owner, key, _pack({"looking": True}), subkey)
+    reader = SignatureValidator(Identity.generate())
+    checks: list[bytes] = []
+    verify = type(owner.peer_id).verify
+
+    def counting(self: Any, signature: bytes, data: bytes) -> bool:
+        checks.append(data)
+        return verify(self, signature, data)
+
+    monkeypatch.setattr(type(owner.peer_id), "verify", counting)
+    for _ in range(5):
+        assert reader.validate(DHTRecord(key, subkey, bytes(record.value), T))
+    assert len(checks) == 1
+    _, signature = msgpack.unpackb(record.value)
+    forged = _pack([_pack({"looking": False}), signature])
+    assert not reader.validate(DHTRecord(key, subkey, forged, T))
+    assert not reader.validate(DHTRecord(key, subkey, record.value, T + 1))
+    assert len(checks) == 3
+    monkeypatch.setattr("swarmavg.proto.dht_validation._VERIFIED_CACHE", 4)
+    for step in range(10):
+        assert reader.validate(_signed(owner, key, _pack({"step": step}), subkey))
+    assert len(reader._verified) == 4
+
+
 def test_an_owner_record_with_tuples_in_its_key_and_value_round_trips() -> None:
     owner = Identity.generate()
     key = pack(("progress", owner_marker(owner.peer_id).decode()), "key")
