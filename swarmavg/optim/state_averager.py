@@ -935,18 +935,24 @@ class TrainingStateAverager(DecentralizedAverager):
         return metadata, [*params, *extras, *optimizer_tensors], infos
 
     def load_state_from_peers(  # type: ignore[override]  # (returns whether it loaded)
-        self, wait: Literal[True] = True, timeout: float | None = None
+        self,
+        wait: Literal[True] = True,
+        timeout: float | None = None,
+        *,
+        max_epoch: int | None = None,
     ) -> bool:
         """Finish and apply the background steps, then download a peer's state and take it:
         parameters (also the offloaded ones and the model's), extra tensors, the optimizer's
         state, the epoch, and the scheduler follows.
 
         A state is refused (this peer unchanged, a warning says why) when its epoch is behind
-        :attr:`local_epoch`, or when it does not fit this peer: other parameter shapes, another
-        optimizer's state, non-finite values, malformed metadata.
+        :attr:`local_epoch` or past ``max_epoch`` (what the run's progress records support: a
+        donor's epoch is its own word), or when it does not fit this peer: other parameter
+        shapes, another optimizer's state, non-finite values, malformed metadata.
 
         :param timeout: seconds for the download (``None``: each donor is bounded by its own
             timeouts).
+        :param max_epoch: the highest epoch to take (``None``: any).
         :returns: whether a state was loaded (``False``: nobody shares one, or it was
             refused).
         :raises RuntimeError: the averager is not running.
@@ -963,6 +969,11 @@ class TrainingStateAverager(DecentralizedAverager):
         metadata, tensors = loaded
         try:
             epoch, optimizer_state = self._check_state(metadata, tensors)
+            if max_epoch is not None and epoch > max_epoch:
+                raise _Refused(
+                    f"its epoch {epoch} is past what the run's progress records support"
+                    f" ({max_epoch})"
+                )
             self._take_state(epoch, tensors, optimizer_state)
         except _Refused as exc:
             logger.warning("refusing the state downloaded from a peer: %s", exc)

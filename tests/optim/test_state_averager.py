@@ -352,6 +352,18 @@ def test_a_peer_refuses_an_older_state_or_one_that_does_not_fit(
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept, strict=True))
         assert receivers[0].local_epoch == 5
         assert receivers[1].local_epoch == 0
+        # (Trust I's F2: a donor's epoch is its word: past what the run's records support, the
+        # caller's max_epoch, it is refused; at it, taken)
+        taker = receivers[0]
+        taker.local_epoch = 0
+        for max_epoch, taken in ((2, False), (3, True)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="swarmavg.optim.state_averager"):
+                assert taker.load_state_from_peers(timeout=20, max_epoch=max_epoch) is taken
+            if not taken:
+                message = "its epoch 3 is past what the run's progress records support (2)"
+                assert any(message in r.getMessage() for r in caplog.records), caplog.records
+        assert taker.local_epoch == 3
 
 
 def test_the_delta_rule_keeps_local_steps_taken_during_the_round() -> None:
