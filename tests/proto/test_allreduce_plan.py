@@ -105,6 +105,15 @@ def test_no_member_reduces_more_than_max_share_whatever_bandwidth_it_claims() ->
             load_balance(1000, [1.0] * 4, max_share=bad)  # type: ignore[arg-type]
 
 
+def _nobody_can_reduce(vector_size: int, bandwidths: list[float | None]) -> bool:
+    """Whether there is something to reduce and every bandwidth is 0 (a ValueError)."""
+    return (
+        vector_size > 0
+        and all(b == 0 for b in bandwidths if b is not None)
+        and None not in bandwidths
+    )
+
+
 @settings(deadline=None)
 @given(
     st.integers(0, 10**7),
@@ -114,11 +123,7 @@ def test_no_member_reduces_more_than_max_share_whatever_bandwidth_it_claims() ->
 def test_capped_shares_cover_the_vector_and_stay_under_the_cap(
     vector_size: int, bandwidths: list[float | None], max_share: float
 ) -> None:
-    if (
-        vector_size > 0
-        and all(b == 0 for b in bandwidths if b is not None)
-        and None not in bandwidths
-    ):
+    if _nobody_can_reduce(vector_size, bandwidths):
         return
     shares = load_balance(vector_size, bandwidths, max_share=max_share)
     assert sum(shares) == vector_size
@@ -141,11 +146,7 @@ def test_none_means_the_mean_of_the_others() -> None:
 def test_shares_cover_the_vector_and_beat_an_even_split(
     vector_size: int, bandwidths: list[float | None], min_vector_size: int
 ) -> None:
-    if (
-        vector_size > 0
-        and all(b == 0 for b in bandwidths if b is not None)
-        and None not in bandwidths
-    ):
+    if _nobody_can_reduce(vector_size, bandwidths):
         with pytest.raises(ValueError):
             load_balance(vector_size, bandwidths, min_vector_size, max_share=None)
         return
