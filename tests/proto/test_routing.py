@@ -67,9 +67,17 @@ def test_ten_thousand_nodes(ten_thousand: list[PeerID]) -> None:
     near = [p for p in ten_thousand if (node_id(p) ^ own) >> (256 - 5) == 0]
     kept = sum(1 for p in near if p in table)
     assert kept >= 0.95 * len(near), (kept, len(near))
-    # the k peers nearest to us are all known: the bucket holding our id always splits
+    # the k peers nearest to us are known, but for those in a full bucket that cannot split (a
+    # sibling of ours at a depth that is a multiple of depth_modulo: with random ids, one in a
+    # few hundred tables draws more than k peers into such a bucket near us)
     brute = sorted(ten_thousand, key=lambda p: node_id(p) ^ own)[:20]
-    assert set(brute) <= set(table)
+    for peer in brute:
+        bucket = table.bucket_for(node_id(peer))
+        assert peer in table or (bucket.is_full and own not in bucket and bucket.depth % 5 == 0), (
+            peer,
+            bucket,
+        )
+    assert sum(peer in table for peer in brute) >= 15
 
 
 def test_nearest_equals_brute_force(ten_thousand: list[PeerID]) -> None:
