@@ -251,7 +251,8 @@ def summarize(
         client_mode=True,
     )
     settings = ProgressSettings(target_batch_size or 1)
-    progress = aggregate_progress(latest.values(), observer, settings, now)
+    # (every record at its word: this shows what the records say, not what a peer counts)
+    progress = aggregate_progress(latest.values(), observer, settings, now, bounded=False)
     speed = sum(r.samples_per_second for r in latest.values())
     eta = (
         max(0.0, progress.eta_next_epoch - now)

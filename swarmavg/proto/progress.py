@@ -88,6 +88,8 @@ EPOCH_START_SLACK: Final = 10.0
 #: ... and a lone peer one epoch ahead of all the others counts as the swarm's epoch only once
 #: the samples at the epoch it left (its own bounded as above) reach this share of the target.
 AHEAD_SHARE: Final = 0.5
+#: Records of the previous read kept for the next (see ``aggregate_progress``'s ``earlier``).
+_MAX_EARLIER: Final = 4096
 #: One interval of :meth:`PerformanceEMA.update` counts as at most this many times what the
 #: estimate predicts for its task.
 MAX_INTERVAL_RATIO: Final = 4.0
@@ -433,6 +435,8 @@ def aggregate_progress(
     now: float,
     *,
     epoch_started: float | None = None,
+    earlier: Mapping[bytes, LocalTrainingProgress] | None = None,
+    bounded: bool = True,
 ) -> GlobalTrainingProgress:
     """Fold the peers' ``records`` (as read from the DHT) and our ``local`` record into the
     global progress at ``now`` (DHT time). See the module docstring for the rules.
@@ -448,12 +452,15 @@ def aggregate_progress(
     than ``now``, its extrapolation at most one step or :data:`ACTIVE_SECONDS`. The epoch is
     the highest that two peers (us included) reached, or one more where a peer is there: a
     peer alone far ahead moves nobody more than one epoch (a newcomer, with no epoch or samples
-    of its own, takes the highest). With ``epoch_started`` (when we trained into our epoch, DHT
+    of its own, takes the highest two others reached, or the one other peer's). With
+    ``epoch_started`` (when we trained into our epoch, DHT
     time), also: a record's samples at our epoch count up to its bounded speed times the time
     since then plus :data:`EPOCH_START_SLACK`, and a lone peer one epoch ahead of us counts
-    only once the samples at our epoch reach :data:`AHEAD_SHARE` of the target (an honest peer
-    that ended the epoch a moment before us has them; one that claims the next epoch early
-    does not).
+    only once the samples at our epoch reach :data:`AHEAD_SHARE` of the target: the others'
+    now, and the lone peer's own as ``earlier`` (the records of our previous read) showed them
+    at our epoch. An honest peer that ended the epoch a moment before us was seen with its
+    share; one that claims the next epoch early or always was not. ``bounded=False`` takes
+    every record at its word (an observer's view, ``swarmavg status``: what the records say).
     """
     peers: dict[bytes, LocalTrainingProgress] = {}
     for record in records:
@@ -479,14 +486,18 @@ def aggregate_progress(
             next_fetch_time=now + settings.default_refresh_period,
         )
 
-    bounded = _bounded(peers, local, now, epoch_started)
     num_peers = len(peers)
     num_clients = sum(peer.client_mode for peer in peers.values())
-    epoch = _swarm_epoch(bounded, local, settings, now, epoch_started)
+    if bounded:
+        counted = _bounded(peers, local, now, epoch_started)
+        epoch = _swarm_epoch(counted, local, settings, now, epoch_started, earlier or {})
+    else:
+        counted = dict(peers)
+        epoch = max([local.epoch, *(p.epoch for p in peers.values() if not p.client_mode)])
     samples = 0
     estimated = 0.0
     total_speed = EPS
-    for peer in bounded.values():
+    for peer in counted.values():
         total_speed += peer.samples_per_second
         if peer.epoch == epoch:  # (peers behind catch up soon: their speed counts, not samples)
             samples += peer.samples_accumulated
@@ -499,7 +510,7 @@ def aggregate_progress(
         max(eta * num_peers / expected_max_peers, settings.min_refresh_period),
         settings.max_refresh_period,
     )
-    if any(p.epoch == epoch and p.samples_per_second <= _UNKNOWN_SPEED for p in bounded.values()):
+    if any(p.epoch == epoch and p.samples_per_second <= _UNKNOWN_SPEED for p in counted.values()):
         refresh = settings.min_refresh_period  # (a peer just began: the ETA is no estimate yet)
     return GlobalTrainingProgress(
         epoch=epoch,
@@ -557,15 +568,19 @@ def _swarm_epoch(
     settings: ProgressSettings,
     now: float,
     epoch_started: float | None,
+    earlier: Mapping[bytes, LocalTrainingProgress],
 ) -> int:
     """The swarm's epoch (see :func:`aggregate_progress`). A newcomer (no epoch or samples of
-    its own yet) takes the highest non-client epoch. Otherwise the highest epoch that two
+    its own yet) takes the highest non-client epoch that two others reached (the other's, if
+    there is one). Otherwise the highest epoch that two
     peers, us included, have reached counts; if that is ours, one epoch more where a peer is
     there and (with ``epoch_started``) the samples at our epoch make its move plausible. A
     peer alone far ahead thus moves nobody more than one epoch."""
     epochs = [r.epoch for p, r in bounded.items() if p != local.peer_id and not r.client_mode]
     if not (local.epoch > 0 or local.samples_accumulated > 0):
-        return max([local.epoch, *epochs])
+        # a newcomer: what two of the others reached (one other peer alone: its word)
+        ranked = sorted(epochs, reverse=True)
+        return max(local.epoch, ranked[1] if len(ranked) > 1 else ranked[0] if ranked else 0)
     reached = sorted([local.epoch, *epochs], reverse=True)
     base = reached[1] if len(reached) > 1 else local.epoch  # (reached by two: us included)
     base = max(base, local.epoch)
@@ -574,15 +589,19 @@ def _swarm_epoch(
     if epoch_started is None:
         return base + 1
     # a lone peer one ahead of us: plausible once our epoch's samples are mostly in (what the
-    # others have here, and what it could have had here at its bounded speed)
+    # others have here now, and what the peers ahead had here when we last read them, held to
+    # their bounded speed since our epoch began)
     elapsed = max(0.0, now - epoch_started) + EPOCH_START_SLACK
     here = sum(
         r.samples_accumulated + _since_report(r, now)
         for r in bounded.values()
         if r.epoch == local.epoch
     )
-    fastest = max(r.samples_per_second for r in bounded.values() if r.epoch > base)
-    if here + fastest * elapsed >= AHEAD_SHARE * settings.target_batch_size:
+    for peer_id, record in bounded.items():
+        before = earlier.get(peer_id)
+        if record.epoch > base and before is not None and before.epoch == local.epoch:
+            here += min(before.samples_accumulated, record.samples_per_second * elapsed)
+    if here >= AHEAD_SHARE * settings.target_batch_size:
         return base + 1
     return base
 
@@ -633,6 +652,8 @@ class ProgressAccounting:
         #: then have nothing to compare them with.
         self.local_progress = self._local(0, 0, now)
         self._epoch_started: float | None = None
+        #: the records of our previous read, by peer (see ``aggregate_progress``)
+        self._earlier: dict[bytes, LocalTrainingProgress] = {}
         #: The global progress as last computed (or adjusted by our reports).
         self.global_progress = aggregate_progress((), self.local_progress, settings, now)
         #: How many pauses are held (:meth:`pause`).
@@ -847,9 +868,16 @@ class ProgressAccounting:
         :attr:`generation` at its start): then return ``None`` and change nothing."""
         if self.paused or generation != self.generation:
             return None
+        records = list(records)
         self.global_progress = aggregate_progress(
-            records, self.local_progress, self.settings, now, epoch_started=self._epoch_started
+            records,
+            self.local_progress,
+            self.settings,
+            now,
+            epoch_started=self._epoch_started,
+            earlier=self._earlier,
         )
+        self._earlier = {r.peer_id: r for r in records[:_MAX_EARLIER]}
         self._fetched_at = now
         self._speed_at_fetch = self.local_progress.samples_per_second
         self._epoch_at_fetch = self.local_progress.epoch

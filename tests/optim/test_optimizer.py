@@ -725,3 +725,93 @@ def test_an_epoch_whose_gradient_round_found_no_group_has_no_state_round() -> No
         assert info["peers"] == 2, info
         assert info["grad_error"] is not None, info
         assert rounds == [False], rounds
+
+
+# -- what one member's progress record can do (Trust I's F13) ------------------------------------
+
+
+@pytest.mark.parametrize("claim", ["far-epoch", "huge-samples", "none"])
+def test_a_members_false_progress_record_neither_jumps_nor_rushes_the_epochs(claim: str) -> None:
+    """A member signs its own progress record, so what it claims is its word: epoch 1000 made
+    every honest peer jump there and download the state back and forth; a huge sample count
+    ended an epoch after every step. Two honest peers (4 samples a step each, 64 an epoch)
+    train 24 steps each beside such a record, renewed every 0.1 s: they never jump, try to
+    download the state at most once (at their first step, when the liar's is the only record),
+    and end at most 3x as many epochs as their own samples make (192 / 64 = 3, as without the
+    liar: the liar counts as a peer up to 4x as fast, and the samples it claims up to that
+    speed since the epoch began, plus EPOCH_START_SLACK)."""
+    from swarmavg.proto.dht_validation import owner_marker
+    from swarmavg.proto.progress import LocalTrainingProgress, progress_key
+
+    torch.manual_seed(0)
+    features = torch.randn(64, 5)
+    targets = features @ torch.randn(5, 1)
+    with swarm(3) as dhts:
+        liar = dhts[2]
+        stop = threading.Event()
+
+        def lie() -> None:
+            for _ in range(600):  # (bounded: at most 60 s)
+                if stop.wait(0.1) or claim == "none":
+                    return
+                now = swarmavg.get_dht_time()
+                record = LocalTrainingProgress(
+                    peer_id=liar.peer_id.to_bytes(),
+                    epoch=1000 if claim == "far-epoch" else 0,
+                    samples_accumulated=0 if claim == "far-epoch" else 10**9,
+                    samples_per_second=1e6,
+                    time=now,
+                    client_mode=False,
+                )
+                liar.store(
+                    progress_key("liar_run"), record.to_wire(), now + 5, owner_marker(liar.peer_id)
+                )
+
+        epochs: list[int] = [0, 0]
+        downloads: list[int] = [0, 0]
+
+        def train(index: int) -> None:
+            model = torch.nn.Linear(5, 1)
+            opt = Optimizer(
+                dht=dhts[index],
+                run_id="liar_run",
+                target_batch_size=64,
+                batch_size_per_step=4,
+                params=model.parameters(),
+                optimizer=partial(torch.optim.SGD, lr=0.05),
+                use_local_updates=True,
+                matchmaking_time=0.5,
+                averaging_timeout=5.0,
+                averager_opts=FAST,
+                tracker_opts={"min_refresh_period": 0.05, "default_refresh_period": 0.1},
+            )
+            try:
+                for step in range(24):
+                    time.sleep(0.05)  # (the compute of a batch)
+                    x = features[(step * 4) % 64 :][:4]
+                    F.mse_loss(model(x), targets[(step * 4) % 64 :][:4]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if opt.local_epoch >= 10:
+                        break
+                epochs[index] = opt.local_epoch
+                metrics = opt.metrics
+                downloads[index] = metrics.state_loads + metrics.state_load_failures
+            finally:
+                opt.shutdown()
+
+        liar_thread = threading.Thread(target=lie)
+        liar_thread.start()
+        try:
+            run_threads([partial(train, 0), partial(train, 1)])
+        finally:
+            stop.set()
+            liar_thread.join(10)
+    # 192 honest samples: 3 epochs; the liar counts as at most 4x an honest peer's speed, so
+    # the epochs can come up to ~3x sooner at most (4 + 1 + 1 against 2 peers' worth): never 24
+    assert all(1 <= epoch <= 9 for epoch in epochs), epochs
+    if claim == "none":  # (the reference: the honest peers alone)
+        assert epochs == [3, 3]
+    # one failed download at most, of 3 attempts, at the first step: a newcomer with one other
+    # record has only its word (before, the far epoch: 18 attempts each, back and forth)
+    assert max(downloads) <= 3, downloads
