@@ -251,8 +251,7 @@ def summarize(
         client_mode=True,
     )
     settings = ProgressSettings(target_batch_size or 1)
-    # (every record at its word: this shows what the records say, not what a peer counts)
-    progress = aggregate_progress(latest.values(), observer, settings, now, bounded=False)
+    progress = aggregate_progress(latest.values(), observer, settings, now)
     speed = sum(r.samples_per_second for r in latest.values())
     eta = (
         max(0.0, progress.eta_next_epoch - now)

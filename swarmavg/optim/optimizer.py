@@ -1122,8 +1122,8 @@ class Optimizer(torch.optim.Optimizer):
                     break
                 attempts += 1
                 try:
-                    # (one epoch past the swarm's: its epoch may have ended while we looked;
-                    # the swarm's epoch is bounded by its records, see ProgressTracker)
+                    # (one epoch past the swarm's as its records say: its epoch may have
+                    # ended while we looked)
                     supported = self.tracker.global_epoch + 1
                     loaded = bool(
                         self.state_averager.load_state_from_peers(

@@ -9,10 +9,8 @@ accumulated towards the next epoch, its samples/s, when it said so); each peer p
 reads every peer's record and folds them, with its own, into a :class:`GlobalTrainingProgress`
 (:func:`aggregate_progress`):
 
-* the global epoch is the highest epoch of the *non-client* peers (a client, behind NAT,
-  counts in ``num_peers`` and ``num_clients`` but never raises the epoch) that two of them, this
-  peer included, reached, or one more where a peer is there (see ``aggregate_progress``: each
-  other record counts only for what the others make plausible, Trust I's F13);
+* the global epoch is the highest epoch of this peer and of every *non-client* peer (a client,
+  behind NAT, counts in ``num_peers`` and ``num_clients`` but never raises the epoch);
 * the samples towards the next epoch are the sums over peers **at** the global epoch, and the
   estimate of where they are now extrapolates each one's count with its samples/s since its
   report, by at most its latest step (a peer publishes after each step: one whose record
@@ -45,7 +43,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -78,18 +75,6 @@ ACTIVE_STEPS: Final = 10
 ACTIVE_SECONDS: Final = 5.0
 #: A record's samples/s at most this means "not measured yet" (a peer's first step).
 _UNKNOWN_SPEED: Final = 1e-9
-#: What a record claims is its writer's word (it signs its own record, nothing more), so what
-#: it counts for is bounded by the others' (Trust I's F13; see ``aggregate_progress``): its
-#: samples/s count up to this many times the median of the other peers' (ours included) ...
-MAX_SPEED_RATIO: Final = 4.0
-#: ... its samples at our epoch up to that speed times the time since our epoch began, plus
-#: this many seconds (it may have begun the epoch up to a read before we did) ...
-EPOCH_START_SLACK: Final = 10.0
-#: ... and a lone peer one epoch ahead of all the others counts as the swarm's epoch only once
-#: the samples at the epoch it left (its own bounded as above) reach this share of the target.
-AHEAD_SHARE: Final = 0.5
-#: Records of the previous read kept for the next (see ``aggregate_progress``'s ``earlier``).
-_MAX_EARLIER: Final = 4096
 #: One interval of :meth:`PerformanceEMA.update` counts as at most this many times what the
 #: estimate predicts for its task.
 MAX_INTERVAL_RATIO: Final = 4.0
@@ -433,10 +418,6 @@ def aggregate_progress(
     local: LocalTrainingProgress,
     settings: ProgressSettings,
     now: float,
-    *,
-    epoch_started: float | None = None,
-    earlier: Mapping[bytes, LocalTrainingProgress] | None = None,
-    bounded: bool = True,
 ) -> GlobalTrainingProgress:
     """Fold the peers' ``records`` (as read from the DHT) and our ``local`` record into the
     global progress at ``now`` (DHT time). See the module docstring for the rules.
@@ -446,21 +427,6 @@ def aggregate_progress(
     does not publish, e.g. an auxiliary one, is not a peer of the swarm's count; one that just
     began to publish is). With no record at all, the
     progress is ours alone: our epoch and samples, the ETA from our speed, ``num_peers == 0``.
-
-    Each other record counts only for what the others make plausible (Trust I's F13): its
-    speed up to :data:`MAX_SPEED_RATIO` times the median of the others', its time no later
-    than ``now``, its extrapolation at most one step or :data:`ACTIVE_SECONDS`. The epoch is
-    the highest that two peers (us included) reached, or one more where a peer is there: a
-    peer alone far ahead moves nobody more than one epoch (a newcomer, with no epoch or samples
-    of its own, takes the highest two others reached, or the one other peer's). With
-    ``epoch_started`` (when we trained into our epoch, DHT
-    time), also: a record's samples at our epoch count up to its bounded speed times the time
-    since then plus :data:`EPOCH_START_SLACK`, and a lone peer one epoch ahead of us counts
-    only once the samples at our epoch reach :data:`AHEAD_SHARE` of the target: the others'
-    now, and the lone peer's own as ``earlier`` (the records of our previous read) showed them
-    at our epoch. An honest peer that ended the epoch a moment before us was seen with its
-    share; one that claims the next epoch early or always was not. ``bounded=False`` takes
-    every record at its word (an observer's view, ``swarmavg status``: what the records say).
     """
     peers: dict[bytes, LocalTrainingProgress] = {}
     for record in records:
@@ -488,16 +454,11 @@ def aggregate_progress(
 
     num_peers = len(peers)
     num_clients = sum(peer.client_mode for peer in peers.values())
-    if bounded:
-        counted = _bounded(peers, local, now, epoch_started)
-        epoch = _swarm_epoch(counted, local, settings, now, epoch_started, earlier or {})
-    else:
-        counted = dict(peers)
-        epoch = max([local.epoch, *(p.epoch for p in peers.values() if not p.client_mode)])
+    epoch = max([local.epoch, *(p.epoch for p in peers.values() if not p.client_mode)])
     samples = 0
     estimated = 0.0
     total_speed = EPS
-    for peer in counted.values():
+    for peer in peers.values():
         total_speed += peer.samples_per_second
         if peer.epoch == epoch:  # (peers behind catch up soon: their speed counts, not samples)
             samples += peer.samples_accumulated
@@ -510,7 +471,7 @@ def aggregate_progress(
         max(eta * num_peers / expected_max_peers, settings.min_refresh_period),
         settings.max_refresh_period,
     )
-    if any(p.epoch == epoch and p.samples_per_second <= _UNKNOWN_SPEED for p in counted.values()):
+    if any(p.epoch == epoch and p.samples_per_second <= _UNKNOWN_SPEED for p in peers.values()):
         refresh = settings.min_refresh_period  # (a peer just began: the ETA is no estimate yet)
     return GlobalTrainingProgress(
         epoch=epoch,
@@ -522,88 +483,6 @@ def aggregate_progress(
         eta_next_epoch=now + eta,
         next_fetch_time=now + refresh,
     )
-
-
-def _bounded(
-    peers: Mapping[bytes, LocalTrainingProgress],
-    local: LocalTrainingProgress,
-    now: float,
-    epoch_started: float | None,
-) -> dict[bytes, LocalTrainingProgress]:
-    """The records as they count (see :func:`aggregate_progress`): every other peer's speed,
-    time and extrapolation, and (with ``epoch_started``) samples at our epoch, held to what the
-    others make plausible; ours as it is."""
-    speeds = {
-        p: r.samples_per_second for p, r in peers.items() if r.samples_per_second > _UNKNOWN_SPEED
-    }
-    bounded: dict[bytes, LocalTrainingProgress] = {}
-    for peer_id, record in peers.items():
-        if peer_id == local.peer_id:
-            bounded[peer_id] = record
-            continue
-        speed = record.samples_per_second
-        others = [v for p, v in speeds.items() if p != peer_id]
-        if others:
-            speed = min(speed, MAX_SPEED_RATIO * statistics.median(others))
-        samples = record.samples_accumulated
-        if epoch_started is not None and record.epoch == local.epoch:
-            elapsed = max(0.0, now - epoch_started) + EPOCH_START_SLACK
-            samples = min(samples, math.floor(speed * elapsed))
-        # (extrapolated by at most one step, and at most ACTIVE_SECONDS at its bounded speed)
-        most = math.floor(speed * ACTIVE_SECONDS)
-        step = min(record.step_samples, most) if record.step_samples else most
-        bounded[peer_id] = dataclasses.replace(
-            record,
-            samples_accumulated=samples,
-            samples_per_second=speed,
-            time=min(record.time, now),
-            step_samples=max(step, 1),
-        )
-    return bounded
-
-
-def _swarm_epoch(
-    bounded: Mapping[bytes, LocalTrainingProgress],
-    local: LocalTrainingProgress,
-    settings: ProgressSettings,
-    now: float,
-    epoch_started: float | None,
-    earlier: Mapping[bytes, LocalTrainingProgress],
-) -> int:
-    """The swarm's epoch (see :func:`aggregate_progress`). A newcomer (no epoch or samples of
-    its own yet) takes the highest non-client epoch that two others reached (the other's, if
-    there is one). Otherwise the highest epoch that two
-    peers, us included, have reached counts; if that is ours, one epoch more where a peer is
-    there and (with ``epoch_started``) the samples at our epoch make its move plausible. A
-    peer alone far ahead thus moves nobody more than one epoch."""
-    epochs = [r.epoch for p, r in bounded.items() if p != local.peer_id and not r.client_mode]
-    if not (local.epoch > 0 or local.samples_accumulated > 0):
-        # a newcomer: what two of the others reached (one other peer alone: its word)
-        ranked = sorted(epochs, reverse=True)
-        return max(local.epoch, ranked[1] if len(ranked) > 1 else ranked[0] if ranked else 0)
-    reached = sorted([local.epoch, *epochs], reverse=True)
-    base = reached[1] if len(reached) > 1 else local.epoch  # (reached by two: us included)
-    base = max(base, local.epoch)
-    if base != local.epoch or not any(e > base for e in epochs):
-        return base  # (behind the swarm: we catch up to what two peers reached first)
-    if epoch_started is None:
-        return base + 1
-    # a lone peer one ahead of us: plausible once our epoch's samples are mostly in (what the
-    # others have here now, and what the peers ahead had here when we last read them, held to
-    # their bounded speed since our epoch began)
-    elapsed = max(0.0, now - epoch_started) + EPOCH_START_SLACK
-    here = sum(
-        r.samples_accumulated + _since_report(r, now)
-        for r in bounded.values()
-        if r.epoch == local.epoch
-    )
-    for peer_id, record in bounded.items():
-        before = earlier.get(peer_id)
-        if record.epoch > base and before is not None and before.epoch == local.epoch:
-            here += min(before.samples_accumulated, record.samples_per_second * elapsed)
-    if here >= AHEAD_SHARE * settings.target_batch_size:
-        return base + 1
-    return base
 
 
 class ProgressAccounting:
@@ -646,14 +525,8 @@ class ProgressAccounting:
         self.performance_ema = PerformanceEMA(performance_ema_alpha, now=now)
         #: Our samples in our last report that added some (our step's size).
         self._step_samples = 0
-        #: Our latest record, and when we began our epoch by ending the one before
-        #: (:meth:`update_epoch`; DHT time): what bounds the others' claims at it (see
-        #: ``aggregate_progress``). ``None`` at first and after a jump (a state loaded): we
-        #: then have nothing to compare them with.
+        #: Our latest record.
         self.local_progress = self._local(0, 0, now)
-        self._epoch_started: float | None = None
-        #: the records of our previous read, by peer (see ``aggregate_progress``)
-        self._earlier: dict[bytes, LocalTrainingProgress] = {}
         #: The global progress as last computed (or adjusted by our reports).
         self.global_progress = aggregate_progress((), self.local_progress, settings, now)
         #: How many pauses are held (:meth:`pause`).
@@ -716,8 +589,6 @@ class ProgressAccounting:
                 self.global_progress,
                 samples_accumulated=self.global_progress.samples_accumulated + extra,
             )
-        if local_epoch != old.epoch:
-            self._epoch_started = None  # (update_epoch sets it for an epoch we trained into)
         if extra > 0 and self._timer_started:
             self.performance_ema.update(extra, now)
             self._step_samples = extra
@@ -788,7 +659,6 @@ class ProgressAccounting:
             self.global_progress, next_fetch_time=min(self.global_progress.next_fetch_time, now)
         )
         self.report_local_progress(new_epoch, 0, now)
-        self._epoch_started = float(now)
         return new_epoch
 
     def _training_seconds_left(self, nearest_step: bool) -> float | None:
@@ -868,16 +738,7 @@ class ProgressAccounting:
         :attr:`generation` at its start): then return ``None`` and change nothing."""
         if self.paused or generation != self.generation:
             return None
-        records = list(records)
-        self.global_progress = aggregate_progress(
-            records,
-            self.local_progress,
-            self.settings,
-            now,
-            epoch_started=self._epoch_started,
-            earlier=self._earlier,
-        )
-        self._earlier = {r.peer_id: r for r in records[:_MAX_EARLIER]}
+        self.global_progress = aggregate_progress(records, self.local_progress, self.settings, now)
         self._fetched_at = now
         self._speed_at_fetch = self.local_progress.samples_per_second
         self._epoch_at_fetch = self.local_progress.epoch
