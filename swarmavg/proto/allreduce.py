@@ -444,20 +444,14 @@ class PartReducer:
             return False
         if weight > 0 and self.size:
             magnitude = _magnitude(values)
-            if not math.isfinite(magnitude):
-                raise NonFiniteValues(f"member {sender} sent non-finite values")
-            if max_norm is not None:
+            if math.isfinite(magnitude) and max_norm is not None:
                 norm = _norm(values)
                 if norm > max_norm:
                     scale = max_norm / norm
                     values = (values * scale).astype(self._accumulator.dtype)
                     magnitude *= scale
                     clipped = True
-            if magnitude >= self._max_value or weight * magnitude >= self._max_product:
-                raise OverflowingValues(
-                    f"member {sender} sent values too large to average (up to {magnitude:.3g}"
-                    f" with weight {weight:g}: the sum of the part could overflow)"
-                )
+            self._check_magnitude(sender, magnitude, weight)
         self.received.add(sender)
         if weight > 0 and self.size:
             if self._empty:
@@ -488,19 +482,7 @@ class PartReducer:
             for start in range(0, size, step):
                 stop = min(start + step, size)
                 chunk = values[start:stop]
-                with np.errstate(over="ignore", invalid="ignore"):
-                    squares = float(np.dot(chunk, chunk))
-                magnitude = (
-                    math.sqrt(squares) * 1.01 if math.isfinite(squares) else _magnitude(chunk)
-                )
-                if not math.isfinite(magnitude):
-                    raise NonFiniteValues(f"member {sender} sent non-finite values")
-                if magnitude >= self._max_value or weight * magnitude >= self._max_product:
-                    raise OverflowingValues(
-                        f"member {sender} sent values too large to average (up to"
-                        f" {magnitude:.3g} with weight {weight:g}: the sum of the part could"
-                        " overflow)"
-                    )
+                self._check_magnitude(sender, _magnitude(chunk), weight)
                 target = accumulator[start:stop]
                 if scratch is None:
                     np.add(target, chunk, out=target)
@@ -513,6 +495,17 @@ class PartReducer:
             if added:
                 _add_scaled(accumulator[:added], values[:added], -weight)
             raise
+
+    def _check_magnitude(self, sender: int, magnitude: float, weight: float) -> None:
+        """Refuse values whose largest ``|x|`` is ``magnitude`` (see :func:`_magnitude`) with
+        ``weight``: non-finite, or too large for the sum (the class docstring's bounds)."""
+        if not math.isfinite(magnitude):
+            raise NonFiniteValues(f"member {sender} sent non-finite values")
+        if magnitude >= self._max_value or weight * magnitude >= self._max_product:
+            raise OverflowingValues(
+                f"member {sender} sent values too large to average (up to {magnitude:.3g}"
+                f" with weight {weight:g}: the sum of the part could overflow)"
+            )
 
     def add_nothing(self, sender: int) -> None:
         """``sender`` takes part with weight 0 and sends no values.
